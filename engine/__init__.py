@@ -1,0 +1,1 @@
+"""loraplex engine: adapter-aware continuous batching over a paged KV pool."""

@@ -1,0 +1,141 @@
+"""Requests and their sampling parameters: plain data shared by scheduler and runner."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .errors import InvalidRequestError
+
+
+class Lane(enum.IntEnum):
+    """Priority lanes: lower value is served first."""
+
+    INTERACTIVE = 0
+    STANDARD = 1
+    BATCH = 2
+
+    @classmethod
+    def parse(cls, value: "Lane | str | int") -> "Lane":
+        if isinstance(value, Lane):
+            return value
+        if isinstance(value, int):
+            return cls(value)
+        try:
+            return cls[str(value).upper()]
+        except KeyError:
+            raise InvalidRequestError(f"unknown lane {value!r}; use interactive, standard or batch") from None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise InvalidRequestError("top_k must be >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequestError("logprobs must be between 0 and 20")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """Which LoRA adapter a request runs with. `digest` is the content identity."""
+
+    name: str
+    digest: str
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    lane: Lane = Lane.STANDARD
+    adapter: AdapterRef | None = None
+    # Requests with different salts never share prefix-cache blocks (tenant isolation).
+    cache_salt: str = ""
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache at first admission (for metering).
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # Chained hashes of this request's full blocks, filled lazily by the block pool.
+    block_hashes: list[bytes] = field(default_factory=list)
+    stop_reason: str | int | None = None
+    first_token_time: float | None = None
+    # The last time this request entered the waiting queue (aging counts from here).
+    enqueue_time: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_at(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def adapter_digest(self) -> str:
+        return self.adapter.digest if self.adapter else ""
