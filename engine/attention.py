@@ -1,0 +1,120 @@
+"""Paged attention over one ragged batch: the torch path the CPU engine runs.
+
+KV cache layout per layer: `[num_kv_heads, num_slots, head_dim]` (slot = block * block_size
++ offset). Head-major so a gather of one sequence's slots is already in the layout a
+batched matmul wants, with no transposing copies.
+
+The batch puts decodes (one query token each) first: they are computed together with
+one gather and two batched matmuls. Prefill chunks follow, one SDPA call each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int  # first row of this chunk in the batch
+    q_len: int
+    start_pos: int  # position of the chunk's first token
+    gather: torch.Tensor  # [start_pos + q_len] slot ids of the sequence's whole context
+    mask: torch.Tensor | None  # additive [q_len, ctx] or None when plainly causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    num_decodes: int = 0
+    decode_len: int = 0  # padded context length of the decode group
+    decode_gather: torch.Tensor | None = None  # [num_decodes * decode_len]
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, decode_len] additive
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int, dtype: torch.dtype,
+                   device: torch.device | str = "cpu") -> AttentionMetadata:
+    """`seqs`: (start_pos, num_new_tokens, block_ids) in batch order, decodes first."""
+    slot_chunks, decodes, prefills = [], [], []
+    for start, n, blocks in seqs:
+        b = torch.tensor(blocks, dtype=torch.long)
+        ctx = start + n
+        pos = torch.arange(ctx)
+        slots = b[pos // block_size] * block_size + pos % block_size
+        slot_chunks.append(slots[start:])
+        (decodes if n == 1 and not prefills else prefills).append((start, n, slots))
+    meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(device))
+    if decodes:
+        L = max(s + n for s, n, _ in decodes)
+        gather = torch.zeros(len(decodes), L, dtype=torch.long)
+        mask = torch.full((len(decodes), 1, L), float("-inf"))
+        for i, (s, n, slots) in enumerate(decodes):
+            gather[i, : s + n] = slots
+            mask[i, 0, : s + n] = 0.0
+        meta.num_decodes, meta.decode_len = len(decodes), L
+        meta.decode_gather = gather.flatten().to(device)
+        meta.decode_mask = mask.to(device)
+    q_start = len(decodes)
+    for s, n, slots in prefills:
+        mask = None
+        if s:
+            # Query i sits at position s + i and sees keys 0..s+i.
+            allowed = torch.arange(s + n)[None, :] <= (torch.arange(n)[:, None] + s)
+            mask = torch.zeros(n, s + n, dtype=dtype).masked_fill_(~allowed, float("-inf")).to(device)
+        meta.prefills.append(PrefillChunk(q_start, n, s, slots.to(device), mask))
+        q_start += n
+    return meta
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the step's keys/values ([T, kv_heads, head_dim]) into their slots."""
+    k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> [T, heads, head_dim]; K/V already written for this step."""
+    T, H, Dh = q.shape
+    KVH = k_cache.shape[0]
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        D, L, G = meta.num_decodes, meta.decode_len, H // KVH
+        qd = q[:D].view(D, KVH, G, Dh).transpose(0, 1).reshape(KVH * D, G, Dh)
+        k = k_cache.index_select(1, meta.decode_gather).view(KVH * D, L, Dh)
+        v = v_cache.index_select(1, meta.decode_gather).view(KVH * D, L, Dh)
+        s = torch.bmm(qd, k.transpose(1, 2)).view(KVH, D, G, L).float() * scale
+        p = torch.softmax(s + meta.decode_mask, dim=-1).to(q.dtype).view(KVH * D, G, L)
+        o = torch.bmm(p, v).view(KVH, D, G, Dh).transpose(0, 1).reshape(D, H, Dh)
+        out[:D] = o
+    for c in meta.prefills:
+        qc = q[c.q_start:c.q_start + c.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, Dh]
+        k = k_cache.index_select(1, c.gather).unsqueeze(0)  # [1, KVH, ctx, Dh]
+        v = v_cache.index_select(1, c.gather).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qc, k, v, attn_mask=c.mask, is_causal=c.mask is None,
+                                           scale=scale, enable_gqa=True)
+        out[c.q_start:c.q_start + c.q_len] = o[0].transpose(0, 1)
+    return out
+
+
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        seqs: list[tuple[int, int, list[int]]], block_size: int, scale: float) -> torch.Tensor:
+    """Plain per-token loop in fp32: the oracle the fast paths and kernels are tested against."""
+    T, H, Dh = q.shape
+    KVH = k_cache.shape[0]
+    out = torch.empty(T, H, Dh, dtype=torch.float32)
+    row = 0
+    for start, n, blocks in seqs:
+        pos = torch.arange(start + n)
+        slots = torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size
+        k = k_cache[:, slots].float().repeat_interleave(H // KVH, dim=0)  # [H, ctx, Dh]
+        v = v_cache[:, slots].float().repeat_interleave(H // KVH, dim=0)
+        for i in range(n):
+            ctx = start + i + 1
+            s = torch.einsum("hd,hld->hl", q[row + i].float(), k[:, :ctx]) * scale
+            out[row + i] = torch.einsum("hl,hld->hd", torch.softmax(s, -1), v[:, :ctx])
+        row += n
+    return out.to(q.dtype)

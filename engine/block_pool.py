@@ -1,0 +1,186 @@
+"""The paged KV pool: fixed-size blocks, ref counts, prefix hashes, LRU eviction.
+
+Plain Python, no tensors: the pool hands out block ids; the model runner owns the
+memory they index.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from typing import Iterable
+
+from .request import Request
+
+
+def hash_block(parent: bytes, salt: str, adapter: str, tokens: list[int]) -> bytes:
+    """Chained block hash keyed by (cache salt, adapter identity, tokens).
+
+    sha256 rather than Python's hash(): a collision here would hand one tenant another
+    tenant's KV, so it must not be engineerable.
+    """
+    h = hashlib.sha256(parent)
+    h.update(salt.encode())
+    h.update(b"\0")
+    h.update(adapter.encode())
+    h.update(b"\0")
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+class BlockPool:
+    """Ref-counted blocks with a free queue in eviction order.
+
+    A freed block keeps its hash (and so stays a prefix-cache hit) until it is handed
+    out again. Blocks with no hash are handed out before cached ones.
+    """
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        assert num_blocks > 0
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        # front = evicted first
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[bytes, int] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._cached.get(block_hash)
+
+    def num_reclaimable(self, block_ids: Iterable[int]) -> int:
+        """How many of these (cache-hit) blocks currently sit in the free queue."""
+        return sum(1 for b in block_ids if self.ref_cnt[b] == 0)
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= len(self._free), "caller must check num_free_blocks first"
+        out = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            old = self.block_hash[block]
+            if old is not None:
+                # Evict: the block's old content is about to be overwritten.
+                if self._cached.get(old) == block:
+                    del self._cached[old]
+                self.block_hash[block] = None
+                self.num_evictions += 1
+            self.ref_cnt[block] = 1
+            out.append(block)
+        return out
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on prefix-cache hits, pulling free ones out of the queue."""
+        for b in block_ids:
+            if self.ref_cnt[b] == 0:
+                del self._free[b]
+            self.ref_cnt[b] += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        # Reverse order: a request's tail blocks are the least likely to be shared,
+        # so they should be evicted before its head.
+        for b in reversed(block_ids):
+            assert self.ref_cnt[b] > 0, f"double free of block {b}"
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] == 0:
+                self._free[b] = None
+                if self.block_hash[b] is None:
+                    self._free.move_to_end(b, last=False)
+
+    def cache(self, block_id: int, block_hash: bytes) -> None:
+        if not self.enable_prefix_caching or self.block_hash[block_id] is not None:
+            return
+        if block_hash in self._cached:
+            return  # an identical block is already cached; keep the first
+        self.block_hash[block_id] = block_hash
+        self._cached[block_hash] = block_id
+
+    def reset_prefix_cache(self) -> None:
+        for h, b in list(self._cached.items()):
+            self.block_hash[b] = None
+        self._cached.clear()
+
+    def check_invariants(self) -> None:
+        """For tests: every block is either referenced or free, never both."""
+        for b in range(self.num_blocks):
+            assert (self.ref_cnt[b] == 0) == (b in self._free), f"block {b} inconsistent"
+        for h, b in self._cached.items():
+            assert self.block_hash[b] == h
+
+
+class KVCacheManager:
+    """Per-request block tables over a `BlockPool`, with prefix-cache lookups."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.num_queries = 0  # prefix-cache tokens looked up
+        self.num_hits = 0  # prefix-cache tokens hit
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _extend_hashes(self, req: Request, num_tokens: int) -> None:
+        bs = self.block_size
+        hashes = req.block_hashes
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hashes[i - 1] if i else b""
+            hashes.append(hash_block(parent, req.cache_salt, req.adapter_digest, req.token_slice(i * bs, (i + 1) * bs)))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of full blocks; always leaves one token to compute."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        self._extend_hashes(req, max_blocks * self.block_size)
+        hits = []
+        for h in req.block_hashes[:max_blocks]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        self.num_queries += req.num_tokens
+        self.num_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Give `req` blocks for its next `num_new_tokens` (after any cache hits).
+
+        Returns False, changing nothing, when the pool cannot supply them.
+        """
+        total = req.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        need = self.blocks_needed(total) - len(req.block_ids) - len(cached_blocks)
+        available = self.pool.num_free_blocks - self.pool.num_reclaimable(cached_blocks)
+        if need > available:
+            return False
+        if cached_blocks:
+            self.pool.touch(cached_blocks)
+            req.block_ids.extend(cached_blocks)
+        if need > 0:
+            req.block_ids.extend(self.pool.allocate(need))
+        if self.enable_prefix_caching:
+            # Every token up to `total` is known now, so full blocks can be published;
+            # the runner writes all of a step's KV before any attention reads it.
+            full = total // self.block_size
+            self._extend_hashes(req, full * self.block_size)
+            done = (req.num_computed_tokens // self.block_size) + len(cached_blocks)
+            for i in range(done, full):
+                self.pool.cache(req.block_ids[i], req.block_hashes[i])
+        return True
+
+    def free(self, req: Request) -> None:
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage

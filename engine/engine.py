@@ -1,0 +1,154 @@
+"""The synchronous engine: `step()` = schedule -> execute -> update."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_pool import KVCacheManager
+from .config import EngineConfig
+from .errors import InvalidRequestError, UnknownAdapterError
+from .loader import ModelArch, resolve_model_dir
+from .model_runner import ModelRunner
+from .request import AdapterRef, Lane, Request, RequestStatus, SamplingParams
+from .sampler import Logprobs
+from .scheduler import Scheduler
+from .tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (deltas, not cumulative)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None  # stop | length | abort | error
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    logprobs: list[Logprobs] = field(default_factory=list)
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class _Stream:
+    """Per-request output state: detokenizer and stop-string matcher."""
+
+    detok: IncrementalDetokenizer
+    stop: StopChecker
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, lora_manager=None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = resolve_model_dir(config.model.model)
+        self.arch = ModelArch.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.max_model_len = min(config.model.max_model_len or self.arch.max_position_embeddings,
+                                 self.arch.max_position_embeddings)
+        self.lora = lora_manager
+        self.runner = ModelRunner(config, self.arch, str(self.model_dir), lora_manager)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, config.lora.max_loras)
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self.num_generation_tokens = 0
+        self.num_prompt_tokens = 0
+
+    # -- requests -----------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
+                    request_id: str | None = None, lane: Lane | str = Lane.STANDARD,
+                    adapter: str | AdapterRef | None = None, cache_salt: str = "") -> str:
+        sampling = sampling or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if any(not 0 <= t < self.arch.vocab_size for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
+        ref = self._adapter_ref(adapter)
+        rid = request_id or f"req-{next(self._ids)}"
+        req = Request(rid, ids, sampling, Lane.parse(lane), ref, cache_salt,
+                      eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+        self.scheduler.add_request(req)
+        self._streams[rid] = _Stream(IncrementalDetokenizer(self.tokenizer, ids), StopChecker(sampling.stop))
+        return rid
+
+    def _adapter_ref(self, adapter: str | AdapterRef | None) -> AdapterRef | None:
+        if adapter is None or isinstance(adapter, AdapterRef):
+            return adapter
+        if self.lora is None:
+            raise UnknownAdapterError(f"adapter {adapter!r} is not registered (this engine serves no adapters)")
+        return self.lora.ref(adapter)
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        self._streams.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.seqs:
+            return []
+        sampled, logprobs = self.runner.execute(plan, self.scheduler.requests)
+        reqs = {s.request_id: self.scheduler.requests[s.request_id] for s in plan.seqs}
+        finished = {r.request_id for r in self.scheduler.update(plan, sampled)}
+        self.num_prompt_tokens += sum(len(s.token_ids) for s in plan.seqs if not s.sample or len(s.token_ids) > 1)
+        self.num_generation_tokens += len(sampled)
+        return [self._output(reqs[rid], tok, logprobs.get(rid), rid in finished) for rid, tok in sampled.items()]
+
+    def _output(self, req: Request, token: int, lp: Logprobs | None, finished: bool) -> RequestOutput:
+        stream = self._streams[req.request_id]
+        text, stopped = stream.stop.feed(stream.detok.step([token]))
+        if stopped and not finished:
+            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            req.stop_reason = stream.stop.matched if hasattr(stream.stop, "matched") else None
+            finished = True
+        elif finished and not stopped:
+            text += stream.stop.flush()
+        if finished:
+            self._streams.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=[token], new_text=text, finished=finished,
+            finish_reason=req.status.value if finished else None,
+            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_output_tokens=req.num_output_tokens, logprobs=[lp] if lp else [], stop_reason=req.stop_reason)
+
+    def generate(self, prompts: list[str | list[int]], sampling: SamplingParams | list[SamplingParams] | None = None,
+                 **kwargs) -> list[RequestOutput]:
+        """Run prompts to completion; returns one cumulative output per prompt, in order."""
+        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
+        rids = [self.add_request(p, sp, **kwargs) for p, sp in zip(prompts, params)]
+        results = {rid: RequestOutput(rid, [], "", False) for rid in rids}
+        while self.has_unfinished_requests():
+            for o in self.step():
+                r = results.get(o.request_id)
+                if r is None:
+                    continue
+                r.new_token_ids += o.new_token_ids
+                r.new_text += o.new_text
+                r.logprobs += o.logprobs
+                r.finished, r.finish_reason, r.stop_reason = o.finished, o.finish_reason, o.stop_reason
+                r.num_prompt_tokens, r.num_cached_tokens = o.num_prompt_tokens, o.num_cached_tokens
+                r.num_output_tokens = o.num_output_tokens
+        return [results[r] for r in rids]
+
+    # -- introspection -------------------------------------------------------------
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "num_running": len(s.running), "num_waiting": len(s.waiting),
+            "kv_cache_usage": self.kv.usage, "num_blocks": self.kv.pool.num_blocks,
+            "num_preemptions": s.num_preemptions, "lanes": s.lane_counts(),
+            "prefix_cache_queries": self.kv.num_queries, "prefix_cache_hits": self.kv.num_hits,
+            "time": time.time(),
+        }

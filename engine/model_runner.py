@@ -1,0 +1,92 @@
+"""Executes a `SchedulerOutput`: builds the ragged batch, runs the model, samples."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .attention import build_metadata
+from .config import EngineConfig
+from .loader import ModelArch, load_state_dict
+from .models.llama import LlamaModel
+from .request import Request
+from .sampler import Logprobs, Sampler, SampleRow
+from .scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * block_size * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, arch: ModelArch, model_dir: str, lora_manager=None) -> None:
+        if config.model.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {config.model.dtype!r}; use one of {sorted(DTYPES)}")
+        self.config = config
+        self.arch = arch
+        self.dtype = DTYPES[config.model.dtype]
+        self.device = torch.device(config.model.device)
+        self.block_size = config.cache.block_size
+        with torch.device("meta"):
+            model = LlamaModel(arch)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.load_weights(load_state_dict(model_dir, self.dtype))
+        self.model = model.eval()
+        self.num_blocks = self._num_blocks()
+        slots = self.num_blocks * self.block_size
+        self.kv_caches = [
+            (torch.zeros(arch.num_kv_heads, slots, arch.head_dim, dtype=self.dtype, device=self.device),
+             torch.zeros(arch.num_kv_heads, slots, arch.head_dim, dtype=self.dtype, device=self.device))
+            for _ in range(arch.num_layers)
+        ]
+        self.sampler = Sampler(config.seed)
+        self.lora = lora_manager
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
+                 self.num_blocks * kv_bytes_per_block(arch, self.block_size, self.dtype) / 2**20)
+
+    def _num_blocks(self) -> int:
+        c = self.config.cache
+        if c.num_blocks is not None:
+            return c.num_blocks
+        per_block = kv_bytes_per_block(self.arch, c.block_size, self.dtype)
+        n = c.kv_cache_memory_bytes // per_block
+        if n < 1:
+            raise ValueError(f"kv_cache_memory_bytes={c.kv_cache_memory_bytes} holds no block ({per_block} bytes each)")
+        return int(n)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, requests: dict[str, Request]
+                ) -> tuple[dict[str, int], dict[str, Logprobs | None]]:
+        # Decodes first: attention computes them as one group.
+        seqs = sorted(out.seqs, key=lambda s: len(s.token_ids) != 1)
+        ids, pos = [], []
+        for s in seqs:
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+        meta = build_metadata([(s.start_pos, len(s.token_ids), s.block_ids) for s in seqs],
+                              self.block_size, self.dtype, self.device)
+        lora = None
+        if self.lora is not None:
+            self.lora.load(out.adapter_loads)
+            lora = self.lora.batch([(len(s.token_ids), s.adapter_slot) for s in seqs], self.dtype)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches, lora)
+        rows, sample_seqs, end = [], [], 0
+        for s in seqs:
+            end += len(s.token_ids)
+            if s.sample:
+                rows.append(end - 1)
+                sample_seqs.append(s)
+        if not rows:
+            return {}, {}
+        logits = self.model.compute_logits(hidden[rows])
+        sample_rows = [SampleRow(requests[s.request_id].sampling, requests[s.request_id].num_output_tokens)
+                       for s in sample_seqs]
+        tokens, logprobs = self.sampler.sample(logits, sample_rows)
+        ids_ = [s.request_id for s in sample_seqs]
+        return dict(zip(ids_, tokens)), dict(zip(ids_, logprobs))

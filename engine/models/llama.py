@@ -1,0 +1,147 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) running on the paged KV cache.
+
+Every projection runs over the whole ragged batch at once ([T, hidden]); only attention
+looks at sequence boundaries. q/k/v and gate/up are fused into one matmul each, with LoRA
+deltas added into their slices.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionMetadata, paged_attention, write_kv
+from ..loader import ModelArch, rope_inv_freq
+
+
+class LoRAHook(Protocol):
+    """Adds adapter deltas for one step's batch (see engine/lora.py)."""
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None: ...
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same op order as transformers (fp32 variance, cast back before the weight) so
+    # bf16 results match the oracle bit for bit where possible.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim] (non-interleaved halves)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, arch: ModelArch, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.arch = arch
+        h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        self.q_size, self.kv_size = q, kv
+        self.qkv_proj = nn.Linear(h, q + 2 * kv, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(q, h, bias=arch.o_proj_bias)
+        self.gate_up_proj = nn.Linear(h, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, h, bias=False)
+        self.input_layernorm = nn.Parameter(torch.ones(h))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, lora: LoRAHook | None) -> torch.Tensor:
+        a, L = self.arch, self.index
+        T = x.shape[0]
+        h = rms_norm(x, self.input_layernorm, a.rms_norm_eps)
+        qkv = self.qkv_proj(h)
+        if lora is not None:
+            q_, k_, v_ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            lora.apply(L, "q_proj", h, q_)
+            lora.apply(L, "k_proj", h, k_)
+            lora.apply(L, "v_proj", h, v_)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(T, a.num_heads, a.head_dim), cos, sin)
+        k = apply_rope(k.view(T, a.num_kv_heads, a.head_dim), cos, sin)
+        v = v.view(T, a.num_kv_heads, a.head_dim)
+        write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
+        o = paged_attention(q, kv[0], kv[1], meta, a.head_dim ** -0.5).reshape(T, self.q_size)
+        attn = self.o_proj(o)
+        if lora is not None:
+            lora.apply(L, "o_proj", o, attn)
+        x = x + attn
+        h = rms_norm(x, self.post_attention_layernorm, a.rms_norm_eps)
+        gu = self.gate_up_proj(h)
+        if lora is not None:
+            g_, u_ = gu.split(a.intermediate_size, dim=-1)
+            lora.apply(L, "gate_proj", h, g_)
+            lora.apply(L, "up_proj", h, u_)
+        g, u = gu.split(a.intermediate_size, dim=-1)
+        m = F.silu(g) * u
+        down = self.down_proj(m)
+        if lora is not None:
+            lora.apply(L, "down_proj", m, down)
+        return x + down
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(LlamaLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = nn.Parameter(torch.ones(arch.hidden_size))
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        # Not a buffer: it must stay fp32 when the model is cast to bf16, as in transformers.
+        self.inv_freq: torch.Tensor | None = None
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq is None or self.inv_freq.device != positions.device:
+            self.inv_freq = rope_inv_freq(self.arch).to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = getattr(self.arch, "rope_attention_factor", 1.0)
+        return (emb.cos() * scale).to(dtype)[:, None, :], (emb.sin() * scale).to(dtype)[:, None, :]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: LoRAHook | None = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv, meta, lora)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, w).float()
+
+    @torch.no_grad()
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a Hugging Face state dict, fusing q/k/v and gate/up."""
+        state = {k.removeprefix("model."): v for k, v in state.items()}
+        self.embed_tokens.weight.copy_(state.pop("embed_tokens.weight"))
+        self.norm.copy_(state.pop("norm.weight"))
+        head = state.pop("lm_head.weight", None)
+        if self.lm_head is not None:
+            if head is None:
+                raise KeyError("lm_head.weight missing from an untied model")
+            self.lm_head.weight.copy_(head)
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            take = lambda name: state.pop(p + name)  # noqa: E731
+            layer.qkv_proj.weight.copy_(torch.cat([take(f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            if layer.qkv_proj.bias is not None:
+                layer.qkv_proj.bias.copy_(torch.cat([take(f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            layer.o_proj.weight.copy_(take("self_attn.o_proj.weight"))
+            if layer.o_proj.bias is not None:
+                layer.o_proj.bias.copy_(take("self_attn.o_proj.bias"))
+            layer.gate_up_proj.weight.copy_(torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]))
+            layer.down_proj.weight.copy_(take("mlp.down_proj.weight"))
+            layer.input_layernorm.copy_(take("input_layernorm.weight"))
+            layer.post_attention_layernorm.copy_(take("post_attention_layernorm.weight"))
+        leftover = [k for k in state if "rotary_emb" not in k]
+        if leftover:
+            raise KeyError(f"unexpected weights in checkpoint: {leftover[:5]}")
