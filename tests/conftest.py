@@ -1,0 +1,42 @@
+"""Session fixtures shared by every test package: the real default model and tiny models."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# `tests.helpers` must import under plain `pytest` too, not only `python -m pytest`
+# (which puts the working directory on sys.path); importlib mode adds nothing itself.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from loraplex.engine.loader import resolve_model_dir
+from tests.helpers.tiny_models import build_tiny_model_dir
+
+# A busy 2-core machine is many times slower with torch's default thread count.
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    # Cache dir from LORAPLEX_CACHE_DIR or ~/.cache/loraplex, so the ~30 s GGUF
+    # conversion happens once per machine, not once per test run.
+    return resolve_model_dir("default")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_llama"), "llama", tokenizer_dir=smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", tokenizer_dir=smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3rope_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_llama3rope"), "llama3rope", tokenizer_dir=smollm2_dir)
