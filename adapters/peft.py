@@ -1,0 +1,208 @@
+"""Load a PEFT LoRA folder (`adapter_config.json` + `adapter_model.safetensors`), fully validated.
+
+Only safetensors is read. A folder holding a pickled checkpoint (`adapter_model.bin`, `.pt`,
+...) *and* `adapter_model.safetensors` loads from the safetensors file and never opens the
+pickle, as PEFT itself prefers safetensors; a folder with only a pickle is refused.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from .digest import adapter_digest
+from .errors import AdapterValidationError
+from .peft_config import LoraSpec, parse_lora_config
+from .shapes import LORA_MODULES, MODULE_PARENT, BaseShapes, module_key
+
+__all__ = [
+    "BaseShapes",
+    "LoRAAdapter",
+    "LoRAWeight",
+    "find_adapter_files",
+    "load_peft_adapter",
+    "read_adapter_config",
+]
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+DEFAULT_MAX_RANK = 256
+_MAX_CONFIG_BYTES = 1 << 20
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# PEFT saves `base_model.model.<module>.lora_A.weight`; checkpoints written from a live
+# PeftModel's state_dict keep the adapter name (`lora_A.default.weight`). Both normalize
+# to the first form.
+_TENSOR_RE = re.compile(
+    r"(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<module>\w+)"
+    r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight"
+)
+
+
+@dataclass(frozen=True, eq=False)
+class LoRAWeight:
+    """One projection's low-rank delta: `y += (x @ a.T) @ b.T * scale`."""
+
+    a: torch.Tensor  # [rank, in_features]
+    b: torch.Tensor  # [out_features, rank]
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[0])
+
+
+@dataclass(frozen=True, eq=False)
+class LoRAAdapter:
+    """A validated adapter; `digest` is its content identity (see `digest.adapter_digest`)."""
+
+    digest: str
+    rank: int  # the largest rank over all modules
+    target_modules: tuple[str, ...]  # the projections that carry weights, in LORA_MODULES order
+    alpha: float  # the config's lora_alpha; per-module values are folded into each scale
+    use_rslora: bool
+    size_bytes: int  # bytes of the loaded tensors (in the requested dtype)
+    weights: dict[tuple[int, str], LoRAWeight] = field(repr=False)
+
+
+def load_peft_adapter(
+    folder: str | Path,
+    base: BaseShapes,
+    dtype: torch.dtype = torch.float32,
+    *,
+    max_rank: int = DEFAULT_MAX_RANK,
+) -> LoRAAdapter:
+    """Parse and validate a PEFT LoRA folder against `base`; raise AdapterValidationError."""
+    config_path, weights_path = find_adapter_files(Path(folder))
+    raw = read_adapter_config(config_path)
+    spec = parse_lora_config(raw, base, max_rank)
+    tensors = _read_safetensors(weights_path)
+    pairs = _pair_tensors(tensors, base, spec)
+    normalized: dict[str, torch.Tensor] = {}
+    weights: dict[tuple[int, str], LoRAWeight] = {}
+    for (layer, module), (a_name, b_name) in sorted(pairs.items()):
+        a, b = tensors[a_name], tensors[b_name]
+        rank = spec.targets[(layer, module)].rank
+        in_f, out_f = base.module_dims(module)
+        _check_tensor(a_name, a, [rank, in_f])
+        _check_tensor(b_name, b, [out_f, rank])
+        prefix = f"base_model.model.{module_key(layer, module)}"
+        normalized[f"{prefix}.lora_A.weight"] = a
+        normalized[f"{prefix}.lora_B.weight"] = b
+        weights[(layer, module)] = LoRAWeight(
+            a=_cast(a_name, a, dtype), b=_cast(b_name, b, dtype), scale=spec.targets[(layer, module)].scale
+        )
+    present = {m for _, m in weights}
+    return LoRAAdapter(
+        digest=adapter_digest(raw, normalized),
+        rank=max(w.rank for w in weights.values()),
+        target_modules=tuple(m for m in LORA_MODULES if m in present),
+        alpha=spec.alpha,
+        use_rslora=spec.use_rslora,
+        size_bytes=sum(w.a.nbytes + w.b.nbytes for w in weights.values()),
+        weights=weights,
+    )
+
+
+def find_adapter_files(folder: Path) -> tuple[Path, Path]:
+    """(config, safetensors) paths of a PEFT folder; refuses pickle-only folders."""
+    if not folder.is_dir():
+        raise AdapterValidationError(f"adapter folder {folder} does not exist")
+    config, weights = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+    if not config.is_file():
+        raise AdapterValidationError(f"{CONFIG_NAME} is missing")
+    if weights.is_file():
+        return config, weights
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise AdapterValidationError(f"{pickles[0]} is a pickled checkpoint; only safetensors is accepted")
+    raise AdapterValidationError(f"{WEIGHTS_NAME} is missing")
+
+
+def read_adapter_config(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        data = f.read(_MAX_CONFIG_BYTES + 1)
+    if len(data) > _MAX_CONFIG_BYTES:
+        raise AdapterValidationError(f"{CONFIG_NAME} is larger than {_MAX_CONFIG_BYTES} bytes")
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise AdapterValidationError(f"{CONFIG_NAME} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise AdapterValidationError(f"{CONFIG_NAME} must hold a JSON object")
+    return raw
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path, device="cpu")
+    except Exception as e:  # safetensors raises its own error types, and OSError
+        raise AdapterValidationError(f"{WEIGHTS_NAME} is not a valid safetensors file: {e}") from None
+
+
+def _pair_tensors(
+    tensors: dict[str, torch.Tensor], base: BaseShapes, spec: LoraSpec
+) -> dict[tuple[int, str], tuple[str, str]]:
+    """Map every tensor to its (layer, module) and A/B role; refuse extras, gaps and duplicates."""
+    found: dict[tuple[int, str, str], str] = {}
+    for name in tensors:
+        m = _TENSOR_RE.fullmatch(name)
+        if m is None:
+            raise AdapterValidationError(_explain_unexpected(name))
+        layer, module = int(m.group("layer")), m.group("module")
+        if MODULE_PARENT.get(module) != m.group("parent"):
+            raise AdapterValidationError(_explain_unexpected(name))
+        if layer >= base.num_layers:
+            raise AdapterValidationError(
+                f"layer {layer} does not exist in the base model ({base.num_layers} layers)"
+            )
+        if (layer, module) not in spec.targets:
+            raise AdapterValidationError(
+                f"unexpected tensor {name}: {module_key(layer, module)} is not targeted by {CONFIG_NAME}"
+            )
+        key = (layer, module, m.group("ab"))
+        if key in found:
+            raise AdapterValidationError(f"tensors {found[key]} and {name} hold the same weight")
+        found[key] = name
+    pairs: dict[tuple[int, str], tuple[str, str]] = {}
+    for layer, module in spec.targets:
+        for ab in "AB":
+            if (layer, module, ab) not in found:
+                raise AdapterValidationError(f"missing lora_{ab} for {module_key(layer, module)}")
+        pairs[(layer, module)] = (found[(layer, module, "A")], found[(layer, module, "B")])
+    return pairs
+
+
+def _explain_unexpected(name: str) -> str:
+    if "lora_magnitude_vector" in name:
+        return f"DoRA (use_dora=true) is not supported (found {name})"
+    if "embed_tokens" in name or "lm_head" in name or "lora_embedding" in name:
+        return f"unexpected tensor {name} (LoRA on embeddings/lm_head is not supported)"
+    if "modules_to_save" in name:
+        return f"modules_to_save is not supported (found {name})"
+    if re.search(r"\.lora_B(\.[^.]+)?\.bias$", name):
+        return f"lora_bias=true (a bias on lora_B) is not supported (found {name})"
+    return f"unexpected tensor {name}"
+
+
+def _check_tensor(name: str, t: torch.Tensor, expected: list[int]) -> None:
+    if t.dtype not in _FLOAT_DTYPES:
+        raise AdapterValidationError(f"tensor {name} has dtype {t.dtype}; LoRA weights must be floating point")
+    if list(t.shape) != expected:
+        raise AdapterValidationError(f"tensor {name} has shape {list(t.shape)}, expected {expected}")
+    if not bool(torch.isfinite(t).all()):
+        raise AdapterValidationError(f"tensor {name} contains NaN or infinite values")
+
+
+def _cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    out = t.to(dtype).contiguous()
+    # A finite fp32 weight can still overflow fp16's range.
+    if not bool(torch.isfinite(out).all()):
+        raise AdapterValidationError(f"tensor {name} overflows {dtype} (values beyond its range)")
+    return out

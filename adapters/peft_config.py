@@ -1,0 +1,276 @@
+"""Parse and validate a PEFT `adapter_config.json` against the base model.
+
+Target matching and per-module rank/alpha resolution mirror peft 0.21 exactly
+(`check_target_module_exists`, `get_pattern_key` and `LoraLayer.update_layer`), so an adapter
+computes here what it computes under `PeftModel.from_pretrained`.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import AdapterValidationError
+from .shapes import EMBEDDING_MODULES, LORA_MODULES, BaseShapes, base_module_names, module_key
+
+# PEFT's default target_modules for llama, mistral and qwen2 when the config leaves them null.
+DEFAULT_TARGET_MODULES: tuple[str, ...] = ("q_proj", "v_proj")
+ALL_LINEAR = "all-linear"
+
+# LoraConfig fields that switch on a LoRA variant with a different forward pass.
+_VARIANT_FIELDS = (
+    "velora_config",
+    "alora_invocation_tokens",
+    "use_qalora",
+    "monteclora_config",
+    "use_bdlora",
+    "arrow_config",
+    "kasa_config",
+)
+# init_lora_weights values that rewrite the base weights at init: the saved adapter is only
+# correct on top of that rewritten base, not on the base model loraplex serves.
+_BASE_REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    rank: int
+    alpha: float
+    scale: float
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """What the config says the adapter holds, keyed by (layer index, module name)."""
+
+    r: int
+    alpha: float
+    use_rslora: bool
+    targets: dict[tuple[int, str], ModuleSpec]
+
+
+def parse_lora_config(raw: Any, base: BaseShapes, max_rank: int) -> LoraSpec:
+    if not isinstance(raw, dict):
+        raise AdapterValidationError("adapter_config.json must hold a JSON object")
+    _check_kind(raw)
+    _refuse_unsupported(raw)
+    r = _rank(raw.get("r", 8), "r", max_rank)
+    alpha = _alpha(raw.get("lora_alpha", 8), "lora_alpha")
+    use_rslora = raw.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise AdapterValidationError(f"use_rslora must be true or false, not {use_rslora!r}")
+    rank_pattern = _pattern_dict(raw, "rank_pattern")
+    alpha_pattern = _pattern_dict(raw, "alpha_pattern")
+
+    targets: dict[tuple[int, str], ModuleSpec] = {}
+    for layer, module in _targeted_modules(raw, base):
+        key = module_key(layer, module)
+        mr = r
+        if (rk := _pattern_key(rank_pattern, key)) is not None:
+            mr = _rank(rank_pattern[rk], f"rank_pattern[{rk!r}] for {key}", max_rank)
+        ma = alpha
+        if (ak := _pattern_key(alpha_pattern, key)) is not None:
+            ma = _alpha(alpha_pattern[ak], f"alpha_pattern[{ak!r}] for {key}")
+        scale = ma / math.sqrt(mr) if use_rslora else ma / mr
+        targets[(layer, module)] = ModuleSpec(rank=mr, alpha=ma, scale=scale)
+    return LoraSpec(r=r, alpha=alpha, use_rslora=use_rslora, targets=targets)
+
+
+def _check_kind(raw: dict[str, Any]) -> None:
+    peft_type = raw.get("peft_type")
+    if peft_type != "LORA":
+        raise AdapterValidationError(f"peft_type is {peft_type!r}; only LORA adapters are supported")
+    task_type = raw.get("task_type")
+    if task_type not in (None, "CAUSAL_LM"):
+        raise AdapterValidationError(f"task_type {task_type!r} is not supported; only CAUSAL_LM adapters are")
+
+
+def _refuse_unsupported(raw: dict[str, Any]) -> None:
+    if raw.get("use_dora"):
+        raise AdapterValidationError("DoRA (use_dora=true) is not supported")
+    if raw.get("modules_to_save"):
+        raise AdapterValidationError(
+            f"modules_to_save is not supported (it ships full copies of {raw['modules_to_save']!r})"
+        )
+    if raw.get("lora_bias"):
+        raise AdapterValidationError("lora_bias=true (a bias on lora_B) is not supported")
+    if raw.get("bias", "none") not in (None, "none"):
+        raise AdapterValidationError(f"bias={raw['bias']!r} is not supported (it retrains base model biases)")
+    for name in ("trainable_token_indices", "target_parameters", "layer_replication"):
+        if raw.get(name):
+            raise AdapterValidationError(f"{name} is not supported")
+    for name in _VARIANT_FIELDS:
+        if raw.get(name):
+            raise AdapterValidationError(f"the LoRA variant {name} is not supported")
+    # fan_in_fan_out is ignored on purpose: PEFT forces it off for nn.Linear targets.
+    init = raw.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        raise AdapterValidationError(
+            f"init_lora_weights={init!r} rewrites the base weights, so the adapter is wrong on the "
+            "unmodified base model; convert it to plain LoRA first (PEFT save_pretrained with "
+            "path_initial_model_for_weight_conversion)"
+        )
+
+
+def _rank(value: Any, what: str, max_rank: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise AdapterValidationError(f"{what} must be an integer rank, not {value!r}")
+    if value < 1:
+        raise AdapterValidationError(f"rank {value} ({what}) is invalid; a rank must be at least 1")
+    if value > max_rank:
+        raise AdapterValidationError(f"rank {value} ({what}) exceeds the maximum supported rank {max_rank}")
+    return value
+
+
+def _alpha(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise AdapterValidationError(f"{what} must be a finite number, not {value!r}")
+    if value <= 0:
+        raise AdapterValidationError(f"{what} is {value}; lora_alpha must be positive")
+    return float(value)
+
+
+def _pattern_dict(raw: dict[str, Any], name: str) -> dict[str, Any]:
+    value = raw.get(name) or {}
+    if not isinstance(value, dict):
+        raise AdapterValidationError(f"{name} must be a JSON object mapping patterns to values")
+    for key in value:
+        _compile(key, name)
+    return value
+
+
+def _compile(pattern: Any, what: str) -> re.Pattern[str]:
+    if not isinstance(pattern, str):
+        raise AdapterValidationError(f"{what} entries must be strings, not {pattern!r}")
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise AdapterValidationError(f"{what} pattern {pattern!r} is not a valid regular expression: {e}") from None
+
+
+def _pattern_key(patterns: dict[str, Any], key: str) -> str | None:
+    # peft.utils.other.get_pattern_key: the first pattern (in file order) that matches a
+    # dotted suffix of the module name wins.
+    for pattern in patterns:
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            return pattern
+    return None
+
+
+def _targeted_modules(raw: dict[str, Any], base: BaseShapes) -> list[tuple[int, str]]:
+    """(layer, module) pairs the config targets; refuses configs that target anything else."""
+    target = raw.get("target_modules")
+    if target is None:
+        target = list(DEFAULT_TARGET_MODULES)
+    elif isinstance(target, str) and target.lower() == ALL_LINEAR:
+        # PEFT expands all-linear to every nn.Linear except the output head.
+        target = [module_key(i, m) for i in range(base.num_layers) for m in LORA_MODULES]
+    elif isinstance(target, str):
+        _compile(target, "target_modules")
+        if raw.get("layers_to_transform") is not None or raw.get("layers_pattern") is not None:
+            raise AdapterValidationError("layers_to_transform cannot be used when target_modules is a regex string")
+    elif not isinstance(target, list) or not all(isinstance(t, str) for t in target):
+        raise AdapterValidationError("target_modules must be a list of module names, a regex string or 'all-linear'")
+    else:
+        _check_list_entries(target, base)
+    layers = _layers_to_transform(raw, base)
+    _layers_pattern(raw)
+    exclude = _exclude_modules(raw)
+    found: list[tuple[int, str]] = []
+    for key in base_module_names(base.num_layers):
+        if _is_excluded(exclude, key) or not _is_targeted(target, layers, raw.get("layers_pattern"), key):
+            continue
+        found.append(_supported_module(key, target))
+    if not found:
+        raise AdapterValidationError(f"target_modules {target!r} matches no module of the base model")
+    return found
+
+
+def _check_list_entries(target: list[str], base: BaseShapes) -> None:
+    names = base_module_names(base.num_layers)
+    for entry in target:
+        if any(n == entry or n.endswith(f".{entry}") for n in names):
+            continue
+        m = re.match(r"(?:^|.*\.)layers\.(\d+)\.", entry)
+        if m and int(m.group(1)) >= base.num_layers:
+            raise AdapterValidationError(
+                f"layer {m.group(1)} does not exist in the base model ({base.num_layers} layers)"
+            )
+        raise AdapterValidationError(f"target module {entry!r} does not exist in the base model")
+
+
+def _supported_module(key: str, target: Any) -> tuple[int, str]:
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf in EMBEDDING_MODULES:
+        raise AdapterValidationError(
+            f"target module {leaf!r} is not supported (LoRA on embeddings/lm_head is not supported)"
+        )
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)", key)
+    if m is None or m.group(2) not in LORA_MODULES:
+        raise AdapterValidationError(
+            f"target module {leaf!r} (matched by target_modules {target!r}) is not supported; "
+            f"LoRA is supported on {', '.join(LORA_MODULES)}"
+        )
+    return int(m.group(1)), m.group(2)
+
+
+def _layers_to_transform(raw: dict[str, Any], base: BaseShapes) -> list[int] | None:
+    value = raw.get("layers_to_transform")
+    if value is None or value == []:
+        return None
+    layers = [value] if isinstance(value, int) else value
+    if not isinstance(layers, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers):
+        raise AdapterValidationError("layers_to_transform must be a layer index or a list of them")
+    for layer in layers:
+        if not 0 <= layer < base.num_layers:
+            raise AdapterValidationError(f"layer {layer} does not exist in the base model ({base.num_layers} layers)")
+    return layers
+
+
+def _layers_pattern(raw: dict[str, Any]) -> None:
+    value = raw.get("layers_pattern")
+    patterns = [value] if isinstance(value, str) else value
+    if patterns is not None and not isinstance(patterns, list):
+        raise AdapterValidationError("layers_pattern must be a string or a list of strings")
+    for pattern in patterns or []:
+        _compile(pattern, "layers_pattern")
+
+
+def _exclude_modules(raw: dict[str, Any]) -> str | list[str] | None:
+    value = raw.get("exclude_modules")
+    if value is None or isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        if isinstance(value, str):
+            _compile(value, "exclude_modules")
+        return value
+    raise AdapterValidationError("exclude_modules must be a list of module names or a regex string")
+
+
+def _is_excluded(exclude: str | list[str] | None, key: str) -> bool:
+    if not exclude:
+        return False
+    if isinstance(exclude, str):
+        return re.fullmatch(exclude, key) is not None
+    return key in exclude or any(key.endswith(f".{e}") for e in exclude)
+
+
+def _is_targeted(target: str | list[str], layers: list[int] | None, layers_pattern: Any, key: str) -> bool:
+    # peft.tuners.tuners_utils.check_target_module_exists, minus the parts refused above.
+    if isinstance(target, str):
+        return re.fullmatch(target, key) is not None
+    if key in target:
+        return True  # an exact name bypasses layers_to_transform, as in PEFT
+    if not any(key.endswith(f".{t}") for t in target):
+        return False
+    if layers is None:
+        return True
+    if not layers_pattern:
+        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+    else:
+        patterns = [layers_pattern] if isinstance(layers_pattern, str) else list(layers_pattern)
+        m = None
+        for pattern in patterns:
+            m = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+            if m is not None:
+                break
+    return m is not None and int(m.group("idx")) in layers
