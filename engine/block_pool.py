@@ -20,10 +20,11 @@ def hash_block(parent: bytes, salt: str, adapter: str, tokens: list[int]) -> byt
     tenant's KV, so it must not be engineerable.
     """
     h = hashlib.sha256(parent)
-    h.update(salt.encode())
-    h.update(b"\0")
-    h.update(adapter.encode())
-    h.update(b"\0")
+    for field in (salt.encode(), adapter.encode()):
+        # Length-prefixed, not separated: a salt containing the separator must not be
+        # able to spell another (salt, adapter, tokens) key.
+        h.update(len(field).to_bytes(8, "little"))
+        h.update(field)
     h.update(array("q", tokens).tobytes())
     return h.digest()
 
@@ -114,6 +115,9 @@ class BlockPool:
             assert (self.ref_cnt[b] == 0) == (b in self._free), f"block {b} inconsistent"
         for h, b in self._cached.items():
             assert self.block_hash[b] == h
+        for b, h in enumerate(self.block_hash):
+            assert h is None or self._cached.get(h) == b, f"block {b} has a hash the cache lost"
+            assert self.ref_cnt[b] >= 0
 
 
 class KVCacheManager:
@@ -167,15 +171,20 @@ class KVCacheManager:
             req.block_ids.extend(cached_blocks)
         if need > 0:
             req.block_ids.extend(self.pool.allocate(need))
-        if self.enable_prefix_caching:
-            # Every token up to `total` is known now, so full blocks can be published;
-            # the runner writes all of a step's KV before any attention reads it.
-            full = total // self.block_size
-            self._extend_hashes(req, full * self.block_size)
-            done = (req.num_computed_tokens // self.block_size) + len(cached_blocks)
-            for i in range(done, full):
-                self.pool.cache(req.block_ids[i], req.block_hashes[i])
         return True
+
+    def cache_computed(self, req: Request, prev_computed: int) -> None:
+        """Publish the full blocks a step computed, `prev_computed` up to `num_computed_tokens`.
+
+        Only after the step ran: a plan can be dropped (preempted) before it executes, and
+        a block published at allocation would then be a cache hit over KV nobody wrote.
+        """
+        if not self.enable_prefix_caching:
+            return
+        full = req.num_computed_tokens // self.block_size
+        self._extend_hashes(req, full * self.block_size)
+        for i in range(prev_computed // self.block_size, full):
+            self.pool.cache(req.block_ids[i], req.block_hashes[i])
 
     def free(self, req: Request) -> None:
         self.pool.free(req.block_ids)

@@ -48,6 +48,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._static_batch: list[Request] = []
+        # The lane each running request was admitted at, aging included: its priority while
+        # it runs, so an aged batch request is not preempted by the next interactive arrival.
+        self._run_lane: dict[str, int] = {}
         self.num_preemptions = 0
         self.clock = time.monotonic  # replaceable in tests
 
@@ -62,6 +65,12 @@ class Scheduler:
             raise PromptTooLongError(
                 f"this request needs {need} tokens of KV cache but the whole pool holds "
                 f"{self.kv.pool.num_blocks * self.kv.block_size}")
+        if not self.config.enable_chunked_prefill and need - 1 > self.config.max_num_batched_tokens:
+            # Without chunking every prefill (and every recompute after a preemption, up to
+            # need - 1 tokens) runs in one step; a longer one would wait forever at the head.
+            raise PromptTooLongError(
+                f"this request may need {need - 1} tokens in one step but chunked prefill is off "
+                f"and max_num_batched_tokens is {self.config.max_num_batched_tokens}")
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         req.status = RequestStatus.WAITING
         req.enqueue_time = self.clock()
@@ -80,7 +89,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = [self.config.max_num_batched_tokens]
         scheduled: dict[str, ScheduledSeq] = {}
-        self.running.sort(key=lambda r: (r.lane, r.arrival_time))
+        self.running.sort(key=self._running_priority)
         i = 0
         while i < len(self.running) and budget[0] > 0:
             req = self.running[i]
@@ -101,6 +110,9 @@ class Scheduler:
         self._admit(out, scheduled, budget)
         out.seqs = list(scheduled.values())
         return out
+
+    def _running_priority(self, req: Request) -> tuple[int, float]:
+        return self._run_lane.get(req.request_id, int(req.lane)), req.arrival_time
 
     def _plan(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
@@ -158,17 +170,19 @@ class Scheduler:
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = n_cached
         req.status = RequestStatus.RUNNING
+        self._run_lane[req.request_id] = self._effective_lane(req, self.clock())
         self.running.append(req)
 
     def _lower_lane_victim(self, req: Request) -> Request | None:
-        """Interactive traffic may preempt running work of a strictly lower lane."""
-        cands = [r for r in self.running if r.lane > req.lane]
-        return max(cands, key=lambda r: (r.lane, r.arrival_time)) if cands else None
+        """Interactive traffic may preempt running work admitted at a strictly lower lane."""
+        cands = [r for r in self.running if self._running_priority(r)[0] > req.lane]
+        return max(cands, key=self._running_priority) if cands else None
 
     def _preempt(self, victim: Request, out: SchedulerOutput, scheduled: dict[str, ScheduledSeq],
                  budget: list[int]) -> None:
         """Preempt by recompute: drop the KV, requeue; greedy output stays identical."""
         self.running.remove(victim)
+        self._run_lane.pop(victim.request_id, None)
         planned = scheduled.pop(victim.request_id, None)
         if planned is not None:
             budget[0] += len(planned.token_ids)
@@ -194,7 +208,9 @@ class Scheduler:
             req = self.requests.get(seq.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            prev = req.num_computed_tokens
             req.num_computed_tokens += len(seq.token_ids)
+            self.kv.cache_computed(req, prev)
             if not seq.sample:
                 continue
             token = sampled[seq.request_id]
@@ -227,6 +243,7 @@ class Scheduler:
             return None
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+            self._run_lane.pop(request_id, None)
             if req.adapter is not None:
                 self.slots.release(req.adapter.digest)
         else:
