@@ -38,6 +38,8 @@ class SchedulerConfig:
     # "continuous" (iteration-level) or "static" (a batch admitted only when the previous
     # one has fully finished): the baseline the benchmarks compare against.
     policy: str = "continuous"
+    # Requests queued beyond this are refused (EngineOverloadedError, HTTP 503).
+    max_waiting: int = 4096
 
     def __post_init__(self) -> None:
         if self.policy not in ("continuous", "static"):

@@ -111,10 +111,17 @@ class LLMEngine:
         text, stopped = stream.stop.feed(stream.detok.step([token]))
         if stopped and not finished:
             self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
-            req.stop_reason = stream.stop.matched if hasattr(stream.stop, "matched") else None
+            req.stop_reason = stream.stop.matched
             finished = True
-        elif finished and not stopped:
-            text += stream.stop.flush()
+        elif stopped:
+            req.stop_reason = stream.stop.matched
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif finished:
+            # Text the detokenizer or stop matcher still held back is final now.
+            tail, stopped = stream.stop.feed(stream.detok.flush())
+            text += tail if stopped else tail + stream.stop.flush()
+            if stopped:
+                req.stop_reason = stream.stop.matched
         if finished:
             self._streams.pop(req.request_id, None)
         return RequestOutput(

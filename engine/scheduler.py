@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from .adapter_slots import AdapterSlots
 from .block_pool import KVCacheManager
 from .config import SchedulerConfig
-from .errors import PromptTooLongError
+from .errors import EngineOverloadedError, PromptTooLongError
 from .request import AdapterRef, Lane, Request, RequestStatus
 
 
@@ -71,6 +71,8 @@ class Scheduler:
             raise PromptTooLongError(
                 f"this request may need {need - 1} tokens in one step but chunked prefill is off "
                 f"and max_num_batched_tokens is {self.config.max_num_batched_tokens}")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise EngineOverloadedError(f"{len(self.waiting)} requests are already waiting; try again later")
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         req.status = RequestStatus.WAITING
         req.enqueue_time = self.clock()

@@ -16,11 +16,14 @@ def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_tokens: list[
 
         model = PeftModel.from_pretrained(model, adapter_dir)
     model.eval()
+    # Like ignore_eos: EOS may be generated but does not stop generation. (min_new_tokens
+    # would instead forbid EOS, which changes the greedy choice.)
+    model.generation_config.eos_token_id = None
     outs = []
     with torch.inference_mode():
         for ids, n in zip(prompts, max_tokens):
             x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                                do_sample=False, pad_token_id=0)
             outs.append(y[0, len(ids):].tolist())
     return outs

@@ -1,0 +1,37 @@
+"""The seeded heavy-tailed workload every engine benchmark shares."""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def heavy_tailed(n: int = 64, mean_prompt: int = 218, min_out: int = 16, max_out: int = 256,
+                 seed: int = 0, vocab: tuple[int, int] = (100, 40000)) -> Workload:
+    """Prompt lengths log-normal around `mean_prompt`; output lengths log-normal with a
+    long tail, clipped to [min_out, max_out] (the shape of real chat traffic)."""
+    rng = random.Random(seed)
+    sigma = 0.6
+    mu = math.log(mean_prompt) - sigma ** 2 / 2
+    lengths = [max(4, min(4 * mean_prompt, int(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
+    prompts = [[rng.randrange(*vocab) for _ in range(length)] for length in lengths]
+    outs = [max(min_out, min(max_out, int(rng.lognormvariate(math.log(40), 1.0)))) for _ in range(n)]
+    return Workload(prompts, outs)
+
+
+def percentile(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, int(round(p / 100 * (len(s) - 1)))))
+    return s[k]

@@ -1,0 +1,153 @@
+"""Asyncio bridge: the step loop runs on its own thread; outputs stream per request.
+
+The event loop never runs model code. Commands (add, abort) cross to the engine thread
+through a queue and are applied between steps, so the engine itself needs no locks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from .engine import LLMEngine, RequestOutput
+from .errors import EngineDeadError
+from .request import AdapterRef, Lane, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = False
+        self._dead: BaseException | None = None
+        self._stats: dict[str, Any] = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and not self._stop
+
+    def stats(self) -> dict[str, Any]:
+        return self._stats
+
+    # -- the engine thread ---------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self._stats = self.engine.stats()
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+        except BaseException as exc:  # the loop is dead: fail every stream, loudly
+            log.exception("engine loop failed")
+            self._dead = exc
+        finally:
+            self._fail_all(EngineDeadError("the engine is shutting down" if self._dead is None
+                                           else f"the engine stopped: {self._dead!r}"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            cmd()
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        entry = self._streams.get(request_id)
+        if entry is None:
+            return
+        loop, q = entry
+        if isinstance(item, BaseException) or item.finished:
+            self._streams.pop(request_id, None)
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:
+            pass  # the caller's loop is closed; nobody is listening
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid in list(self._streams):
+            self._deliver(rid, exc)
+
+    def _submit(self, cmd: Callable[[], None]) -> None:
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        self._commands.put(cmd)
+        self._wake.set()
+
+    # -- the public API -------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
+                       request_id: str | None = None, lane: Lane | str = Lane.STANDARD,
+                       adapter: str | AdapterRef | None = None, cache_salt: str = ""
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs. Closing the iterator early aborts the request."""
+        rid = request_id or uuid.uuid4().hex
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = (asyncio.get_running_loop(), q)
+
+        def add() -> None:
+            try:
+                self.engine.add_request(prompt, sampling, request_id=rid, lane=lane, adapter=adapter,
+                                        cache_salt=cache_salt)
+            except Exception as exc:  # a bad request fails alone, not the loop
+                self._deliver(rid, exc)
+
+        finished = False
+        try:
+            self._submit(add)
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        if self.is_running:
+            self._commands.put(lambda: self.engine.abort_request(request_id))
+            self._wake.set()
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between steps (e.g. adapter changes)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def cmd() -> None:
+            try:
+                result = fn(self.engine)
+            except Exception as exc:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+            else:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+        self._submit(cmd)
+        return await fut
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)

@@ -1,0 +1,126 @@
+"""Greedy output equals transformers' generate, token for token, however the batch runs."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from loraplex.engine.engine import LLMEngine
+from loraplex.engine.request import SamplingParams
+from tests.engine.oracle import hf_greedy
+
+LENGTHS = (1, 3, 17, 40, 64, 131, 250)
+MAX_TOKENS = (9, 24, 5, 30, 16, 12, 20)
+
+
+def _prompts(seed: int = 0, lengths=LENGTHS) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(n)] for n in lengths]
+
+
+def _engine(model_dir, **kw) -> LLMEngine:
+    cache = CacheConfig(block_size=kw.pop("block_size", 16), num_blocks=kw.pop("num_blocks", 256),
+                        enable_prefix_caching=kw.pop("prefix", True))
+    sched = SchedulerConfig(**kw)
+    return LLMEngine(EngineConfig(model=ModelConfig(model=str(model_dir), dtype="float32"), cache=cache,
+                                  scheduler=sched))
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def _run(engine: LLMEngine, prompts, max_tokens) -> list[list[int]]:
+    outs = engine.generate(prompts, [_greedy(n) for n in max_tokens])
+    engine.kv.pool.check_invariants()
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks, "a finished request kept blocks"
+    return [o.new_token_ids for o in outs]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama3rope"])
+def tiny(request, tiny_llama_dir, tiny_qwen2_dir, tiny_llama3rope_dir):
+    d = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "llama3rope": tiny_llama3rope_dir}[request.param]
+    return d, hf_greedy(d, _prompts(), list(MAX_TOKENS))
+
+
+@pytest.mark.parametrize("setup", [
+    dict(),  # the whole batch in one step
+    dict(max_num_batched_tokens=16, block_size=4),  # chunked prefill across many steps
+    dict(max_num_batched_tokens=512, enable_chunked_prefill=False, block_size=8),
+    dict(num_blocks=24, block_size=16, max_num_batched_tokens=128),  # forces preemption
+    dict(max_num_seqs=2),
+    dict(policy="static", max_num_seqs=3),
+])
+def test_tiny_matches_transformers(tiny, setup):
+    model_dir, ref = tiny
+    engine = _engine(model_dir, **setup)
+    assert _run(engine, _prompts(), MAX_TOKENS) == ref
+    if setup.get("num_blocks") == 24:
+        assert engine.scheduler.num_preemptions > 0, "the small pool was meant to force preemption"
+
+
+def test_prefix_cache_hits_keep_output(tiny_llama_dir):
+    rng = random.Random(1)
+    shared = [rng.randrange(100, 40000) for _ in range(70)]
+    prompts = [shared + [rng.randrange(100, 40000) for _ in range(n)] for n in (1, 5, 33)] + [shared]
+    ref = hf_greedy(tiny_llama_dir, prompts, [12] * 4)
+    engine = _engine(tiny_llama_dir, block_size=8)
+    first = _run(engine, prompts[:1], [12])
+    hits_before = engine.kv.num_hits
+    assert _run(engine, prompts, [12] * 4) == ref
+    assert first == ref[:1]
+    assert engine.kv.num_hits - hits_before >= 3 * 64, "later prompts should reuse the shared prefix"
+
+
+def test_prefix_cache_is_keyed_by_salt(tiny_llama_dir):
+    engine = _engine(tiny_llama_dir, block_size=8)
+    prompt = _prompts(2, (60,))
+    engine.generate(prompt, _greedy(4), cache_salt="tenant-a")
+    hits = engine.kv.num_hits
+    engine.generate(prompt, _greedy(4), cache_salt="tenant-b")
+    assert engine.kv.num_hits == hits, "KV must never be shared across cache salts"
+    engine.generate(prompt, _greedy(4), cache_salt="tenant-a")
+    assert engine.kv.num_hits > hits
+
+
+def test_aborts_leave_others_identical(tiny_llama_dir):
+    prompts = _prompts(3)
+    ref = hf_greedy(tiny_llama_dir, prompts, list(MAX_TOKENS))
+    engine = _engine(tiny_llama_dir, max_num_batched_tokens=32, block_size=8)
+    keep = [engine.add_request(p, _greedy(n)) for p, n in zip(prompts, MAX_TOKENS)]
+    doomed = [engine.add_request(p, _greedy(50)) for p in _prompts(4, (90, 7, 33))]
+    outs: dict[str, list[int]] = {r: [] for r in keep}
+    step = 0
+    while engine.has_unfinished_requests():
+        if step in (0, 3, 6):  # abort while waiting, mid-prefill and while decoding
+            engine.abort_request(doomed[step // 3])
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        step += 1
+    assert [outs[r] for r in keep] == ref
+    engine.kv.pool.check_invariants()
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers(smollm2_dir):
+    rng = random.Random(5)
+    from loraplex.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_dir)
+    questions = ["What is the capital of France?", "Write a haiku about the sea.",
+                 "List three prime numbers.", "Explain what a LoRA adapter is in one sentence."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    prompts += [[rng.randrange(100, 40000) for _ in range(n)] for n in (5, 180)]
+    max_tokens = [24, 20, 12, 28, 10, 16]
+    ref = hf_greedy(smollm2_dir, prompts, max_tokens)
+    # A budget small enough to chunk the prefills and a pool small enough to preempt.
+    engine = _engine(smollm2_dir, num_blocks=20, block_size=16, max_num_batched_tokens=48)
+    assert _run(engine, prompts, max_tokens) == ref
+    assert engine.scheduler.num_preemptions > 0
+    # Again with every prompt a prefix-cache hit.
+    hits = engine.kv.num_hits
+    engine2_out = _run(engine, prompts, max_tokens)
+    assert engine2_out == ref
+    assert engine.kv.num_hits > hits
