@@ -57,8 +57,11 @@ class LLMEngine:
                                  self.arch.max_position_embeddings)
         self.lora = lora_manager
         self.runner = ModelRunner(config, self.arch, str(self.model_dir), lora_manager)
+        if lora_manager is not None:
+            lora_manager.bind(self.arch, self.runner.dtype, self.runner.device)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, config.lora.max_loras)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, config.lora.max_loras,
+                                   adapter_ready=lora_manager.ready if lora_manager is not None else None)
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self.num_generation_tokens = 0
@@ -77,6 +80,8 @@ class LLMEngine:
         req = Request(rid, ids, sampling, Lane.parse(lane), ref, cache_salt,
                       eos_token_ids=tuple(self.tokenizer.eos_token_ids))
         self.scheduler.add_request(req)
+        if ref is not None:
+            self.lora.retain(ref)
         self._streams[rid] = _Stream(IncrementalDetokenizer(self.tokenizer, ids), StopChecker(sampling.stop))
         return rid
 
@@ -88,29 +93,63 @@ class LLMEngine:
         return self.lora.ref(adapter)
 
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        self._finish(request_id, RequestStatus.FINISHED_ABORTED)
         self._streams.pop(request_id, None)
+
+    def _finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        req = self.scheduler.finish(request_id, status)
+        if req is not None:
+            self._release(req)
+        return req
+
+    def _release(self, req: Request) -> None:
+        if req.adapter is not None and self.lora is not None:
+            self.lora.release(req.adapter.digest)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- the loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        failed = self._fail_broken_adapters()
         plan = self.scheduler.schedule()
         if not plan.seqs:
-            return []
+            if plan.adapter_loads:
+                self.lora.load(plan.adapter_loads)
+            return failed
         sampled, logprobs = self.runner.execute(plan, self.scheduler.requests)
         reqs = {s.request_id: self.scheduler.requests[s.request_id] for s in plan.seqs}
-        finished = {r.request_id for r in self.scheduler.update(plan, sampled)}
-        self.num_prompt_tokens += sum(len(s.token_ids) for s in plan.seqs if not s.sample or len(s.token_ids) > 1)
+        finished = self.scheduler.update(plan, sampled)
+        for req in finished:
+            self._release(req)
+        done = {r.request_id for r in finished}
+        for s in plan.seqs:
+            self.num_prompt_tokens += max(0, min(s.start_pos + len(s.token_ids), reqs[s.request_id].num_prompt_tokens)
+                                          - s.start_pos)
         self.num_generation_tokens += len(sampled)
-        return [self._output(reqs[rid], tok, logprobs.get(rid), rid in finished) for rid, tok in sampled.items()]
+        return failed + [self._output(reqs[rid], tok, logprobs.get(rid), rid in done) for rid, tok in sampled.items()]
+
+    def _fail_broken_adapters(self) -> list[RequestOutput]:
+        """Requests whose adapter could not be loaded finish with an error, alone."""
+        if self.lora is None:
+            return []
+        broken = self.lora.failed()
+        if not broken:
+            return []
+        outs = []
+        for req in [r for r in self.scheduler.waiting if r.adapter and r.adapter.digest in broken]:
+            self._finish(req.request_id, RequestStatus.FINISHED_ERROR)
+            self._streams.pop(req.request_id, None)
+            req.stop_reason = f"adapter {req.adapter.name!r} could not be loaded: {broken[req.adapter.digest]}"
+            outs.append(RequestOutput(req.request_id, [], "", True, "error", req.num_prompt_tokens, 0,
+                                      req.num_output_tokens, stop_reason=req.stop_reason))
+        return outs
 
     def _output(self, req: Request, token: int, lp: Logprobs | None, finished: bool) -> RequestOutput:
         stream = self._streams[req.request_id]
         text, stopped = stream.stop.feed(stream.detok.step([token]))
         if stopped and not finished:
-            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            self._finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             req.stop_reason = stream.stop.matched
             finished = True
         elif stopped:

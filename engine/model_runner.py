@@ -61,8 +61,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, requests: dict[str, Request]
                 ) -> tuple[dict[str, int], dict[str, Logprobs | None]]:
-        # Decodes first: attention computes them as one group.
-        seqs = sorted(out.seqs, key=lambda s: len(s.token_ids) != 1)
+        # Decodes first (attention computes them as one group), then each group ordered
+        # by adapter so every adapter's tokens form one segment.
+        seqs = sorted(out.seqs, key=lambda s: (len(s.token_ids) != 1, s.adapter_slot))
         ids, pos = [], []
         for s in seqs:
             ids.extend(s.token_ids)
@@ -72,7 +73,7 @@ class ModelRunner:
         lora = None
         if self.lora is not None:
             self.lora.load(out.adapter_loads)
-            lora = self.lora.batch([(len(s.token_ids), s.adapter_slot) for s in seqs], self.dtype)
+            lora = self.lora.batch([(len(s.token_ids), s.adapter_slot) for s in seqs])
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, meta, self.kv_caches, lora)

@@ -6,6 +6,7 @@ tokens. Neither touches tensors, so both are unit-tested without a model.
 from __future__ import annotations
 
 import time
+from typing import Callable
 from dataclasses import dataclass, field
 
 from .adapter_slots import AdapterSlots
@@ -39,8 +40,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 max_loras: int = 8) -> None:
+                 max_loras: int = 8, adapter_ready: Callable[[AdapterRef], bool] | None = None) -> None:
         self.config = config
+        # Whether an adapter's weights can go into a device slot now (loaded in the CPU
+        # tier); a request whose adapter is not ready waits without blocking others.
+        self.adapter_ready = adapter_ready or (lambda ref: True)
         self.kv = kv
         self.max_model_len = max_model_len
         self.slots = AdapterSlots(max_loras)
@@ -142,6 +146,8 @@ class Scheduler:
                 d = req.adapter.digest
                 if not self.slots.can_acquire(d):
                     starving = starving or req
+                    continue
+                if self.slots.slot_of(d) is None and not self.adapter_ready(req.adapter):
                     continue
                 if starving is not None and self.clock() - starving.enqueue_time > self.config.aging_seconds:
                     # Let pinned adapters drain so the starving one gets a slot:

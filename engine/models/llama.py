@@ -19,7 +19,7 @@ from ..loader import ModelArch, rope_inv_freq
 class LoRAHook(Protocol):
     """Adds adapter deltas for one step's batch (see engine/lora.py)."""
 
-    def apply(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None: ...
+    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None: ...
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,10 +58,7 @@ class LlamaLayer(nn.Module):
         h = rms_norm(x, self.input_layernorm, a.rms_norm_eps)
         qkv = self.qkv_proj(h)
         if lora is not None:
-            q_, k_, v_ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            lora.apply(L, "q_proj", h, q_)
-            lora.apply(L, "k_proj", h, k_)
-            lora.apply(L, "v_proj", h, v_)
+            lora.apply(L, "qkv", h, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(T, a.num_heads, a.head_dim), cos, sin)
         k = apply_rope(k.view(T, a.num_kv_heads, a.head_dim), cos, sin)
@@ -70,19 +67,17 @@ class LlamaLayer(nn.Module):
         o = paged_attention(q, kv[0], kv[1], meta, a.head_dim ** -0.5).reshape(T, self.q_size)
         attn = self.o_proj(o)
         if lora is not None:
-            lora.apply(L, "o_proj", o, attn)
+            lora.apply(L, "o", o, attn)
         x = x + attn
         h = rms_norm(x, self.post_attention_layernorm, a.rms_norm_eps)
         gu = self.gate_up_proj(h)
         if lora is not None:
-            g_, u_ = gu.split(a.intermediate_size, dim=-1)
-            lora.apply(L, "gate_proj", h, g_)
-            lora.apply(L, "up_proj", h, u_)
+            lora.apply(L, "gate_up", h, gu)
         g, u = gu.split(a.intermediate_size, dim=-1)
         m = F.silu(g) * u
         down = self.down_proj(m)
         if lora is not None:
-            lora.apply(L, "down_proj", m, down)
+            lora.apply(L, "down", m, down)
         return x + down
 
 
