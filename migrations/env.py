@@ -1,0 +1,60 @@
+"""Alembic environment for loraplex's platform tables.
+
+The database URL, first found wins: a connection handed in by code
+(`config.attributes["connection"]`), `sqlalchemy.url` set by code (`loraplex` CLI),
+`alembic -x database_url=...`, $LORAPLEX_DATABASE_URL, else the default SQLite file in
+the data dir ($LORAPLEX_DATA_DIR or ~/.local/share/loraplex).
+"""
+from __future__ import annotations
+
+from logging.config import fileConfig
+
+from alembic import context
+
+from loraplex.platform.db import make_db_engine, normalize_url
+from loraplex.platform.models import Base
+from loraplex.platform.settings import Settings
+
+config = context.config
+if config.config_file_name is not None:
+    fileConfig(config.config_file_name, disable_existing_loggers=False)
+
+target_metadata = Base.metadata
+
+
+def _url() -> str:
+    url = config.get_main_option("sqlalchemy.url") or context.get_x_argument(as_dictionary=True).get("database_url")
+    return normalize_url(url or Settings().db_url)
+
+
+def _configure(**kwargs) -> None:
+    context.configure(target_metadata=target_metadata, compare_type=True, render_as_batch=True, **kwargs)
+
+
+def run_offline() -> None:
+    _configure(url=_url(), literal_binds=True, dialect_opts={"paramstyle": "named"})
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_online() -> None:
+    conn = config.attributes.get("connection")
+    if conn is not None:
+        _configure(connection=conn)
+        with context.begin_transaction():
+            context.run_migrations()
+        return
+    engine = make_db_engine(_url())
+    try:
+        with engine.connect() as connection:
+            _configure(connection=connection)
+            with context.begin_transaction():
+                context.run_migrations()
+    finally:
+        engine.dispose()
+
+
+if context.is_offline_mode():
+    run_offline()
+else:
+    run_online()
