@@ -57,6 +57,10 @@ class Database:
         with self._factory() as s, s.begin():
             yield s
 
+    @staticmethod
+    def display_url(url: str) -> str:
+        return make_url(normalize_url(url)).render_as_string(hide_password=True)
+
     def ping(self) -> None:
         with self.engine.connect() as conn:
             conn.exec_driver_sql("SELECT 1")

@@ -1,0 +1,104 @@
+"""What each `loraplex` CLI command does (argument parsing lives in cli.py)."""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import sys
+
+from .adapter_registry import add_adapter, list_adapters, open_store
+from .db import Database, migrate
+from .settings import Settings
+from .tenants import create_key, create_tenant, list_tenants, revoke_key
+
+log = logging.getLogger("loraplex")
+
+
+def open_db(settings: Settings) -> Database:
+    """Migrate (a no-op when current) and open the database."""
+    migrate(settings.db_url)
+    return Database(settings.db_url)
+
+
+def _out(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def tenant_create(db: Database, name: str, lane: str, allowed: list[str] | None) -> int:
+    t = create_tenant(db, name, lane, allowed)
+    _out(f"created tenant {t.name} (lane {t.default_lane}; may ask for {', '.join(t.allowed_lanes)})")
+    return 0
+
+
+def tenant_list(db: Database) -> int:
+    rows = list_tenants(db)
+    _out(f"{'NAME':24} {'LANE':12} {'ALLOWED LANES':28} {'ENABLED':8} KEYS")
+    for t in rows:
+        _out(f"{t.name:24} {t.default_lane:12} {','.join(t.allowed_lanes):28} {str(t.enabled).lower():8} "
+             f"{t.num_keys}")
+    return 0
+
+
+def key_create(db: Database, tenant: str, expires_at: dt.datetime | None, name: str | None) -> int:
+    key = create_key(db, tenant, expires_at, name)
+    _out(key)  # stdout carries only the key, so `KEY=$(loraplex key create t)` works
+    return 0
+
+
+def key_revoke(db: Database, prefix: str) -> int:
+    revoke_key(db, prefix)
+    print(f"revoked key {prefix} (servers stop accepting it within their auth cache TTL, 5 s by default)",
+          file=sys.stderr)
+    return 0
+
+
+def adapter_add(settings: Settings, db: Database, name: str, path: str, *, public: bool, grants: list[str],
+                owner: str | None, replace: bool) -> int:
+    info = add_adapter(db, open_store(settings), name, path, public=public, grants=grants, owner=owner,
+                       replace=replace, reserved=(settings.model_name,))
+    who = "public" if info.public else ", ".join(filter(None, [info.owner and f"owner {info.owner}",
+                                                             info.grants and f"granted to {', '.join(info.grants)}"]))
+    _out(f"registered adapter {info.name} {info.digest} ({who or 'no tenant may use it yet'})")
+    return 0
+
+
+def adapter_list(db: Database) -> int:
+    _out(f"{'NAME':24} {'ACCESS':10} {'OWNER':16} {'GRANTS':24} DIGEST")
+    for a in list_adapters(db):
+        _out(f"{a.name:24} {'public' if a.public else 'private':10} {a.owner or '-':16} "
+             f"{','.join(a.grants) or '-':24} {a.digest}")
+    return 0
+
+
+def serve(settings: Settings, access_log: bool = False) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .demo import ensure_demo_tenant, register_cli_adapters, register_demo_adapters
+    from .engine_factory import build_engine
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    db = open_db(settings)
+    try:
+        demo_key = ensure_demo_tenant(db) if settings.create_demo_tenant else None
+        store = open_store(settings)
+        register_demo_adapters(settings, db, store)
+        register_cli_adapters(settings, db, store)
+        adapters = [a.name for a in list_adapters(db)]
+    finally:
+        db.dispose()
+    log.info("loading the model (%s)...", settings.engine.model.model)
+    engine = build_engine(settings)
+    app = create_app(settings, engine)
+    url = f"http://{settings.host}:{settings.port}"
+    _out(f"loraplex: serving {settings.model_name}" + (f" + adapters {', '.join(adapters)}" if adapters else ""))
+    _out(f"loraplex: OpenAI-compatible API at {url}/v1  (metrics {url}/metrics)")
+    _out(f"loraplex: data in {settings.data_dir}; database {Database.display_url(settings.db_url)}")
+    if demo_key:
+        _out(f"loraplex: demo tenant 'demo' created; its API key (shown only this once):\n\n    {demo_key}\n")
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, access_log=access_log,
+                            timeout_graceful_shutdown=30, log_level="info")
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        engine.shutdown()
+    return 0

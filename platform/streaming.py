@@ -1,0 +1,88 @@
+"""Client-disconnect handling and the SSE response.
+
+Starlette's StreamingResponse notices a disconnect only when a write fails (ASGI 2.4
+servers), which for a queued request or a slow model can be long after the client left.
+Here every wait on the engine races the connection's `http.disconnect`, so a client that
+goes away aborts its engine request at once (the engine iterator's `finally` aborts it).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was complete."""
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _cancel(task: asyncio.Future) -> None:
+    if not task.done():
+        task.cancel()
+    try:
+        await task
+    except BaseException:  # noqa: BLE001 - its outcome no longer matters
+        pass
+
+
+async def until_disconnected(receive: Receive, aw: Awaitable[T]) -> T:
+    """Await `aw`, cancelling it (and raising ClientDisconnected) if the client leaves first."""
+    work = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        await _cancel(work)
+        raise
+    finally:
+        if not watch.done():
+            watch.cancel()
+    if work.done():
+        return work.result()
+    await _cancel(work)
+    raise ClientDisconnected()
+
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # nginx: do not buffer the stream
+]
+
+
+class SSEResponse:
+    """Streams already-framed SSE bytes; a disconnect cancels the stream and closes it."""
+
+    status_code = 200
+
+    def __init__(self, chunks: AsyncIterator[bytes], extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
+        self.chunks = chunks
+        self.headers = SSE_HEADERS + list(extra_headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        pump = asyncio.ensure_future(self._pump(send))
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await _cancel(watch)
+            await _cancel(pump)
+            await self.chunks.aclose()
+        if pump.done() and not pump.cancelled() and pump.exception() is None:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _pump(self, send: Send) -> None:
+        async for chunk in self.chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
