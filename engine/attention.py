@@ -20,16 +20,20 @@ class PrefillChunk:
     q_start: int  # first row of this chunk in the batch
     q_len: int
     start_pos: int  # position of the chunk's first token
-    gather: torch.Tensor  # [start_pos + q_len] slot ids of the sequence's whole context
+    blocks: torch.Tensor  # the sequence's block table, covering start_pos + q_len tokens
     mask: torch.Tensor | None  # additive [q_len, ctx] or None when plainly causal
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    block_size: int = 16
     num_decodes: int = 0
-    decode_len: int = 0  # padded context length of the decode group
-    decode_gather: torch.Tensor | None = None  # [num_decodes * decode_len]
+    decode_len: int = 0  # padded context length of the decode group (whole blocks)
+    # [num_decodes * blocks per decode] block ids, padded with block 0 (masked out).
+    # Gathering whole blocks copies contiguous runs of block_size * head_dim values,
+    # many times faster than gathering single slots.
+    decode_blocks: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, decode_len] additive
     prefills: list[PrefillChunk] = field(default_factory=list)
 
@@ -39,31 +43,30 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int, dtyp
     """`seqs`: (start_pos, num_new_tokens, block_ids) in batch order, decodes first."""
     slot_chunks, decodes, prefills = [], [], []
     for start, n, blocks in seqs:
-        b = torch.tensor(blocks, dtype=torch.long)
-        ctx = start + n
-        pos = torch.arange(ctx)
-        slots = b[pos // block_size] * block_size + pos % block_size
-        slot_chunks.append(slots[start:])
-        (decodes if n == 1 and not prefills else prefills).append((start, n, slots))
-    meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(device))
+        nb = -(-(start + n) // block_size)
+        b = torch.tensor(blocks[:nb], dtype=torch.long)
+        pos = torch.arange(start, start + n)
+        slot_chunks.append(b[pos // block_size] * block_size + pos % block_size)
+        (decodes if n == 1 and not prefills else prefills).append((start, n, b, None))
+    meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(device), block_size=block_size)
     if decodes:
-        L = max(s + n for s, n, _ in decodes)
-        gather = torch.zeros(len(decodes), L, dtype=torch.long)
-        mask = torch.full((len(decodes), 1, L), float("-inf"))
-        for i, (s, n, slots) in enumerate(decodes):
-            gather[i, : s + n] = slots
+        nb = max(len(b) for _, _, b, _ in decodes)
+        table = torch.zeros(len(decodes), nb, dtype=torch.long)
+        mask = torch.full((len(decodes), 1, nb * block_size), float("-inf"))
+        for i, (s, n, b, _) in enumerate(decodes):
+            table[i, : len(b)] = b
             mask[i, 0, : s + n] = 0.0
-        meta.num_decodes, meta.decode_len = len(decodes), L
-        meta.decode_gather = gather.flatten().to(device)
+        meta.num_decodes, meta.decode_len = len(decodes), nb * block_size
+        meta.decode_blocks = table.flatten().to(device)
         meta.decode_mask = mask.to(device)
     q_start = len(decodes)
-    for s, n, slots in prefills:
+    for s, n, b, _ in prefills:
         mask = None
         if s:
             # Query i sits at position s + i and sees keys 0..s+i.
             allowed = torch.arange(s + n)[None, :] <= (torch.arange(n)[:, None] + s)
             mask = torch.zeros(n, s + n, dtype=dtype).masked_fill_(~allowed, float("-inf")).to(device)
-        meta.prefills.append(PrefillChunk(q_start, n, s, slots.to(device), mask))
+        meta.prefills.append(PrefillChunk(q_start, n, s, b.to(device), mask))
         q_start += n
     return meta
 
@@ -84,16 +87,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if meta.num_decodes:
         D, L, G = meta.num_decodes, meta.decode_len, H // KVH
         qd = q[:D].view(D, KVH, G, Dh).transpose(0, 1).reshape(KVH * D, G, Dh)
-        k = k_cache.index_select(1, meta.decode_gather).view(KVH * D, L, Dh)
-        v = v_cache.index_select(1, meta.decode_gather).view(KVH * D, L, Dh)
+        bs = meta.block_size
+        kb, vb = k_cache.view(KVH, -1, bs, Dh), v_cache.view(KVH, -1, bs, Dh)
+        k = kb.index_select(1, meta.decode_blocks).view(KVH * D, L, Dh)
+        v = vb.index_select(1, meta.decode_blocks).view(KVH * D, L, Dh)
         s = torch.bmm(qd, k.transpose(1, 2)).view(KVH, D, G, L).float() * scale
         p = torch.softmax(s + meta.decode_mask, dim=-1).to(q.dtype).view(KVH * D, G, L)
         o = torch.bmm(p, v).view(KVH, D, G, Dh).transpose(0, 1).reshape(D, H, Dh)
         out[:D] = o
+    kb_ = k_cache.view(KVH, -1, meta.block_size, Dh)
+    vb_ = v_cache.view(KVH, -1, meta.block_size, Dh)
     for c in meta.prefills:
         qc = q[c.q_start:c.q_start + c.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, Dh]
-        k = k_cache.index_select(1, c.gather).unsqueeze(0)  # [1, KVH, ctx, Dh]
-        v = v_cache.index_select(1, c.gather).unsqueeze(0)
+        ctx = c.start_pos + c.q_len
+        k = kb_.index_select(1, c.blocks).view(1, KVH, -1, Dh)[:, :, :ctx]  # [1, KVH, ctx, Dh]
+        v = vb_.index_select(1, c.blocks).view(1, KVH, -1, Dh)[:, :, :ctx]
         o = F.scaled_dot_product_attention(qc, k, v, attn_mask=c.mask, is_causal=c.mask is None,
                                            scale=scale, enable_gqa=True)
         out[c.q_start:c.q_start + c.q_len] = o[0].transpose(0, 1)
