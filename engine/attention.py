@@ -36,6 +36,11 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, decode_len] additive
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # The same batch in the generic ragged form GPU kernels take: per sequence, its
+    # first query row, its context length after this step, and its block table.
+    query_start_loc: torch.Tensor | None = None  # [B + 1] int32
+    seq_lens: torch.Tensor | None = None  # [B] int32
+    block_tables: torch.Tensor | None = None  # [B, max blocks] int32, padded with 0
 
 
 def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int, dtype: torch.dtype,
@@ -49,6 +54,13 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int, dtyp
         slot_chunks.append(b[pos // block_size] * block_size + pos % block_size)
         (decodes if n == 1 and not prefills else prefills).append((start, n, b, None))
     meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(device), block_size=block_size)
+    lens = [n for _, n, _ in seqs]
+    meta.query_start_loc = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    meta.seq_lens = torch.tensor([s + n for s, n, _ in seqs], dtype=torch.int32).to(device)
+    tables = torch.zeros(len(seqs), max(len(b) for _, _, b in seqs), dtype=torch.int32)
+    for i, (_, _, b) in enumerate(seqs):
+        tables[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+    meta.block_tables = tables.to(device)
     if decodes:
         nb = max(len(b) for _, _, b, _ in decodes)
         table = torch.zeros(len(decodes), nb, dtype=torch.long)
