@@ -6,6 +6,7 @@ through a queue and are applied between steps, so the engine itself needs no loc
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -13,7 +14,7 @@ import uuid
 from typing import Any, AsyncIterator, Callable
 
 from .engine import LLMEngine, RequestOutput
-from .errors import EngineDeadError
+from .errors import EngineDeadError, InvalidRequestError
 from .request import AdapterRef, Lane, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,10 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # call() futures whose command has not completed: failed too if the loop stops
+        # first (a command queued as the loop exits would otherwise never run).
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
         self._stop = False
         self._dead: BaseException | None = None
         self._stats: dict[str, Any] = engine.stats()
@@ -85,6 +90,21 @@ class AsyncEngine:
     def _fail_all(self, exc: BaseException) -> None:
         for rid in list(self._streams):
             self._deliver(rid, exc)
+        for key in list(self._calls):
+            entry = self._calls.pop(key, None)
+            if entry is not None:
+                self._settle(*entry, exc=exc)
+
+    @staticmethod
+    def _settle(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
+                exc: BaseException | None = None) -> None:
+        def done() -> None:
+            if not fut.done():
+                fut.set_exception(exc) if exc is not None else fut.set_result(result)
+        try:
+            loop.call_soon_threadsafe(done)
+        except RuntimeError:
+            pass  # the caller's loop is closed; nobody is waiting
 
     def _submit(self, cmd: Callable[[], None]) -> None:
         if not self.is_running:
@@ -99,6 +119,10 @@ class AsyncEngine:
                        ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs. Closing the iterator early aborts the request."""
         rid = request_id or uuid.uuid4().hex
+        if rid in self._streams:
+            # Checked before registering: replacing the entry would hand the other stream's
+            # outputs to this one (and its error, or our abort, to the other request).
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
 
@@ -135,17 +159,26 @@ class AsyncEngine:
         """Run `fn(engine)` on the engine thread between steps (e.g. adapter changes)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
+        key = next(self._call_ids)
 
         def cmd() -> None:
             try:
                 result = fn(self.engine)
             except Exception as exc:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+                self._calls.pop(key, None)
+                self._settle(loop, fut, exc=exc)
             else:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+                self._calls.pop(key, None)
+                self._settle(loop, fut, result)
 
-        self._submit(cmd)
-        return await fut
+        # Registered before the liveness check in _submit, as streams are, so a loop that
+        # stops after the check still finds (and fails) this call.
+        self._calls[key] = (loop, fut)
+        try:
+            self._submit(cmd)
+            return await fut
+        finally:
+            self._calls.pop(key, None)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True

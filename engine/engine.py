@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -72,11 +74,23 @@ class LLMEngine:
                     request_id: str | None = None, lane: Lane | str = Lane.STANDARD,
                     adapter: str | AdapterRef | None = None, cache_salt: str = "") -> str:
         sampling = sampling or SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        if not math.isfinite(sampling.temperature):
+            # SamplingParams lets NaN through (NaN < 0 is false); it would sample garbage.
+            raise InvalidRequestError("temperature must be a finite number >= 0")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        # Integers only: 1.5 would pass the range check and be truncated by torch.
+        if not all(isinstance(t, numbers.Integral) for t in ids):
+            raise InvalidRequestError("prompt token ids must be integers")
+        ids = [int(t) for t in ids]
         if any(not 0 <= t < self.arch.vocab_size for t in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
         ref = self._adapter_ref(adapter)
         rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.scheduler.requests or rid in self._streams:
+            # The scheduler only asserts this; a reused id would cross two requests' streams.
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
         req = Request(rid, ids, sampling, Lane.parse(lane), ref, cache_salt,
                       eos_token_ids=tuple(self.tokenizer.eos_token_ids))
         self.scheduler.add_request(req)
@@ -173,7 +187,16 @@ class LLMEngine:
                  **kwargs) -> list[RequestOutput]:
         """Run prompts to completion; returns one cumulative output per prompt, in order."""
         params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
-        rids = [self.add_request(p, sp, **kwargs) for p, sp in zip(prompts, params)]
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        rids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                rids.append(self.add_request(p, sp, **kwargs))
+        except BaseException:
+            for rid in rids:  # all or nothing: no orphans left running in the engine
+                self.abort_request(rid)
+            raise
         results = {rid: RequestOutput(rid, [], "", False) for rid in rids}
         while self.has_unfinished_requests():
             for o in self.step():

@@ -9,6 +9,11 @@ from .request import SamplingParams
 
 Logprobs = tuple[float, list[tuple[int, float]]]  # (chosen token's logprob, top-n)
 
+# Below this temperature sampling is greedy (as in vLLM): logits / T overflows float32
+# to inf for T below ~1e-37, and softmax then turns the whole row into NaN (which
+# sampled token 0). Down here a draw differs from argmax only for near-exact ties.
+_MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SampleRow:
@@ -48,12 +53,14 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         for i, row in enumerate(rows):
             p = row.params
-            if p.greedy:
+            if p.greedy or not p.temperature >= _MIN_TEMPERATURE:  # (NaN is greedy too)
                 continue
             lg = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
             probs = torch.softmax(lg, dim=-1)
             # Exponential race (Gumbel-max equivalent): argmax(p / E) samples from p.
-            tokens[i] = torch.argmax(probs / self._noise(probs.shape[0], row))
+            # The noise is drawn on the CPU (the generators are CPU generators, so a seeded
+            # request draws the same on every device) and moved to the logits' device.
+            tokens[i] = torch.argmax(probs / self._noise(probs.shape[0], row).to(probs.device))
         out_tokens = tokens.tolist()
         logprobs: list[Logprobs | None] = [None] * len(rows)
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]

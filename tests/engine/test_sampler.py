@@ -1,0 +1,215 @@
+"""Sampler unit tests on hand-made logits: no model involved."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loraplex.engine.request import SamplingParams
+from loraplex.engine.sampler import Sampler, SampleRow, _filter_top_k_top_p
+
+
+def _row(output_index: int = 0, **kw) -> SampleRow:
+    return SampleRow(SamplingParams(**kw), output_index)
+
+
+def _logits(n_rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n_rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _draw(logits_row: torch.Tensor, n: int, **kw) -> list[int]:
+    """n samples of one distribution, each with its own seed (one batch of n rows)."""
+    rows = [_row(0, seed=s, **kw) for s in range(n)]
+    tokens, _ = Sampler().sample(logits_row.expand(n, -1).contiguous(), rows)
+    return tokens
+
+
+# -- greedy --------------------------------------------------------------------------
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=1.0, top_k=1),
+                                    dict(temperature=0.0, seed=3, top_p=0.5), dict(temperature=1e-40)])
+def test_greedy_is_argmax(params):
+    logits = _logits(8, 100)
+    tokens, logprobs = Sampler().sample(logits, [_row(i, **params) for i in range(8)])
+    assert tokens == logits.argmax(-1).tolist()
+    assert logprobs == [None] * 8
+
+
+def test_greedy_rows_beside_sampled_rows_stay_argmax():
+    logits = _logits(6, 50)
+    rows = [_row(0, temperature=0) if i % 2 == 0 else _row(0, temperature=2.0, seed=i) for i in range(6)]
+    tokens, _ = Sampler().sample(logits, rows)
+    assert tokens[::2] == logits[::2].argmax(-1).tolist()
+
+
+# -- top-k / top-p support --------------------------------------------------------------
+def test_top_k_restricts_support():
+    logits = _logits(1, 64, seed=5)[0]
+    top5 = set(torch.topk(logits, 5).indices.tolist())
+    # High temperature flattens the distribution, so sampling outside top-k would show.
+    seen = set(_draw(logits, 600, temperature=5.0, top_k=5))
+    assert seen <= top5
+    assert seen == top5, "every top-k token should appear at this temperature"
+
+
+def test_top_k_larger_than_vocab_is_no_filter():
+    logits = torch.zeros(10)
+    assert torch.equal(_filter_top_k_top_p(logits, 50, 1.0), logits)
+    assert len(set(_draw(logits, 400, top_k=50))) == 10
+
+
+# Probabilities 0.4, 0.3, 0.2, 0.1 placed in a scrambled vocab order so the sort matters.
+_PROBS = {7: 0.4, 2: 0.3, 9: 0.2, 4: 0.1}
+
+
+def _crafted(vocab: int = 12) -> torch.Tensor:
+    logits = torch.full((vocab,), -1e4)  # the other tokens: probability ~0
+    for tok, p in _PROBS.items():
+        logits[tok] = math.log(p)
+    return logits
+
+
+@pytest.mark.parametrize("top_p,support", [
+    (0.35, {7}),            # the top token alone reaches 0.35
+    (0.45, {7, 2}),         # 0.4 < 0.45 <= 0.7
+    (0.65, {7, 2}),
+    (0.75, {7, 2, 9}),      # 0.7 < 0.75 <= 0.9
+    (0.95, {7, 2, 9, 4}),
+    (1.0, set(range(12))),  # no filtering: every token keeps a (tiny) probability
+])
+def test_top_p_keeps_smallest_set_reaching_p(top_p, support):
+    filtered = _filter_top_k_top_p(_crafted(), 0, top_p)
+    assert {i for i, v in enumerate(filtered.tolist()) if v != float("-inf")} == support
+    if top_p < 1.0:
+        # Sampling sees exactly that support (each kept token has >= 10% renormalized mass).
+        assert set(_draw(_crafted(), 400, top_p=top_p)) == support
+
+
+def test_top_k_and_top_p_combine():
+    # top_k=2 leaves {7: 0.4, 2: 0.3} -> renormalized 0.571, 0.429; top_p=0.5 keeps only 7.
+    assert set(_draw(_crafted(), 200, top_k=2, top_p=0.5)) == {7}
+    assert set(_draw(_crafted(), 200, top_k=3, top_p=0.99)) == {7, 2, 9}
+
+
+def test_top_p_with_temperature_applies_after_scaling():
+    # At temperature 0.5 the probabilities sharpen to 16:9:4:1 (/30): 0.533, 0.3, ...
+    # top_p=0.5 then keeps only token 7; at temperature 1 it would keep 7 and 2.
+    assert set(_draw(_crafted(), 200, temperature=0.5, top_p=0.5)) == {7}
+    assert set(_draw(_crafted(), 200, temperature=1.0, top_p=0.5)) == {7, 2}
+
+
+# -- the sampled distribution ---------------------------------------------------------------
+def _chi2(counts: list[int], probs: torch.Tensor) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs.tolist()))
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.6])
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sampled_distribution_matches_softmax(temperature, seeded):
+    logits = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -1.5])
+    n = 6000
+    if seeded:
+        tokens = _draw(logits, n, temperature=temperature)
+    else:
+        rows = [_row(0, temperature=temperature) for _ in range(n)]
+        tokens, _ = Sampler(seed=123).sample(logits.expand(n, -1).contiguous(), rows)
+    counts = [tokens.count(i) for i in range(6)]
+    expected = torch.softmax(logits / temperature, -1)
+    # 5 degrees of freedom: chi2 > 25 has p ~ 1e-4. Fixed seeds make it deterministic.
+    assert _chi2(counts, expected) < 25, (counts, (expected * n).tolist())
+    # ...and the test can tell: the untempered (or wrongly tempered) distribution fails.
+    wrong = torch.softmax(logits / (temperature * 1.5), -1)
+    assert _chi2(counts, wrong) > 60
+
+
+def test_unseeded_rows_use_the_sampler_generator():
+    logits = torch.zeros(4, 1000)
+    rows = [_row(0) for _ in range(4)]
+    a, _ = Sampler(seed=1).sample(logits, rows)
+    b, _ = Sampler(seed=1).sample(logits, rows)
+    assert a == b, "the engine seed makes unseeded sampling reproducible per engine"
+    assert len(set(a)) > 1, "rows of one batch draw independent noise"
+
+
+# -- per-request seeds -------------------------------------------------------------------------
+def test_seeded_token_independent_of_batch_composition_and_order():
+    vocab = 1000
+    flat = torch.zeros(vocab)  # uniform: the token is decided by the noise alone
+    target = _row(3, seed=7, temperature=1.0)
+    alone, _ = Sampler(seed=0).sample(flat[None], [target])
+
+    others = [_row(0), _row(5, seed=9), _row(3, seed=8, top_k=10), _row(0, temperature=0)]
+    other_logits = _logits(len(others), vocab, seed=11)
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0], [2, 0], []):
+        for pos in range(len(order) + 1):
+            rows = [others[i] for i in order]
+            logit_rows = [other_logits[i] for i in order]
+            rows.insert(pos, target)
+            logit_rows.insert(pos, flat)
+            # A different engine seed and a used generator must not matter either.
+            sampler = Sampler(seed=pos + 100)
+            sampler.sample(_logits(2, vocab), [_row(0), _row(0)])
+            tokens, _ = sampler.sample(torch.stack(logit_rows), rows)
+            assert tokens[pos] == alone[0], (order, pos)
+
+
+def test_seeds_and_output_indices_change_the_draw():
+    flat = torch.zeros(1, 1000)
+    by_seed = {s: Sampler().sample(flat, [_row(0, seed=s)])[0][0] for s in range(20)}
+    assert len(set(by_seed.values())) >= 15, by_seed
+    by_index = {i: Sampler().sample(flat, [_row(i, seed=7)])[0][0] for i in range(20)}
+    assert len(set(by_index.values())) >= 15, by_index
+    # Same (seed, index) twice in one batch: the same token.
+    tokens, _ = Sampler().sample(flat.expand(2, -1), [_row(4, seed=7), _row(4, seed=7)])
+    assert tokens[0] == tokens[1] == by_index[4]
+
+
+def test_negative_and_huge_seeds_work():
+    flat = torch.zeros(1, 1000)
+    for seed in (-1, -(2 ** 70), 2 ** 64 + 5, 0):
+        a, _ = Sampler().sample(flat, [_row(0, seed=seed)])
+        b, _ = Sampler().sample(flat, [_row(0, seed=seed)])
+        assert a == b
+
+
+# -- logprobs --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=0.5, top_k=3, seed=1),
+                                    dict(temperature=1.3, top_p=0.8, seed=2)])
+def test_logprobs_are_of_the_raw_logits(params):
+    logits = _logits(3, 40, seed=2)
+    rows = [_row(i, logprobs=5, **params) for i in range(3)]
+    tokens, logprobs = Sampler().sample(logits, rows)
+    ref = torch.log_softmax(logits.double(), -1)
+    for i, (tok, lp) in enumerate(zip(tokens, logprobs)):
+        chosen, top = lp
+        assert chosen == pytest.approx(float(ref[i, tok]), abs=1e-5)
+        assert len(top) == 5
+        values = [v for _, v in top]
+        assert values == sorted(values, reverse=True)
+        want = torch.topk(ref[i], 5)
+        assert [t for t, _ in top] == want.indices.tolist()
+        assert values == pytest.approx(want.values.tolist(), abs=1e-5)
+        assert all(isinstance(t, int) and isinstance(v, float) for t, v in top)
+        if params.get("temperature") == 0:
+            assert top[0][0] == tok and top[0][1] == pytest.approx(chosen)
+
+
+def test_logprobs_zero_gives_only_the_chosen_token():
+    logits = _logits(2, 30, seed=4)
+    rows = [_row(0, temperature=0, logprobs=0), _row(0, temperature=0)]
+    tokens, logprobs = Sampler().sample(logits, rows)
+    chosen, top = logprobs[0]
+    assert top == []
+    assert chosen == pytest.approx(float(torch.log_softmax(logits[0], -1)[tokens[0]]), abs=1e-6)
+    assert logprobs[1] is None
+
+
+def test_logprobs_only_for_rows_that_ask():
+    logits = _logits(4, 30, seed=6)
+    rows = [_row(0, temperature=0), _row(0, temperature=0, logprobs=2), _row(0, temperature=0),
+            _row(0, temperature=0, logprobs=20)]
+    tokens, logprobs = Sampler().sample(logits, rows)
+    assert logprobs[0] is None and logprobs[2] is None
+    assert len(logprobs[1][1]) == 2 and len(logprobs[3][1]) == 20
+    assert logprobs[3][0] == pytest.approx(float(torch.log_softmax(logits[3], -1)[tokens[3]]), abs=1e-6)
