@@ -1,6 +1,7 @@
 """First-start conveniences for `loraplex serve`: the demo tenant and the demo adapters."""
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -32,37 +33,54 @@ def ensure_demo_tenant(db: Database) -> str | None:
     return create_key(db, DEMO_TENANT, name="demo key (printed at first start)")
 
 
-def find_demo_adapters() -> Path | None:
-    """The folder of demo adapters, one PEFT adapter per sub-folder, or None.
+def find_demo_adapters(settings: Settings) -> dict[str, Path]:
+    """HOOK: the demo adapters `serve` registers on start, name -> PEFT folder.
 
-    Looked up in $LORAPLEX_DEMO_ADAPTERS, then `demo_adapters/` beside the loraplex
-    packages (the repo root in a checkout, site-packages/loraplex when installed).
-    HOOK: the trained SmolLM2 demo adapters go in that folder; nothing else changes.
+    $LORAPLEX_DEMO_ADAPTERS (a folder with one adapter per sub-folder) wins. Otherwise,
+    for the default model only: `demo_adapters/` beside the loraplex packages if it
+    exists, else `loraplex.adapters.demo.ensure_demo_adapters` (trains them once per
+    machine, about a minute; needs peft), when that module is available.
     """
     env = os.environ.get(DEMO_ADAPTERS_ENV)
-    candidates = [Path(env).expanduser()] if env else []
-    candidates.append(Path(__file__).resolve().parent.parent / "demo_adapters")
-    for path in candidates:
-        if path.is_dir() and any((p / "adapter_config.json").is_file() for p in path.iterdir() if p.is_dir()):
-            return path
-    return None
+    if env:
+        return _subfolders(Path(env).expanduser())
+    if settings.engine.model.model != DEFAULT_MODEL:
+        return {}
+    shipped = _subfolders(Path(__file__).resolve().parent.parent / "demo_adapters")
+    if shipped or importlib.util.find_spec("loraplex.adapters.demo") is None:
+        return shipped
+    from loraplex.adapters import demo
+    from loraplex.engine.loader import resolve_model_dir
+
+    log.info("preparing the demo adapters (trained once per machine, about a minute)...")
+    try:
+        return dict(demo.ensure_demo_adapters(resolve_model_dir(DEFAULT_MODEL)))
+    except ImportError as exc:  # peft/transformers training extras not installed
+        log.warning("demo adapters skipped: %s (pip install 'loraplex[test]' to train them)", exc)
+    except Exception as exc:  # noqa: BLE001 - a demo convenience must not stop the server
+        log.warning("demo adapters skipped: %s", exc)
+    return {}
+
+
+def _subfolders(folder: Path) -> dict[str, Path]:
+    if not folder.is_dir():
+        return {}
+    return {p.name: p for p in sorted(folder.iterdir()) if (p / "adapter_config.json").is_file()}
 
 
 def register_demo_adapters(settings: Settings, db: Database, store: AdapterStore) -> list[str]:
-    """Register every demo adapter as public (the demo ones are made for the default model)."""
-    folder = find_demo_adapters()
-    if folder is None or settings.engine.model.model != DEFAULT_MODEL:
-        return []
-    known = {a.name: a for a in list_adapters(db)}
+    """Register every demo adapter not yet registered, as public."""
+    folders = find_demo_adapters(settings)
+    known = {a.name for a in list_adapters(db)}
     added = []
-    for sub in sorted(p for p in folder.iterdir() if (p / "adapter_config.json").is_file()):
-        if sub.name in known:
+    for name, path in folders.items():
+        if name in known:
             continue
         try:
-            add_adapter(db, store, sub.name, sub, public=True, reserved=(settings.model_name,))
-            added.append(sub.name)
+            add_adapter(db, store, name, path, public=True, reserved=(settings.model_name,))
+            added.append(name)
         except (AdapterError, PlatformError) as exc:
-            log.warning("demo adapter %s skipped: %s", sub.name, getattr(exc, "reason", exc))
+            log.warning("demo adapter %s skipped: %s", name, getattr(exc, "reason", exc))
     return added
 
 

@@ -25,7 +25,7 @@ from loraplex.platform.errors import RateLimitedError
 from loraplex.platform.gateway import RequestContext
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenants import create_key, create_tenant
-from tests.platform.fixtures import BACKENDS, fresh_db_url, pg_schema_url, tiny_adapters  # noqa: F401
+from tests.platform.fixtures import BACKENDS, empty_db_url, fresh_db_url, pg_schema_url, tiny_adapters  # noqa: F401
 
 torch.set_num_threads(1)
 MAX_MODEL_LEN = 256

@@ -1,0 +1,94 @@
+"""`loraplex serve` as a user runs it: migrate, demo tenant + key printed once, adapters, serve."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from tests.e2e.conftest import MAX_MODEL_LEN
+
+KEY_LINE = re.compile(r"^\s+(lpx_[0-9a-f]{12}_\S+)\s*$")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Serve:
+    def __init__(self, *args: str, env: dict) -> None:
+        self.port = _free_port()
+        cmd = [sys.executable, "-u", "-c", "from loraplex.platform.cli import main; main()", "serve",
+               "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise AssertionError("serve exited early:\n" + "".join(self.lines))
+            self.lines.append(line)
+            if "Uvicorn running" in line or "Application startup complete" in line:
+                return
+        raise AssertionError("serve did not start:\n" + "".join(self.lines))
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        self.lines.append(out)
+        assert "Application shutdown complete" in out, out  # a graceful shutdown
+        # uvicorn re-raises the signal it handled once shut down: -SIGTERM is a clean exit.
+        return 0 if self.proc.returncode == -signal.SIGTERM else self.proc.returncode
+
+    @property
+    def keys(self) -> list[str]:
+        return [m.group(1) for line in self.lines if (m := KEY_LINE.match(line))]
+
+
+def test_serve_first_start_and_restart(empty_db_url, tmp_path, tiny_llama_dir, tiny_adapters):
+    env = {**os.environ, "LORAPLEX_DEMO_ADAPTERS": str(tiny_adapters["ad1"].parent)}
+    args = ["--model", str(tiny_llama_dir), "--data-dir", str(tmp_path / "data"), "--database-url", empty_db_url,
+            "--dtype", "float32", "--threads", "1", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "64",
+            "--adapter", f"mine={tiny_adapters['ad2']}"]
+    first = Serve(*args, env=env)
+    try:
+        first.wait_ready()
+        assert len(first.keys) == 1, "".join(first.lines)
+        assert any(f"127.0.0.1:{first.port}/v1" in line for line in first.lines)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{first.port}/v1", api_key=first.keys[0], max_retries=0)
+        models = {m.id for m in client.models.list()}
+        assert models == {tiny_llama_dir.name, "ad1", "ad2", "ad3", "mine"}
+        r = client.chat.completions.create(model="mine", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert r.usage.completion_tokens >= 1
+    finally:
+        assert first.stop() == 0, "".join(first.lines)
+    second = Serve(*args, env=env)
+    try:
+        second.wait_ready()
+        assert second.keys == []  # the demo key is printed only on the first start
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{second.port}/v1", api_key=first.keys[0], max_retries=0)
+        assert client.completions.create(model=tiny_llama_dir.name, prompt="x", max_tokens=2).choices
+    finally:
+        assert second.stop() == 0
+
+
+def test_serve_bad_option_is_a_clean_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", "from loraplex.platform.cli import main; main()", "serve",
+                           "--model", str(tmp_path / "nope"), "--data-dir", str(tmp_path), "--no-demo"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "loraplex: error:" in proc.stderr and "nope" in proc.stderr
