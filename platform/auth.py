@@ -9,8 +9,9 @@ effect within that many seconds. Expiry (`expires_at`) is checked on every reque
 and is exact. Unknown keys are remembered for `auth_negative_ttl` seconds so a flood of
 bad keys cannot hammer the database; a key created meanwhile is unaffected (it is new).
 
-`last_used_at` is recorded in memory and written in one UPDATE per key every
-`last_used_flush_seconds` (and at shutdown), never per request.
+`last_used_at` is recorded in memory (a set of key ids) and written in one UPDATE for all
+keys used, every `last_used_flush_seconds` (and at shutdown), never per request; the
+stored time is therefore accurate to that interval.
 """
 from __future__ import annotations
 

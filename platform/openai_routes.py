@@ -3,6 +3,20 @@
 The same routes are mounted under /adapters/{adapter}/v1, where the adapter is implied
 and the body's `model` field is ignored, so an unmodified OpenAI client whose base URL
 points there needs no model name.
+
+`model` names the base model (its served name; omitted or "" also means the base) or an
+adapter the tenant may use. Unknown adapters and adapters of other tenants get the same
+404, so their existence does not leak.
+
+Lanes: a request runs in its tenant's lane. It may ask for a lower one with the
+`x-loraplex-lane` header or the `priority` field (interactive|standard|batch, or 0|1|2,
+0 highest); asking for a higher lane, or one the tenant is not allowed, is a 403
+(permission_error) rather than a silent cap, so a client learns its request did not get
+what it asked for. If both are given, the lower of the two applies.
+
+Extensions beyond OpenAI's fields: top_k (0 or -1: off), ignore_eos, min_tokens,
+stop_token_ids, priority. n must be 1; presence/frequency penalties, logit_bias, echo,
+best_of > 1, suffix and tools are refused with a 400 naming the field.
 """
 from __future__ import annotations
 
