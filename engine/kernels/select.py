@@ -1,0 +1,63 @@
+"""Which implementation runs the engine's kernels: "triton" or "torch"."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def select_backend(kernels: str, device: torch.device | str) -> str:
+    """`EngineConfig.kernels` ("auto" | "triton" | "torch") and the model's device -> backend.
+
+    "auto" is Triton on CUDA (when Triton is installed) and torch elsewhere. "triton"
+    forced on a CPU device runs Triton's interpreter, which must have been switched on
+    with TRITON_INTERPRET=1 before the kernel modules were imported: that is for tests.
+    """
+    if kernels not in BACKENDS:
+        raise ValueError(f"unknown kernels setting {kernels!r}; use one of {BACKENDS}")
+    device = torch.device(device)
+    if kernels == "torch":
+        return "torch"
+    if kernels == "auto":
+        if device.type != "cuda":
+            return "torch"
+        if not triton_available():
+            log.warning("CUDA device but Triton is not installed: running the torch kernels")
+            return "torch"
+        return "triton"
+    if not triton_available():
+        raise RuntimeError("kernels='triton' but Triton is not installed (pip install triton)")
+    if device.type != "cuda" and not interpreting():
+        raise RuntimeError(f"kernels='triton' on device {device.type!r} needs Triton's interpreter: "
+                           "set TRITON_INTERPRET=1 before starting (slow; for tests)")
+    return "triton"
+
+
+def attention_ops(backend: str) -> tuple[Callable, Callable]:
+    """(write_kv, paged_attention) for `backend`, both with engine/attention.py's signatures."""
+    if backend == "torch":
+        from ..attention import paged_attention, write_kv
+
+        return write_kv, paged_attention
+    if backend == "triton":
+        from .kv_write import triton_write_kv
+        from .paged_attention import triton_paged_attention
+
+        return triton_write_kv, triton_paged_attention
+    raise ValueError(f"unknown kernel backend {backend!r}")

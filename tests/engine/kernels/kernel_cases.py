@@ -1,0 +1,49 @@
+"""Shared builders for the kernel tests: ragged paged batches and random adapters."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import torch
+
+from loraplex.engine.attention import build_metadata
+
+
+def paged_batch(lens: list[tuple[int, int]], block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                dtype: torch.dtype, seed: int = 0, spare_blocks: int = 3):
+    """`lens`: (cached prefix, new query rows) per sequence, decodes first (the engine's order).
+
+    Returns q, k_cache, v_cache (the step's K/V already written), metadata, and the
+    `seqs` list `reference_attention` takes. Blocks are shuffled, so a sequence's
+    blocks are scattered through the cache as in a running engine."""
+    rnd = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(s + n) // block_size) for s, n in lens]
+    num_blocks = sum(need) + spare_blocks
+    ids = list(range(num_blocks))
+    rnd.shuffle(ids)
+    seqs, i = [], 0
+    for (s, n), nb in zip(lens, need):
+        seqs.append((s, n, ids[i:i + nb]))
+        i += nb
+    shape = (num_kv_heads, num_blocks * block_size, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    T = sum(n for _, n in lens)
+    q = torch.randn(T, num_heads, head_dim, generator=gen).to(dtype)
+    meta = build_metadata(seqs, block_size, dtype)
+    return q, k_cache, v_cache, meta, seqs
+
+
+def random_adapter(ranks: dict[str, int], in_sizes: dict[str, int], out_sizes: dict[str, int], num_layers: int,
+                   seed: int, scale: float = 0.5):
+    """An object shaped like loraplex.adapters' LoRAAdapter, as `pack_adapter` reads it:
+    `.weights[(layer, module)]` with `.a [rank, in]`, `.b [out, rank]`, `.scale`, `.rank`."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(num_layers):
+        for module, r in ranks.items():
+            a = torch.randn(r, in_sizes[module], generator=gen) / in_sizes[module] ** 0.5
+            b = torch.randn(out_sizes[module], r, generator=gen) / r ** 0.5
+            weights[(layer, module)] = SimpleNamespace(a=a, b=b, scale=scale, rank=r)
+    return SimpleNamespace(weights=weights)

@@ -1,0 +1,45 @@
+"""Backend selection: Triton on CUDA, torch elsewhere, a setting forces either."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.engine.attention import paged_attention, write_kv
+from loraplex.engine.kernels.select import attention_ops, select_backend
+
+
+def test_auto_is_torch_on_cpu():
+    assert select_backend("auto", "cpu") == "torch"
+    assert select_backend("torch", "cpu") == "torch"
+
+
+def test_auto_on_cuda(monkeypatch):
+    pytest.importorskip("triton")
+    assert select_backend("auto", torch.device("cuda", 0)) == "triton"
+    monkeypatch.setattr("loraplex.engine.kernels.select.triton_available", lambda: False)
+    assert select_backend("auto", "cuda") == "torch"
+
+
+def test_forced_triton(monkeypatch):
+    pytest.importorskip("triton")
+    assert select_backend("triton", "cpu") == "triton"  # conftest switched the interpreter on
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        select_backend("triton", "cpu")
+    monkeypatch.setattr("loraplex.engine.kernels.select.triton_available", lambda: False)
+    with pytest.raises(RuntimeError, match="not installed"):
+        select_backend("triton", "cuda")
+
+
+def test_unknown_setting():
+    with pytest.raises(ValueError, match="unknown kernels"):
+        select_backend("cuda", "cpu")
+
+
+def test_attention_ops():
+    assert attention_ops("torch") == (write_kv, paged_attention)
+    pytest.importorskip("triton")
+    from loraplex.engine.kernels.kv_write import triton_write_kv
+    from loraplex.engine.kernels.paged_attention import triton_paged_attention
+
+    assert attention_ops("triton") == (triton_write_kv, triton_paged_attention)
