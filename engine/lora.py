@@ -102,6 +102,9 @@ class LoRAManager:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="loraplex-lora-load")
         self.slots: list[list[dict[str, PackedGroup]] | None] = [None] * self.config.max_loras
         self.slot_refs: list[AdapterRef | None] = [None] * self.config.max_loras
+        # When the Triton kernels run LoRA, the runner sets this to a
+        # kernels.lora_kernels.StackedLoRAWeights: slots are mirrored into it, batches use it.
+        self.kernel_weights = None
 
     def bind(self, arch, dtype: torch.dtype, device: torch.device) -> None:
         q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
@@ -189,6 +192,8 @@ class LoRAManager:
                 adapter = self.store.load(ref.digest, dtype=self.dtype)
             self.slots[slot] = pack_adapter(adapter, self.out_sizes, self.num_layers, self.dtype, self.device)
             self.slot_refs[slot] = ref
+            if self.kernel_weights is not None:
+                self.kernel_weights.set_slot(slot, self.slots[slot])
 
     def batch(self, seqs: list[tuple[int, int]]) -> LoRABatch | None:
         """`seqs`: (num tokens, slot) in batch order -> segments of equal slot."""
@@ -201,7 +206,11 @@ class LoRAManager:
                 else:
                     segments.append((row, row + n, slot))
             row += n
-        return LoRABatch(self.slots, segments) if segments else None
+        if not segments:
+            return None
+        if self.kernel_weights is not None:
+            return self.kernel_weights.batch(segments)
+        return LoRABatch(self.slots, segments)
 
     def tiers(self) -> dict[str, list[str]]:
         """Where each adapter is now: device slots, CPU tier (digests)."""

@@ -7,6 +7,7 @@ import torch
 
 from .attention import build_metadata
 from .config import EngineConfig
+from .kernels.select import attention_ops, select_backend
 from .loader import ModelArch, load_state_dict
 from .models.llama import LlamaModel
 from .request import Request
@@ -30,6 +31,8 @@ class ModelRunner:
         self.arch = arch
         self.dtype = DTYPES[config.model.dtype]
         self.device = torch.device(config.model.device)
+        # "triton" or "torch" for attention, KV writes and LoRA (EngineConfig.kernels).
+        self.kernels = select_backend(config.kernels, self.device)
         self.block_size = config.cache.block_size
         with torch.device("meta"):
             model = LlamaModel(arch)
@@ -45,8 +48,15 @@ class ModelRunner:
         ]
         self.sampler = Sampler(config.seed)
         self.lora = lora_manager
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
-                 self.num_blocks * kv_bytes_per_block(arch, self.block_size, self.dtype) / 2**20)
+        if self.kernels == "triton":
+            from .kernels.lora_kernels import StackedLoRAWeights
+
+            self.model.set_attention_ops(*attention_ops("triton"))
+            if lora_manager is not None:
+                lora_manager.kernel_weights = StackedLoRAWeights.for_arch(
+                    arch, config.lora.max_loras, config.lora.max_lora_rank, self.dtype, self.device)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB); %s kernels", self.num_blocks, self.block_size,
+                 self.num_blocks * kv_bytes_per_block(arch, self.block_size, self.dtype) / 2**20, self.kernels)
 
     def _num_blocks(self) -> int:
         c = self.config.cache

@@ -50,6 +50,8 @@ class LlamaLayer(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, h, bias=False)
         self.input_layernorm = nn.Parameter(torch.ones(h))
         self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+        # KV write and attention: the torch path unless the runner picks the Triton kernels.
+        self.write_kv, self.attn_impl = write_kv, paged_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, lora: LoRAHook | None) -> torch.Tensor:
@@ -63,8 +65,8 @@ class LlamaLayer(nn.Module):
         q = apply_rope(q.view(T, a.num_heads, a.head_dim), cos, sin)
         k = apply_rope(k.view(T, a.num_kv_heads, a.head_dim), cos, sin)
         v = v.view(T, a.num_kv_heads, a.head_dim)
-        write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
-        o = paged_attention(q, kv[0], kv[1], meta, a.head_dim ** -0.5).reshape(T, self.q_size)
+        self.write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
+        o = self.attn_impl(q, kv[0], kv[1], meta, a.head_dim ** -0.5).reshape(T, self.q_size)
         attn = self.o_proj(o)
         if lora is not None:
             lora.apply(L, "o", o, attn)
@@ -91,6 +93,11 @@ class LlamaModel(nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         # Not a buffer: it must stay fp32 when the model is cast to bf16, as in transformers.
         self.inv_freq: torch.Tensor | None = None
+
+    def set_attention_ops(self, write_kv_fn, attention_fn) -> None:
+        """Use these (engine/kernels/select.py `attention_ops`) for KV writes and attention."""
+        for layer in self.layers:
+            layer.write_kv, layer.attn_impl = write_kv_fn, attention_fn
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq is None or self.inv_freq.device != positions.device:
