@@ -27,8 +27,16 @@ from loraplex.platform.settings import Settings
 from loraplex.platform.tenants import create_key, create_tenant
 from tests.platform.fixtures import BACKENDS, empty_db_url, fresh_db_url, pg_schema_url, tiny_adapters  # noqa: F401
 
-torch.set_num_threads(1)
 MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    # The machine's cores are shared: one torch thread in these tests, restored afterwards.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 class LiveServer:
