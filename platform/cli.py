@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="register a PEFT adapter (public); repeatable")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--no-demo", action="store_true", help="do not create the demo tenant")
+    serve.add_argument("--no-demo", action="store_true", help="no demo tenant, no demo adapters")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
     _engine_options(serve)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import sys
+import threading
 
 from .adapter_registry import add_adapter, list_adapters, open_store
 from .db import Database, migrate
@@ -69,6 +70,26 @@ def adapter_list(db: Database) -> int:
     return 0
 
 
+def _demo_adapters_in_background(settings: Settings, register) -> threading.Thread:
+    """Demo adapters may need training (about a minute, once per machine): the server
+    starts at once and they appear in /v1/models when ready."""
+
+    def run() -> None:
+        db = Database(settings.db_url)
+        try:
+            added = register(settings, db, open_store(settings))
+            if added:
+                log.info("demo adapters ready: %s", ", ".join(added))
+        except Exception:  # noqa: BLE001 - a demo convenience must not stop the server
+            log.exception("registering the demo adapters failed")
+        finally:
+            db.dispose()
+
+    thread = threading.Thread(target=run, name="loraplex-demo-adapters", daemon=True)
+    thread.start()
+    return thread
+
+
 def serve(settings: Settings, access_log: bool = False) -> int:
     import uvicorn
 
@@ -77,12 +98,12 @@ def serve(settings: Settings, access_log: bool = False) -> int:
     from .engine_factory import build_engine
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     db = open_db(settings)
+    log.info("database %s migrated to the latest schema", Database.display_url(settings.db_url))
     try:
         demo_key = ensure_demo_tenant(db) if settings.create_demo_tenant else None
-        store = open_store(settings)
-        register_demo_adapters(settings, db, store)
-        register_cli_adapters(settings, db, store)
+        register_cli_adapters(settings, db, open_store(settings))
         adapters = [a.name for a in list_adapters(db)]
     finally:
         db.dispose()
@@ -95,6 +116,8 @@ def serve(settings: Settings, access_log: bool = False) -> int:
     _out(f"loraplex: data in {settings.data_dir}; database {Database.display_url(settings.db_url)}")
     if demo_key:
         _out(f"loraplex: demo tenant 'demo' created; its API key (shown only this once):\n\n    {demo_key}\n")
+    if settings.create_demo_tenant:
+        _demo_adapters_in_background(settings, register_demo_adapters)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, access_log=access_log,
                             timeout_graceful_shutdown=30, log_level="info")
     try:

@@ -70,8 +70,11 @@ def test_serve_first_start_and_restart(empty_db_url, tmp_path, tiny_llama_dir, t
         assert len(first.keys) == 1, "".join(first.lines)
         assert any(f"127.0.0.1:{first.port}/v1" in line for line in first.lines)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{first.port}/v1", api_key=first.keys[0], max_retries=0)
-        models = {m.id for m in client.models.list()}
-        assert models == {tiny_llama_dir.name, "ad1", "ad2", "ad3", "mine"}
+        expected = {tiny_llama_dir.name, "ad1", "ad2", "ad3", "mine"}
+        deadline = time.monotonic() + 60  # demo adapters are registered in the background
+        while {m.id for m in client.models.list()} != expected and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert {m.id for m in client.models.list()} == expected
         r = client.chat.completions.create(model="mine", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
         assert r.usage.completion_tokens >= 1
     finally:
