@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from loraplex.engine.request import Lane
@@ -28,6 +28,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 class Metrics:
     def __init__(self, model_name: str, stats: Callable[[], dict], max_lora: int) -> None:
+        disable_created_metrics()  # no *_created series (process-wide; vLLM does the same)
         self.model_name = model_name
         self.max_lora = max_lora
         self.registry = r = CollectorRegistry()
