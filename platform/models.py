@@ -115,3 +115,8 @@ class AdapterGrant(Base):
 
     adapter: Mapped[Adapter] = relationship(back_populates="grants")
     tenant: Mapped[Tenant] = relationship()
+
+
+# Tables defined in other modules register on Base.metadata here, so create_all,
+# Alembic and the migration tests see every table.
+from . import audit as _audit  # noqa: E402,F401

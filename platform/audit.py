@@ -1,0 +1,48 @@
+"""The admin audit log: one row per change made through the admin API (who, what, when).
+
+`who` is the admin credential that made the change ("token:<id>" for a Bearer token,
+"session:<id>" for a browser session signed in with that token), `action` a dotted verb
+("tenant.create", "key.revoke", "adapter.upload", ...), `target` what it changed
+("tenant:acme", "key:lpx_ab12", "adapter:sql-helper") and `details` a small JSON object
+(never secrets).
+"""
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import JSON, Integer, String, select
+from sqlalchemy.orm import Mapped, Session, mapped_column
+
+from .models import Base, UTCDateTime, utcnow
+
+
+class AuditEntry(Base):
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(64), index=True)
+    target: Mapped[str] = mapped_column(String(200), default="")
+    details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+def record(s: Session, actor: str, action: str, target: str = "", **details: Any) -> AuditEntry:
+    """Add an audit row in the caller's transaction: it commits (or rolls back) with the change."""
+    entry = AuditEntry(actor=actor, action=action, target=target, details=details, created_at=utcnow())
+    s.add(entry)
+    return entry
+
+
+def entries(s: Session, *, limit: int = 100, before_id: int | None = None,
+            action: str | None = None, target: str | None = None) -> list[AuditEntry]:
+    """Newest first; `before_id` pages back."""
+    q = select(AuditEntry).order_by(AuditEntry.id.desc()).limit(limit)
+    if before_id is not None:
+        q = q.where(AuditEntry.id < before_id)
+    if action:
+        q = q.where(AuditEntry.action == action)
+    if target:
+        q = q.where(AuditEntry.target == target)
+    return list(s.scalars(q))
