@@ -18,6 +18,8 @@ requests) belong to no tile and are never read or written.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -126,10 +128,16 @@ def column_tiles(widths: list[int], block_n: int, device) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int32).reshape(-1, 3).to(device)
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _split_k(num_programs: int, k: int, device: torch.device) -> int:
+    """K splits so that a small batch (few row tiles) still fills the GPU's SMs."""
     if device.type != "cuda":
         return 1
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    target = 2 * _num_sms(device)
     split = 1
     while num_programs * split * 2 <= target and k // (split * 2) >= 512 and split < 16:
         split *= 2
