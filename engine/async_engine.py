@@ -53,6 +53,7 @@ class AsyncEngine:
             while not self._stop:
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
+                    self._stats = self.engine.stats()  # aborts while idle show at once
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
