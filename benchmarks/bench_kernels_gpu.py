@@ -147,14 +147,15 @@ def kernel_benchmarks(device: torch.device, smoke: bool, peak_gbs: float | None,
     print(f"{'kernel':<22} {'shape':<44} {'ms':>8} {'GB/s':>8} {'%bw':>6} {'TFLOP/s':>7} {'%peak':>6} "
           f"{'torch ms':>9} {'speedup':>7}  max|err|")
 
-    # KV write: a decode step's 512 tokens into a 256k-slot cache (Llama-3-8B: 8 KV heads x 128).
-    T, KVH, D, slots = 512 // s, 8, 128, (1 << 18) // s
-    kc, vc = (torch.zeros(KVH, slots, D, dtype=dtype, device=device) for _ in range(2))
-    k, v = (torch.randn(T, KVH, D, dtype=dtype, device=device) for _ in range(2))
-    sm = torch.randperm(slots, device=device)[:T]
-    record("kv_write", f"T={T} kv_heads={KVH} d={D}", lambda: triton_write_kv(kc, vc, k, v, sm),
-           lambda: reference_write_kv(kc, vc, k, v, sm), 4 * T * KVH * D * isz, 0)
-    del kc, vc
+    def kv_write_case(T, KVH, D, slots):
+        kc, vc = (torch.zeros(KVH, slots, D, dtype=dtype, device=device) for _ in range(2))
+        k, v = (torch.randn(T, KVH, D, dtype=dtype, device=device) for _ in range(2))
+        sm = torch.randperm(slots, device=device)[:T]
+        record("kv_write", f"T={T} kv_heads={KVH} d={D}", lambda: triton_write_kv(kc, vc, k, v, sm),
+               lambda: reference_write_kv(kc, vc, k, v, sm), 4 * T * KVH * D * isz, 0)
+
+    # A decode step's 512 tokens into a 256k-slot cache (Llama-3-8B: 8 KV heads x 128).
+    kv_write_case(512 // s, 8, 128, (1 << 18) // s)
 
     def attention_case(name, lens, H, KVH, D, bs=16):
         nb = [-(-(p + n) // bs) for p, n in lens]
@@ -337,7 +338,7 @@ def engine_throughput(model_dir: Path, store_root: Path, adapters: dict[str, Pat
     result = {"tok_s": n / elapsed, "tokens": n, "seconds": elapsed}
     if manager is not None:
         manager.close()
-    del engine, manager
+    engine.runner.kv_caches.clear()  # free the KV cache before the next engine is built
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -128,7 +128,7 @@ def column_tiles(widths: list[int], block_n: int, device) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int32).reshape(-1, 3).to(device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
