@@ -120,3 +120,4 @@ class AdapterGrant(Base):
 # Tables defined in other modules register on Base.metadata here, so create_all,
 # Alembic and the migration tests see every table.
 from . import audit as _audit  # noqa: E402,F401
+from . import usage_models as _usage_models  # noqa: E402,F401  (quotas, metering: issue 5)
