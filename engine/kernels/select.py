@@ -14,7 +14,10 @@ BACKENDS = ("auto", "triton", "torch")
 
 
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def interpreting() -> bool:
