@@ -6,6 +6,7 @@ database: an adapter is public, owned by one tenant, and/or granted to tenants.
 """
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from loraplex.adapters import AdapterStore, BaseShapes
 from loraplex.adapters.errors import AdapterNotFoundError
 
 from .db import Database
-from .errors import BadRequestError, ConflictError
+from .errors import BadRequestError, ConflictError, NotFoundError
 from .models import Adapter, AdapterGrant, utcnow
 from .settings import Settings
 from .tenants import get_tenant
@@ -36,6 +37,8 @@ class AdapterInfo:
     owner: str | None
     public: bool
     grants: tuple[str, ...]
+    created_at: dt.datetime | None = None
+    updated_at: dt.datetime | None = None
 
 
 def add_adapter(db: Database, store: AdapterStore, name: str, path: str | Path, *, public: bool = False,
@@ -83,7 +86,8 @@ def _in_store(store: AdapterStore, name: str) -> bool:
 
 def _info(row: Adapter) -> AdapterInfo:
     grants = tuple(sorted(g.tenant.name for g in row.grants))
-    return AdapterInfo(row.name, row.digest, row.owner.name if row.owner else None, row.public, grants)
+    return AdapterInfo(row.name, row.digest, row.owner.name if row.owner else None, row.public, grants,
+                       row.created_at, row.updated_at)
 
 
 def list_adapters(db: Database) -> list[AdapterInfo]:
@@ -107,3 +111,56 @@ def adapters_for_tenant(s, tenant_id: int) -> list[str]:
     q = select(Adapter.name).where(or_(Adapter.public.is_(True), Adapter.owner_tenant_id == tenant_id,
                                        Adapter.id.in_(granted)))
     return sorted(s.scalars(q).all())
+
+
+def _row(s, name: str) -> Adapter:
+    row = s.scalars(select(Adapter).where(Adapter.name == name)).first()
+    if row is None:
+        raise NotFoundError(f"no adapter named {name!r}")
+    return row
+
+
+def adapter_info(db: Database, name: str) -> AdapterInfo:
+    with db.session() as s:
+        return _info(_row(s, name))
+
+
+def set_adapter_access(db: Database, name: str, *, public: bool | None = None,
+                       owner: str | None | bool = False) -> AdapterInfo:
+    """Make an adapter public or private, and/or set its owner (None: no owner; False: unchanged)."""
+    with db.session() as s:
+        row = _row(s, name)
+        if public is not None:
+            row.public = public
+        if owner is not False:
+            row.owner_tenant_id = get_tenant(s, owner).id if owner else None
+        row.updated_at = utcnow()
+        s.flush()
+        s.refresh(row)
+        return _info(row)
+
+
+def revoke_grant(db: Database, name: str, tenant: str) -> bool:
+    """Take `tenant`'s grant of adapter `name` away; False when it had none."""
+    with db.session() as s:
+        row = _row(s, name)
+        t = get_tenant(s, tenant)
+        grant = s.get(AdapterGrant, (row.id, t.id))
+        if grant is None:
+            return False
+        s.delete(grant)
+        return True
+
+
+def remove_adapter(db: Database, store: AdapterStore, name: str) -> AdapterInfo:
+    """Unregister `name`: no tenant may use it from then on, then its files leave the store
+    (requests already running with it finish with the weights they loaded)."""
+    with db.session() as s:
+        row = _row(s, name)
+        info = _info(row)
+        s.delete(row)
+    try:
+        store.remove(name)
+    except AdapterNotFoundError:
+        pass
+    return info

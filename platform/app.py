@@ -13,6 +13,7 @@ from starlette.routing import Mount, Route
 
 from loraplex.engine.async_engine import AsyncEngine
 
+from .admin_api import AdminState, admin_routes, openapi
 from .auth import Authenticator
 from .db import Database
 from .engine_factory import build_engine
@@ -69,6 +70,7 @@ def create_app(settings: Settings, engine: AsyncEngine | None = None, *, hooks: 
                              settings.last_used_flush_seconds)
         m = Metrics(settings.model_name, eng.stats, settings.engine.lora.max_loras)
         gw = app.state.gateway = Gateway(settings, eng, auth, m, hooks)
+        app.state.admin = AdminState.create(settings, db, gw)
         auth.start()
         try:
             yield
@@ -88,5 +90,8 @@ def create_app(settings: Settings, engine: AsyncEngine | None = None, *, hooks: 
         Route("/metrics", metrics, methods=["GET"]),
         Mount("/v1", routes=openai_routes()),
         Mount("/adapters/{adapter}/v1", routes=openai_routes()),
+        *admin_routes(),  # /admin/api/... (JSON) and /admin/ (the UI)
     ]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app.state.admin_openapi = openapi()
+    return app

@@ -72,6 +72,22 @@ class ShuttingDownError(PlatformError):
     """The server is draining: new requests are refused."""
 
 
+class AdminAuthenticationError(AuthenticationError):
+    """Admin API: no admin token or session, or a wrong or expired one."""
+
+
+class CsrfError(PermissionDeniedError):
+    """Admin API: a change made with a session cookie lacks the session's CSRF token."""
+
+
+class PayloadTooLargeError(PlatformError):
+    """A request body (an adapter upload) is over its size limit."""
+
+
+class UnsupportedMediaTypeError(PlatformError):
+    """A request body of a content type the endpoint does not take."""
+
+
 @dataclass
 class ApiError:
     status: int
@@ -94,8 +110,13 @@ def api_error(exc: BaseException) -> ApiError:
         return ApiError(413, msg, "invalid_request_error", "context_length_exceeded")
     if isinstance(exc, (InvalidRequestError, AdapterValidationError, InvalidAdapterNameError)):
         return ApiError(400, getattr(exc, "reason", msg), "invalid_request_error")
+    if isinstance(exc, AdminAuthenticationError):  # before its base class
+        return ApiError(401, msg, "authentication_error", "invalid_admin_credentials",
+                        headers={"WWW-Authenticate": 'Bearer realm="loraplex-admin"'})
     if isinstance(exc, AuthenticationError):
         return ApiError(401, msg, "authentication_error", "invalid_api_key")
+    if isinstance(exc, CsrfError):  # before its base class
+        return ApiError(403, msg, "permission_error", "csrf_failed")
     if isinstance(exc, PermissionDeniedError):
         return ApiError(403, msg, "permission_error", "permission_denied")
     if isinstance(exc, ModelNotFoundError):
@@ -108,6 +129,10 @@ def api_error(exc: BaseException) -> ApiError:
         return ApiError(404, msg, "not_found_error", "not_found")
     if isinstance(exc, ConflictError):
         return ApiError(409, msg, "invalid_request_error", "conflict")
+    if isinstance(exc, PayloadTooLargeError):
+        return ApiError(413, msg, "invalid_request_error", "payload_too_large")
+    if isinstance(exc, UnsupportedMediaTypeError):
+        return ApiError(415, msg, "invalid_request_error", "unsupported_media_type")
     if isinstance(exc, RateLimitedError):
         retry = str(max(1, int(round(exc.retry_after))))
         return ApiError(429, msg, "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": retry})

@@ -42,6 +42,11 @@ class Settings:
     last_used_flush_seconds: float = 30.0
     # `serve`: create the demo tenant (and print its key) on first start.
     create_demo_tenant: bool = True
+    # The admin API's token; None: $LORAPLEX_ADMIN_TOKEN, else the one `serve` generated
+    # at first start (its hash is in <data_dir>/admin-token.sha256). See admin_auth.py.
+    admin_token: str | None = None
+    # Adapter uploads through the admin API larger than this are refused (413).
+    admin_max_upload_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
