@@ -22,6 +22,7 @@ from .gateway import Gateway, Hooks
 from .metrics import CONTENT_TYPE, Metrics
 from .openai_routes import openai_routes
 from .settings import Settings
+from .usage_hooks import UsageHooks
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +70,22 @@ def create_app(settings: Settings, engine: AsyncEngine | None = None, *, hooks: 
         auth = Authenticator(db, settings.auth_cache_ttl, settings.auth_negative_ttl,
                              settings.last_used_flush_seconds)
         m = Metrics(settings.model_name, eng.stats, settings.engine.lora.max_loras)
-        gw = app.state.gateway = Gateway(settings, eng, auth, m, hooks)
+        # No hooks passed in: quotas and metering (usage_hooks.py), owned by the app.
+        usage = app.state.usage = UsageHooks(settings) if hooks is None else None
+        if usage is not None:
+            await usage.start()
+        gw = app.state.gateway = Gateway(settings, eng, auth, m, hooks if hooks is not None else usage)
         app.state.admin = AdminState.create(settings, db, gw)
         auth.start()
         try:
             yield
         finally:
             gw.draining = True
+            if usage is not None:
+                try:
+                    await usage.close()  # finishes what is still open, flushes the usage writer
+                except Exception:  # noqa: BLE001 - must not block shutdown
+                    log.exception("closing quotas/metering failed")
             try:
                 await auth.close()
             except Exception:  # noqa: BLE001 - a DB hiccup at exit must not block shutdown

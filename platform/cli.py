@@ -47,6 +47,40 @@ def _default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) // 2) if hasattr(os, "sched_getaffinity") else 1
 
 
+_CLEAR = ("none", "off", "unlimited", "clear")
+
+
+def _limit_arg(text: str) -> int | None:
+    """A limit: a whole number >= 0, or none/off/unlimited to clear it."""
+    if text.strip().lower() in _CLEAR:
+        return None
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a limit: {text!r} (use a whole number, or 'none' to clear it)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a limit must be >= 0, got {value}")
+    return value
+
+
+def _quota_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("quotas (a number, or 'none' to clear a limit; changes apply within 5 s)")
+    g.add_argument("--rpm", type=_limit_arg, default=argparse.SUPPRESS, metavar="N", help="requests per minute")
+    g.add_argument("--tpm", type=_limit_arg, default=argparse.SUPPRESS, metavar="N",
+                   help="tokens per minute (prompt + max_tokens reserved at admission, settled to actual use)")
+    g.add_argument("--max-concurrency", type=_limit_arg, default=argparse.SUPPRESS, metavar="N",
+                   help="requests in flight at once")
+    g.add_argument("--token-budget", type=_limit_arg, default=argparse.SUPPRESS, metavar="N",
+                   help="tokens per budget period (hard limit)")
+    g.add_argument("--budget-period", choices=("day", "month"), default=argparse.SUPPRESS,
+                   help="the budget's period, UTC (default month)")
+
+
+def _quota_values(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ("rpm", "tpm", "max_concurrency", "token_budget", "budget_period")
+            if hasattr(args, k)}
+
+
 def _db_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=None, help=f"data folder (default {default_data_dir()})")
     p.add_argument("--database-url", default=None,
@@ -92,7 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--lane", default="standard", help="interactive, standard or batch (default standard)")
     tc.add_argument("--allowed-lanes", default=None, help="comma-separated lanes it may ask for (default: "
                     "its lane and every lower one)")
+    _quota_options(tc)
     _db_options(tc)
+    tu = tenant.add_parser("update", help="change a tenant's quotas (or one of its keys')")
+    tu.add_argument("name")
+    tu.add_argument("--key", default=None, metavar="PREFIX", help="set the quotas of this API key, not the tenant's")
+    tu.add_argument("--clear-quotas", action="store_true", help="remove every limit (before applying the others)")
+    _quota_options(tu)
+    _db_options(tu)
+    ts = tenant.add_parser("show", help="a tenant's quotas and where it stands against them")
+    ts.add_argument("name")
+    _db_options(ts)
     _db_options(tenant.add_parser("list", help="list tenants"))
 
     key = sub.add_parser("key", help="manage API keys").add_subparsers(dest="action", required=True)
@@ -117,6 +161,28 @@ def build_parser() -> argparse.ArgumentParser:
     aa.add_argument("--model", default="default", help="the base model it must fit (default: SmolLM2)")
     _db_options(aa)
     _db_options(adapter.add_parser("list", help="list adapters"))
+
+    usage = sub.add_parser("usage", help="usage and billing export").add_subparsers(dest="action", required=True)
+    ue = usage.add_parser("export", help="export usage for billing (to stdout, or --output FILE)",
+                          description="Times are UTC ISO 8601 dates (2026-01-01) or times (2026-01-01T10:00:00Z); "
+                                      "the range is [--from, --to). Events count at the time their request finished.")
+    ue.add_argument("--from", dest="start", required=True, metavar="T", help="start (inclusive)")
+    ue.add_argument("--to", dest="end", required=True, metavar="T", help="end (exclusive)")
+    ue.add_argument("--tenant", default=None, metavar="NAME")
+    ue.add_argument("--format", choices=("csv", "jsonl", "cloudevents"), default="csv")
+    ue.add_argument("--granularity", choices=("event", "hour", "day"), default="event",
+                    help="one record per request (default), or per tenant, adapter and hour/day")
+    ue.add_argument("--source", default=None, help="CloudEvents source (default //loraplex/usage)")
+    ue.add_argument("--include-open", action="store_true",
+                    help="cloudevents aggregates: include periods not over yet (their ids repeat when re-exported)")
+    ue.add_argument("--output", "-o", default=None, metavar="FILE", help="write here (atomically) instead of stdout")
+    _db_options(ue)
+    us = usage.add_parser("show", help="usage per tenant and adapter (from the hourly rollups)")
+    us.add_argument("--from", dest="start", required=True, metavar="T")
+    us.add_argument("--to", dest="end", required=True, metavar="T")
+    us.add_argument("--tenant", default=None, metavar="NAME")
+    us.add_argument("--granularity", choices=("hour", "day", "total"), default="total")
+    _db_options(us)
     return parser
 
 
@@ -175,7 +241,17 @@ def _dispatch(args: argparse.Namespace) -> int:
     try:
         if args.command == "tenant" and args.action == "create":
             allowed = args.allowed_lanes.split(",") if args.allowed_lanes else None
-            return commands.tenant_create(db, args.name, args.lane, allowed)
+            return commands.tenant_create(db, args.name, args.lane, allowed, _quota_values(args))
+        if args.command == "tenant" and args.action == "update":
+            return commands.tenant_update(db, args.name, args.key, _quota_values(args), clear=args.clear_quotas)
+        if args.command == "tenant" and args.action == "show":
+            return commands.tenant_show(db, args.name)
+        if args.command == "usage" and args.action == "export":
+            return commands.usage_export(db, args.start, args.end, tenant=args.tenant, fmt=args.format,
+                                         granularity=args.granularity, source=args.source,
+                                         include_open=args.include_open, output=args.output)
+        if args.command == "usage":
+            return commands.usage_show(db, args.start, args.end, tenant=args.tenant, granularity=args.granularity)
         if args.command == "tenant":
             return commands.tenant_list(db)
         if args.command == "key" and args.action == "create":

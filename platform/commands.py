@@ -24,9 +24,102 @@ def _out(line: str = "") -> None:
     print(line, flush=True)
 
 
-def tenant_create(db: Database, name: str, lane: str, allowed: list[str] | None) -> int:
+def tenant_create(db: Database, name: str, lane: str, allowed: list[str] | None, quotas: dict | None = None) -> int:
+    from .quotas import set_quota
+
     t = create_tenant(db, name, lane, allowed)
     _out(f"created tenant {t.name} (lane {t.default_lane}; may ask for {', '.join(t.allowed_lanes)})")
+    if quotas:
+        _out(f"quotas: {_limits_text(set_quota(db, name, **quotas).limits)}")
+    return 0
+
+
+def _limits_text(limits) -> str:
+    parts = [f"rpm {limits.rpm}" if limits.rpm is not None else None,
+             f"tpm {limits.tpm}" if limits.tpm is not None else None,
+             f"max-concurrency {limits.max_concurrency}" if limits.max_concurrency is not None else None,
+             f"token budget {limits.token_budget}/{limits.budget_period}" if limits.token_budget is not None else None]
+    return ", ".join(p for p in parts if p) or "none (unlimited)"
+
+
+def tenant_update(db: Database, name: str, key: str | None, quotas: dict, clear: bool = False) -> int:
+    from .errors import BadRequestError
+    from .quotas import set_quota
+
+    if not quotas and not clear:
+        raise BadRequestError("nothing to change: give --rpm, --tpm, --max-concurrency, --token-budget, "
+                              "--budget-period or --clear-quotas")
+    if clear:
+        set_quota(db, name, key_prefix=key, rpm=None, tpm=None, max_concurrency=None, token_budget=None)
+    if "budget_period" in quotas and "token_budget" not in quotas:
+        from .quotas import get_quota
+
+        if get_quota(db, name, key).limits.token_budget is None:
+            raise BadRequestError("--budget-period needs a token budget: give --token-budget too")
+    info = set_quota(db, name, key_prefix=key, **quotas)
+    who = f"key lpx_{info.key_prefix} of tenant {info.tenant}" if info.key_prefix else f"tenant {info.tenant}"
+    _out(f"quotas of {who}: {_limits_text(info.limits)}")
+    return 0
+
+
+def tenant_show(db: Database, name: str) -> int:
+    from .quotas import list_quotas, quota_status
+
+    st = quota_status(db, name)
+    lim = st.quota.limits
+    _out(f"tenant {name}")
+    _out(f"  quotas:      {_limits_text(lim)}")
+    _out(f"  this minute: {st.requests_this_minute} requests, {st.tokens_this_minute} tokens")
+    _out(f"  in flight:   {st.in_flight}")
+    if lim.token_budget is not None:
+        _out(f"  budget:      {st.budget_used} of {lim.token_budget} tokens used this {lim.budget_period} "
+             f"(resets {st.budget_period_end.isoformat()})")
+    for q in list_quotas(db, name):
+        if q.key_prefix is not None:
+            _out(f"  key lpx_{q.key_prefix}: {_limits_text(q.limits)}")
+    return 0
+
+
+def usage_export(db: Database, start: str, end: str, *, tenant: str | None, fmt: str, granularity: str,
+                 source: str | None, include_open: bool, output: str | None) -> int:
+    import os
+    from pathlib import Path
+
+    from .usage import DEFAULT_SOURCE, ExportStats, export_usage, parse_time
+
+    stats = ExportStats()
+    chunks = export_usage(db, parse_time(start, "--from"), parse_time(end, "--to"), fmt=fmt, granularity=granularity,
+                          tenant=tenant, source=source or DEFAULT_SOURCE, include_open=include_open, stats=stats)
+    if output is None:
+        out = sys.stdout.buffer
+        for chunk in chunks:
+            out.write(chunk)
+        out.flush()
+    else:
+        path = Path(output)
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+        os.replace(tmp, path)
+    note = f"exported {stats.records} {dict(event='events', hour='hourly records', day='daily records')[granularity]}"
+    if stats.skipped_open_periods:
+        note += (f"; left out {stats.skipped_open_periods} records of periods not over yet "
+                 "(--include-open to include them)")
+    print(note + (f" to {output}" if output else ""), file=sys.stderr)
+    return 0
+
+
+def usage_show(db: Database, start: str, end: str, *, tenant: str | None, granularity: str) -> int:
+    from .usage import parse_time, usage_summary
+
+    rows = usage_summary(db, parse_time(start, "--from"), parse_time(end, "--to"), tenant=tenant,
+                         granularity=granularity)
+    _out(f"{'PERIOD START':22} {'TENANT':16} {'ADAPTER':20} {'REQUESTS':>9} {'PROMPT':>12} {'CACHED':>12} "
+         f"{'COMPLETION':>12} {'TOTAL':>12}")
+    for r in rows:
+        _out(f"{r.period_start.strftime('%Y-%m-%dT%H:%MZ'):22} {r.tenant:16} {r.adapter or '-':20} {r.requests:>9} "
+             f"{r.prompt_tokens:>12} {r.cached_tokens:>12} {r.completion_tokens:>12} {r.total_tokens:>12}")
     return 0
 
 

@@ -72,6 +72,11 @@ class ShuttingDownError(PlatformError):
     """The server is draining: new requests are refused."""
 
 
+class MeteringUnavailableError(PlatformError):
+    """Usage events cannot be written fast enough (database down): new requests are refused
+    rather than served unmetered."""
+
+
 class AdminAuthenticationError(AuthenticationError):
     """Admin API: no admin token or session, or a wrong or expired one."""
 
@@ -138,6 +143,8 @@ def api_error(exc: BaseException) -> ApiError:
         return ApiError(429, msg, "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": retry})
     if isinstance(exc, EngineOverloadedError):
         return ApiError(503, msg, "server_error", "overloaded", headers={"Retry-After": "1"})
+    if isinstance(exc, MeteringUnavailableError):
+        return ApiError(503, msg, "server_error", "metering_unavailable", headers={"Retry-After": "5"})
     if isinstance(exc, (EngineDeadError, ShuttingDownError)):
         return ApiError(503, msg, "server_error", "unavailable")
     if isinstance(exc, HTTPException):

@@ -13,7 +13,7 @@ from typing import Protocol
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import RequestOutput
 from loraplex.engine.errors import EngineDeadError
-from loraplex.engine.request import Lane
+from loraplex.engine.request import AdapterRef, Lane
 
 from .auth import Authenticator, Principal, parse_lane
 from .errors import ModelNotFoundError, ShuttingDownError
@@ -22,6 +22,7 @@ from .protocol import GenRequest, TokenText
 from .settings import Settings
 
 LANE_HEADER = "x-loraplex-lane"
+ADAPTER_REF_TTL = 1.0  # seconds an adapter name -> version (digest) lookup is reused
 
 
 @dataclass
@@ -43,6 +44,10 @@ class RequestContext:
     num_output_tokens: int = 0
     # stop | length | abort (client left or cancelled) | error
     finish_reason: str | None = None
+    # The adapter version (content digest) the engine runs: the one metered.
+    adapter_digest: str | None = None
+    # What admission hooks keep for finish (a quota reservation); the gateway never reads it.
+    hook_state: object = None
 
 
 class Hooks(Protocol):
@@ -51,6 +56,10 @@ class Hooks(Protocol):
     `admit` runs before the engine sees the request and may raise RateLimitedError (429
     with Retry-After); `finish` runs exactly once for every admitted request, on every
     path (success, stop, disconnect, engine error, shutdown), with the final counts.
+
+    `admit` raising (CancelledError included: the client left while it ran) means "not
+    admitted": `finish` will not run, so admit must undo whatever it took before raising.
+    `finish` should not raise; it runs inside the request's cleanup.
     """
 
     async def admit(self, ctx: RequestContext) -> None: ...
@@ -72,6 +81,7 @@ class Gateway:
         self.token_text = TokenText(self.tokenizer)
         self.draining = False
         self.started_at = int(time.time())
+        self._adapter_refs: dict[str, tuple[AdapterRef, float]] = {}
 
     # -- resolution -----------------------------------------------------------------
     def resolve_model(self, principal: Principal, model: object, path_adapter: str | None) -> str | None:
@@ -107,9 +117,29 @@ class Gateway:
         self.check_serving()
         ctx = RequestContext(f"{prefix}-{uuid.uuid4().hex}", principal, adapter or self.model_name, adapter,
                              lane, len(req.prompt), req.sampling.max_tokens)
-        return ctx, self._run(ctx, req)
+        ref = self.adapter_ref(adapter) if adapter is not None else None
+        if ref is not None:
+            ctx.adapter_digest = ref.digest
+        return ctx, self._run(ctx, req, ref)
 
-    async def _run(self, ctx: RequestContext, req: GenRequest) -> AsyncIterator[RequestOutput]:
+    def adapter_ref(self, name: str) -> AdapterRef | None:
+        """The adapter's current version, resolved here (not on the engine thread) so the
+        version metered is the version run; reused for ADAPTER_REF_TTL seconds."""
+        lora = getattr(self.engine.engine, "lora", None)
+        if lora is None:
+            return None  # an engine without LoRA support: it refuses the adapter itself
+        now = time.monotonic()
+        hit = self._adapter_refs.get(name)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        ref = lora.ref(name)  # raises UnknownAdapterError (404) for a name the store lacks
+        if len(self._adapter_refs) > 10_000:
+            self._adapter_refs.clear()
+        self._adapter_refs[name] = (ref, now + ADAPTER_REF_TTL)
+        return ref
+
+    async def _run(self, ctx: RequestContext, req: GenRequest, ref: AdapterRef | None = None
+                   ) -> AsyncIterator[RequestOutput]:
         if self.hooks is not None:
             await self.hooks.admit(ctx)  # may raise RateLimitedError: nothing to undo yet
         m = self.metrics
@@ -117,7 +147,7 @@ class Gateway:
         first = True
         m.request_started(ctx.adapter, ctx.lane)
         stream = self.engine.generate(req.prompt, req.sampling, request_id=ctx.request_id, lane=ctx.lane,
-                                      adapter=ctx.adapter, cache_salt=f"tenant-{ctx.principal.tenant_id}")
+                                      adapter=ref or ctx.adapter, cache_salt=f"tenant-{ctx.principal.tenant_id}")
         try:
             async with aclosing(stream):
                 async for out in stream:
@@ -126,6 +156,7 @@ class Gateway:
                         first = False
                         ctx.first_token_at = time.time()
                         ctx.num_cached_tokens = out.num_cached_tokens
+                        ctx.num_prompt_tokens = out.num_prompt_tokens or ctx.num_prompt_tokens
                         m.first_token(ctx.adapter, now - t0, out.num_prompt_tokens)
                     else:
                         m.inter_token(now - last)

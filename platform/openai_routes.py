@@ -99,7 +99,7 @@ async def _generate(request: Request, gw: Gateway, chat: bool) -> Response:
     ctx, stream = gw.start(principal, req, adapter, lane, "chatcmpl" if chat else "cmpl")
     if req.stream:
         first = await until_disconnected(request.receive, anext(stream))
-        return SSEResponse(_stream(gw, ctx, req, first, stream))
+        return SSEResponse(_stream(gw, ctx, req, first, stream), source=stream)
     token_ids, text, lps, last = await until_disconnected(request.receive, _collect(stream))
     return _json(_full_response(gw, ctx, req, token_ids, text, lps, last))
 

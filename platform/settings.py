@@ -47,6 +47,15 @@ class Settings:
     admin_token: str | None = None
     # Adapter uploads through the admin API larger than this are refused (413).
     admin_max_upload_bytes: int = 1 << 30
+    # Quotas (quotas.py): limits are cached per process this long (a change applies within
+    # it); a dead process's quota leases expire (and are given back) after this long.
+    quota_cache_ttl: float = 5.0
+    quota_lease_ttl: float = 60.0
+    # Metering (metering.py): the usage writer's batch size and flush interval, and the
+    # backlog of unwritten events at which new requests get 503 until the DB catches up.
+    usage_batch_size: int = 500
+    usage_flush_seconds: float = 0.25
+    usage_max_buffer: int = 100_000
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())

@@ -62,24 +62,36 @@ SSE_HEADERS = [
 
 
 class SSEResponse:
-    """Streams already-framed SSE bytes; a disconnect cancels the stream and closes it."""
+    """Streams already-framed SSE bytes; a disconnect cancels the stream and closes it.
+
+    `source` is the stream `chunks` is made from: it is closed too, whatever happened, even
+    if `chunks` never started (closing a never-started generator skips its `finally`), so
+    the request it belongs to always finishes.
+    """
 
     status_code = 200
 
-    def __init__(self, chunks: AsyncIterator[bytes], extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], extra_headers: list[tuple[bytes, bytes]] = (),
+                 source: AsyncIterator | None = None) -> None:
         self.chunks = chunks
+        self.source = source
         self.headers = SSE_HEADERS + list(extra_headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-        pump = asyncio.ensure_future(self._pump(send))
-        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        pump = watch = None
         try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            pump = asyncio.ensure_future(self._pump(send))
+            watch = asyncio.ensure_future(_wait_disconnect(receive))
             await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            await _cancel(watch)
-            await _cancel(pump)
+            if watch is not None:
+                await _cancel(watch)
+            if pump is not None:
+                await _cancel(pump)
             await self.chunks.aclose()
+            if self.source is not None:
+                await self.source.aclose()
         if pump.done() and not pump.cancelled() and pump.exception() is None:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 

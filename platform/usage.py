@@ -1,0 +1,337 @@
+"""Usage queries (for dashboards and the admin API) and the billing export.
+
+Times are UTC; every range is half-open, [start, end). An event belongs to the time its
+request finished (`finished_at`): that is when its tokens are known and billed.
+
+- `usage_summary()` reads the hourly rollups: cheap at any number of events.
+- `usage_events()` streams raw events (server-side cursor), for per-event export.
+- `export_usage()` yields the bytes of an export: csv, jsonl or cloudevents (one
+  CloudEvents 1.0 JSON object per line, structured mode), per event or aggregated per
+  hour or day.
+
+CloudEvents ids are stable: a request's event has the request's id (the `id` the client
+got back), an aggregate has `usage-<hour|day>-<tenant id>-<adapter version id>-<period>`,
+so an export replayed into OpenMeter, Lago or Stripe de-duplicates there. Aggregates of a
+period that is not over (plus `OPEN_GRACE` seconds for late writes) are left out of a
+CloudEvents export unless `include_open=True`: an aggregate sent early and corrected
+later would carry the same id and be dropped as a duplicate.
+"""
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import io
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import orjson
+from sqlalchemy import func, select
+
+from loraplex.engine.request import Lane
+
+from .db import Database
+from .errors import BadRequestError
+from .models import ApiKey, Tenant
+from .tenants import get_tenant
+from .usage_models import UsageAdapter, UsageEvent, UsageHourly
+
+FORMATS = ("csv", "jsonl", "cloudevents")
+GRANULARITIES = ("event", "hour", "day")
+OPEN_GRACE = 300.0  # seconds after a period's end before its aggregate counts as final
+DEFAULT_SOURCE = "//loraplex/usage"
+EVENT_TYPE = "com.loraplex.usage.request"
+AGGREGATE_TYPES = {"hour": "com.loraplex.usage.hourly", "day": "com.loraplex.usage.daily"}
+_LANES = {int(lane): lane.name.lower() for lane in Lane}
+_DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+
+
+# -- time ---------------------------------------------------------------------------------
+def parse_time(text: str, name: str = "time") -> dt.datetime:
+    """An ISO 8601 date (midnight UTC) or date-time (UTC unless it has an offset; a
+    trailing Z is fine)."""
+    value = (text or "").strip()
+    try:
+        if _DATE_RE.fullmatch(value):
+            d = dt.date.fromisoformat(value)
+            return dt.datetime(d.year, d.month, d.day, tzinfo=dt.timezone.utc)
+        t = dt.datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise BadRequestError(f"{name} {text!r} is not an ISO date (2026-01-31) or time "
+                              f"(2026-01-31T12:00:00Z)", name) from None
+    return t.replace(tzinfo=dt.timezone.utc) if t.tzinfo is None else t.astimezone(dt.timezone.utc)
+
+
+def _check_range(start: dt.datetime, end: dt.datetime, granularity: str) -> None:
+    if start.tzinfo is None or end.tzinfo is None:
+        raise BadRequestError("times must be timezone-aware (UTC)")
+    if end <= start:
+        raise BadRequestError(f"the end ({end.isoformat()}) must be after the start ({start.isoformat()})")
+    step = {"hour": 3600, "day": 86400}.get(granularity)
+    if step is not None:
+        for name, t in (("from", start), ("to", end)):
+            if t.timestamp() % step:
+                raise BadRequestError(f"--{name} {t.isoformat()} is not on a{'n hour' if step == 3600 else ' day'} "
+                                      f"boundary, which --granularity {granularity} needs", name)
+
+
+def _iso(t: dt.datetime | None) -> str | None:
+    if t is None:
+        return None
+    return t.astimezone(dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _tenant_id(db: Database, tenant: str | None) -> int | None:
+    if tenant is None:
+        return None
+    with db.session() as s:
+        return get_tenant(s, tenant).id
+
+
+# -- rollups ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class UsageRow:
+    """Usage of one tenant and adapter version over one period (from the rollups)."""
+
+    period_start: dt.datetime
+    period_end: dt.datetime
+    tenant_id: int
+    tenant: str
+    adapter: str | None  # None: the base model
+    adapter_digest: str | None
+    adapter_id: int
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    aborted: int
+    errors: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def as_dict(self) -> dict:
+        return {"period_start": _iso(self.period_start), "period_end": _iso(self.period_end),
+                "tenant": self.tenant, "tenant_id": self.tenant_id, "adapter": self.adapter,
+                "adapter_digest": self.adapter_digest, "requests": self.requests,
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "completion_tokens": self.completion_tokens, "total_tokens": self.total_tokens,
+                "aborted": self.aborted, "errors": self.errors}
+
+
+_SUMS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "aborted", "errors")
+
+
+def _floor(t: dt.datetime, granularity: str, start: dt.datetime, end: dt.datetime) -> tuple[dt.datetime, dt.datetime]:
+    if granularity == "hour":
+        return t, t + dt.timedelta(hours=1)
+    if granularity == "day":
+        d = t.replace(hour=0, minute=0, second=0, microsecond=0)
+        return d, d + dt.timedelta(days=1)
+    return start, end  # total
+
+
+def iter_usage(db: Database, start: dt.datetime, end: dt.datetime, *, tenant: str | None = None,
+               adapter: str | None = None, granularity: str = "hour", by_adapter: bool = True
+               ) -> Iterator[UsageRow]:
+    """Rollup rows per period ("hour", "day" or "total") and tenant, per adapter version
+    (`by_adapter`) or all adapters together (adapter None, adapter_id -1), in period order.
+    `adapter` filters by adapter name ("" for the base model)."""
+    if granularity not in ("hour", "day", "total"):
+        raise BadRequestError(f"granularity must be hour, day or total, got {granularity!r}", "granularity")
+    _check_range(start, end, granularity if granularity != "total" else "hour")
+    tid = _tenant_id(db, tenant)
+    h = UsageHourly
+    q = (select(h.hour, h.tenant_id, Tenant.name, h.adapter_id, UsageAdapter.name, UsageAdapter.digest,
+                *(getattr(h, c) for c in _SUMS))
+         .outerjoin(Tenant, Tenant.id == h.tenant_id).outerjoin(UsageAdapter, UsageAdapter.id == h.adapter_id)
+         .where(h.hour >= start, h.hour < end).order_by(h.hour, h.tenant_id, h.adapter_id))
+    if tid is not None:
+        q = q.where(h.tenant_id == tid)
+    if adapter is not None:
+        q = q.where(h.adapter_id == 0) if adapter == "" else q.where(UsageAdapter.name == adapter)
+    pending: dict[tuple, list] = {}
+    period: tuple[dt.datetime, dt.datetime] | None = None
+
+    def flush():
+        for (t_id, t_name, a_id, a_name, a_digest), sums in sorted(pending.items(), key=lambda kv: (kv[0][0], kv[0][2])):
+            yield UsageRow(period[0], period[1], t_id, t_name or f"tenant-{t_id}", a_name, a_digest, a_id, *sums)
+        pending.clear()
+
+    with db.engine.connect() as conn:
+        for row in conn.execution_options(yield_per=2000).execute(q):
+            hour = row[0] if row[0].tzinfo else row[0].replace(tzinfo=dt.timezone.utc)
+            p = _floor(hour.astimezone(dt.timezone.utc), granularity, start, end)
+            if p != period:
+                if period is not None:
+                    yield from flush()
+                period = p
+            key = (row[1], row[2], row[3], row[4], row[5]) if by_adapter else (row[1], row[2], -1, None, None)
+            acc = pending.setdefault(key, [0] * len(_SUMS))
+            for i in range(len(_SUMS)):
+                acc[i] += int(row[6 + i] or 0)
+        if period is not None:
+            yield from flush()
+
+
+def usage_summary(db: Database, start: dt.datetime, end: dt.datetime, *, tenant: str | None = None,
+                  adapter: str | None = None, granularity: str = "day", by_adapter: bool = True) -> list[UsageRow]:
+    """`iter_usage` as a list: per tenant (and adapter) and hour, day, or the whole range ("total")."""
+    return list(iter_usage(db, start, end, tenant=tenant, adapter=adapter, granularity=granularity,
+                           by_adapter=by_adapter))
+
+
+def usage_totals_raw(db: Database, start: dt.datetime, end: dt.datetime, tenant_id: int) -> dict:
+    """The same sums straight from the events (reconciliation, benchmarks): slow at scale."""
+    e = UsageEvent
+    q = select(func.count(), func.coalesce(func.sum(e.prompt_tokens), 0), func.coalesce(func.sum(e.cached_tokens), 0),
+               func.coalesce(func.sum(e.completion_tokens), 0)).where(
+        e.tenant_id == tenant_id, e.finished_at >= start, e.finished_at < end)
+    with db.engine.connect() as conn:
+        n, p, c, o = conn.execute(q).one()
+    return {"requests": int(n), "prompt_tokens": int(p), "cached_tokens": int(c), "completion_tokens": int(o)}
+
+
+# -- events -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class UsageEventRow:
+    request_id: str
+    tenant_id: int
+    tenant: str
+    key_prefix: str | None
+    adapter: str | None
+    adapter_digest: str | None
+    lane: str
+    status: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    received_at: dt.datetime
+    first_token_at: dt.datetime | None
+    finished_at: dt.datetime
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def as_dict(self) -> dict:
+        return {"request_id": self.request_id, "tenant": self.tenant, "tenant_id": self.tenant_id,
+                "key_prefix": self.key_prefix, "adapter": self.adapter, "adapter_digest": self.adapter_digest,
+                "lane": self.lane, "status": self.status, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens, "received_at": _iso(self.received_at),
+                "first_token_at": _iso(self.first_token_at), "finished_at": _iso(self.finished_at)}
+
+
+def _aware(t: dt.datetime | None) -> dt.datetime | None:
+    return t if t is None or t.tzinfo else t.replace(tzinfo=dt.timezone.utc)
+
+
+def usage_events(db: Database, start: dt.datetime, end: dt.datetime, *, tenant: str | None = None,
+                 batch: int = 2000) -> Iterator[UsageEventRow]:
+    """Raw events finished in [start, end), oldest first, streamed."""
+    _check_range(start, end, "event")
+    tid = _tenant_id(db, tenant)
+    e = UsageEvent
+    q = (select(e.request_id, e.tenant_id, Tenant.name, ApiKey.prefix, UsageAdapter.name, UsageAdapter.digest,
+                e.lane, e.status, e.prompt_tokens, e.cached_tokens, e.completion_tokens, e.received_at,
+                e.first_token_at, e.finished_at)
+         .outerjoin(Tenant, Tenant.id == e.tenant_id).outerjoin(ApiKey, ApiKey.id == e.key_id)
+         .outerjoin(UsageAdapter, UsageAdapter.id == e.adapter_id)
+         .where(e.finished_at >= start, e.finished_at < end).order_by(e.finished_at, e.id))
+    if tid is not None:
+        q = q.where(e.tenant_id == tid)
+    with db.engine.connect() as conn:
+        for r in conn.execution_options(yield_per=batch).execute(q):
+            yield UsageEventRow(r[0], r[1], r[2] or f"tenant-{r[1]}", r[3], r[4], r[5], _LANES.get(r[6], str(r[6])),
+                                r[7], r[8], r[9], r[10], _aware(r[11]), _aware(r[12]), _aware(r[13]))
+
+
+# -- export -------------------------------------------------------------------------------
+EVENT_COLUMNS = ("request_id", "tenant", "tenant_id", "key_prefix", "adapter", "adapter_digest", "lane", "status",
+                 "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "received_at",
+                 "first_token_at", "finished_at")
+AGGREGATE_COLUMNS = ("period_start", "period_end", "tenant", "tenant_id", "adapter", "adapter_digest", "requests",
+                     "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "aborted", "errors")
+
+
+def event_cloudevent(row: UsageEventRow, source: str = DEFAULT_SOURCE) -> dict:
+    data = row.as_dict()
+    return {"specversion": "1.0", "id": row.request_id, "source": source, "type": EVENT_TYPE,
+            "subject": row.tenant, "time": _iso(row.finished_at), "datacontenttype": "application/json",
+            "data": data}
+
+
+def aggregate_id(granularity: str, row: UsageRow) -> str:
+    stamp = row.period_start.strftime("%Y%m%dT%H" if granularity == "hour" else "%Y%m%d")
+    return f"usage-{granularity}-{row.tenant_id}-{row.adapter_id}-{stamp}"
+
+
+def aggregate_cloudevent(granularity: str, row: UsageRow, source: str = DEFAULT_SOURCE) -> dict:
+    return {"specversion": "1.0", "id": aggregate_id(granularity, row), "source": source,
+            "type": AGGREGATE_TYPES[granularity], "subject": row.tenant, "time": _iso(row.period_start),
+            "datacontenttype": "application/json", "data": row.as_dict()}
+
+
+def _csv_line(values) -> bytes:
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerow(["" if v is None else v for v in values])
+    return buf.getvalue().encode()
+
+
+@dataclass
+class ExportStats:
+    """Filled in as an export is consumed."""
+
+    records: int = 0
+    skipped_open_periods: int = 0
+
+
+def export_usage(db: Database, start: dt.datetime, end: dt.datetime, *, fmt: str = "csv",
+                 granularity: str = "event", tenant: str | None = None, source: str = DEFAULT_SOURCE,
+                 include_open: bool = False, stats: ExportStats | None = None, now: float | None = None
+                 ) -> Iterator[bytes]:
+    """The export's bytes, a chunk per record (csv has a header line first). Validates its
+    arguments before yielding anything, so a bad argument raises at the first next()."""
+    if fmt not in FORMATS:
+        raise BadRequestError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}", "format")
+    if granularity not in GRANULARITIES:
+        raise BadRequestError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}",
+                              "granularity")
+    _check_range(start, end, granularity)
+    _tenant_id(db, tenant)  # an unknown tenant is an error, not an empty export
+    stats = stats if stats is not None else ExportStats()
+    return _export(db, start, end, fmt, granularity, tenant, source, include_open, stats,
+                   time.time() if now is None else now)
+
+
+def _export(db, start, end, fmt, granularity, tenant, source, include_open, stats, now) -> Iterator[bytes]:
+    if granularity == "event":
+        if fmt == "csv":
+            yield _csv_line(EVENT_COLUMNS)
+        for row in usage_events(db, start, end, tenant=tenant):
+            stats.records += 1
+            if fmt == "csv":
+                d = row.as_dict()
+                yield _csv_line(d[c] for c in EVENT_COLUMNS)
+            elif fmt == "jsonl":
+                yield orjson.dumps(row.as_dict()) + b"\n"
+            else:
+                yield orjson.dumps(event_cloudevent(row, source)) + b"\n"
+        return
+    if fmt == "csv":
+        yield _csv_line(AGGREGATE_COLUMNS)
+    for row in iter_usage(db, start, end, tenant=tenant, granularity=granularity):
+        if fmt == "cloudevents" and not include_open and row.period_end.timestamp() + OPEN_GRACE > now:
+            stats.skipped_open_periods += 1
+            continue
+        stats.records += 1
+        if fmt == "csv":
+            d = row.as_dict()
+            yield _csv_line(d[c] for c in AGGREGATE_COLUMNS)
+        elif fmt == "jsonl":
+            yield orjson.dumps(row.as_dict()) + b"\n"
+        else:
+            yield orjson.dumps(aggregate_cloudevent(granularity, row, source)) + b"\n"
