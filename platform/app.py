@@ -70,18 +70,19 @@ def create_app(settings: Settings, engine: AsyncEngine | None = None, *, hooks: 
         auth = Authenticator(db, settings.auth_cache_ttl, settings.auth_negative_ttl,
                              settings.last_used_flush_seconds)
         m = Metrics(settings.model_name, eng.stats, settings.engine.lora.max_loras)
-        # No hooks passed in: quotas and metering (usage_hooks.py), owned by the app.
-        usage = app.state.usage = UsageHooks(settings) if hooks is None else None
-        if usage is not None:
+        # No hooks passed in: quotas and metering (usage_hooks.py). Hooks with async
+        # start()/close() (UsageHooks do) are started and closed with the app.
+        usage = app.state.usage = UsageHooks(settings) if hooks is None else hooks
+        if hasattr(usage, "start"):
             await usage.start()
-        gw = app.state.gateway = Gateway(settings, eng, auth, m, hooks if hooks is not None else usage)
+        gw = app.state.gateway = Gateway(settings, eng, auth, m, usage)
         app.state.admin = AdminState.create(settings, db, gw)
         auth.start()
         try:
             yield
         finally:
             gw.draining = True
-            if usage is not None:
+            if hasattr(usage, "close"):
                 try:
                     await usage.close()  # finishes what is still open, flushes the usage writer
                 except Exception:  # noqa: BLE001 - must not block shutdown
