@@ -125,6 +125,13 @@ class AdminState:
     def access_changed(self) -> None:
         self.gateway.auth.invalidate()
 
+    def adapters_changed(self) -> None:
+        """A version was published or removed: this process resolves names afresh at once."""
+        self.access_changed()
+        forget = getattr(self.gateway, "forget_adapter_refs", None)
+        if forget is not None:
+            forget()
+
 
 def _state(request: Request) -> AdminState:
     return request.app.state.admin
@@ -226,51 +233,73 @@ def _adapter_json(a: AdapterInfo, records: dict[str, AdapterRecord], where: dict
     return d
 
 
-async def _adapters_payload(st: AdminState, only: str | None = None, versions: bool = False) -> Any:
+async def _adapters_payload(st: AdminState, only: str | None = None) -> Any:
     def load():
         infos = [adapter_info(st.db, only)] if only else list_adapters(st.db)
         records = {r.name: r for r in st.store.list()}
-        vers = None
-        if versions and only:
+        vers: dict[str, list[AdapterRecord]] = {}
+        for a in infos:
             try:
-                vers = st.store.versions(only)
+                vers[a.name] = st.store.versions(a.name)
             except AdapterNotFoundError:
-                vers = []
+                vers[a.name] = []
         return infos, records, vers
 
     infos, records, vers = await asyncio.to_thread(load)
     where = _residency(st.gateway)
     if only:
-        return _adapter_json(infos[0], records, where, vers)
-    return [_adapter_json(a, records, where) for a in infos]
+        return _adapter_json(infos[0], records, where, vers[only])
+    return [{**_adapter_json(a, records, where), "num_versions": len(vers[a.name])} for a in infos]
 
 
-# -- quotas and usage (issue 5) ------------------------------------------------------------
+# -- quotas and usage (issue 5: quotas.py, usage.py) -----------------------------------------
+# Imported lazily: the admin API works (without those sections) in a build without them.
 
 def _quotas_module():
     try:
         from . import quotas
     except ImportError:
         return None
-    return quotas
+    return quotas if hasattr(quotas, "set_quota") and hasattr(quotas, "quota_status") else None
+
+
+def _usage_module():
+    try:
+        from . import usage
+    except ImportError:
+        return None
+    return usage if hasattr(usage, "usage_summary") and hasattr(usage, "export_usage") else None
+
+
+class FeatureUnavailableError(NotFoundError):
+    """A section of the admin API whose module this build lacks."""
 
 
 def _get_quotas(st: AdminState, tenant: str) -> dict | None:
+    """The tenant's limits and where it stands against them now (None: no quotas module)."""
     q = _quotas_module()
-    if q is None or not hasattr(q, "get_tenant_quotas"):
+    if q is None:
         return None
-    return q.get_tenant_quotas(st.db, tenant)
+    d = q.quota_status(st.db, tenant).as_dict()
+    d.pop("tenant", None)
+    d.pop("key_prefix", None)
+    return d
 
 
-def _set_quotas(st: AdminState, tenant: str, values: dict) -> dict | None:
+def _set_quotas(st: AdminState, tenant: str, values: dict | None) -> None:
     q = _quotas_module()
-    if q is None or not hasattr(q, "set_tenant_quotas"):
-        raise NotImplementedAdmin("quotas are not available in this build yet")
-    return q.set_tenant_quotas(st.db, tenant, **values)
+    if q is None:
+        raise FeatureUnavailableError("quotas are not available in this build")
+    if values is None:  # null: clear every limit
+        values = {f: None for f in QUOTA_FIELDS}
+    q.set_quota(st.db, tenant, **values)
 
 
-class NotImplementedAdmin(BadRequestError):
-    pass
+def _quotas_changed(st: AdminState, request: Request) -> None:
+    usage_hooks = getattr(request.app.state, "usage", None)
+    limits = getattr(usage_hooks, "limits", None)
+    if limits is not None:
+        limits.invalidate()
 
 
 # -- handlers: session -----------------------------------------------------------------------
@@ -329,12 +358,17 @@ async def get_tenant_(request: Request, st: AdminState, admin: Admin, query: dic
 
 
 async def create_tenant_(request: Request, st: AdminState, admin: Admin, query: dict, body: dict) -> Any:
+    if body.get("quotas") and _quotas_module() is None:
+        raise FeatureUnavailableError("quotas are not available in this build")
+
     def make():
         t = create_tenant(st.db, body["name"], body.get("default_lane", "standard"), body.get("allowed_lanes"))
-        quotas = _set_quotas(st, t.name, body["quotas"]) if body.get("quotas") else _get_quotas(st, t.name)
-        return t, quotas
+        if body.get("quotas"):
+            _set_quotas(st, t.name, body["quotas"])
+        return t, _get_quotas(st, t.name)
 
     t, quotas = await asyncio.to_thread(make)
+    _quotas_changed(st, request)
     await st.audit(admin, "tenant.create", f"tenant:{t.name}", default_lane=t.default_lane,
                    allowed_lanes=list(t.allowed_lanes), **({"quotas": body["quotas"]} if body.get("quotas") else {}))
     return _tenant_json(t, quotas)
@@ -342,15 +376,20 @@ async def create_tenant_(request: Request, st: AdminState, admin: Admin, query: 
 
 async def update_tenant_(request: Request, st: AdminState, admin: Admin, query: dict, body: dict,
                          name: str) -> Any:
+    if "quotas" in body and _quotas_module() is None:
+        raise FeatureUnavailableError("quotas are not available in this build")
+
     def change():
         before = tenant_info(st.db, name)
         t = update_tenant(st.db, name, lane=body.get("default_lane"), allowed=body.get("allowed_lanes"),
                           enabled=body.get("enabled"))
-        quotas = _set_quotas(st, name, body["quotas"]) if "quotas" in body else _get_quotas(st, name)
-        return before, t, quotas
+        if "quotas" in body:
+            _set_quotas(st, name, body["quotas"])
+        return before, t, _get_quotas(st, name)
 
     before, t, quotas = await asyncio.to_thread(change)
     st.access_changed()
+    _quotas_changed(st, request)
     changes: dict[str, Any] = {}
     if (before.default_lane, before.allowed_lanes) != (t.default_lane, t.allowed_lanes):
         changes["lanes"] = {"from": [before.default_lane, list(before.allowed_lanes)],
@@ -414,7 +453,7 @@ async def list_adapters_(request: Request, st: AdminState, admin: Admin, query: 
 
 async def get_adapter_(request: Request, st: AdminState, admin: Admin, query: dict, name: str) -> Any:
     validate_name(name)
-    return await _adapters_payload(st, name, versions=True)
+    return await _adapters_payload(st, name)
 
 
 @dataclass
@@ -612,8 +651,8 @@ async def upload_adapter(request: Request, st: AdminState, admin: Admin, query: 
                                        grants=grants, reserved=(st.settings.model_name,))
     finally:
         shutil.rmtree(up.folder, ignore_errors=True)
-    st.access_changed()
-    payload = await _adapters_payload(st, info.name, versions=True)
+    st.adapters_changed()
+    payload = await _adapters_payload(st, info.name)
     await st.audit(admin, "adapter.upload", f"adapter:{info.name}", digest=info.digest, public=info.public,
                    owner=info.owner, grants=list(info.grants), rank=payload["rank"], size_bytes=payload["size_bytes"],
                    upload_bytes=up.total_bytes)
@@ -639,7 +678,8 @@ async def replace_adapter(request: Request, st: AdminState, admin: Admin, query:
                                        reserved=(st.settings.model_name,))
     finally:
         shutil.rmtree(up.folder, ignore_errors=True)
-    payload = await _adapters_payload(st, name, versions=True)
+    st.adapters_changed()
+    payload = await _adapters_payload(st, name)
     await st.audit(admin, "adapter.replace", f"adapter:{name}", previous_digest=before.digest, digest=info.digest,
                    rank=payload["rank"], size_bytes=payload["size_bytes"], upload_bytes=up.total_bytes)
     return _json(payload, 200)
@@ -660,7 +700,7 @@ async def update_adapter_(request: Request, st: AdminState, admin: Admin, query:
     action = ("adapter.make_public" if changes == {"public": True} else
               "adapter.make_private" if changes == {"public": False} else "adapter.update")
     await st.audit(admin, action, f"adapter:{name}", **changes)
-    return await _adapters_payload(st, name, versions=True)
+    return await _adapters_payload(st, name)
 
 
 async def grant_adapter_(request: Request, st: AdminState, admin: Admin, query: dict, name: str,
@@ -671,7 +711,7 @@ async def grant_adapter_(request: Request, st: AdminState, admin: Admin, query: 
     st.access_changed()
     if tenant not in before.grants:
         await st.audit(admin, "adapter.grant", f"adapter:{name}", tenant=tenant)
-    return await _adapters_payload(st, name, versions=True)
+    return await _adapters_payload(st, name)
 
 
 async def revoke_grant_(request: Request, st: AdminState, admin: Admin, query: dict, name: str,
@@ -682,13 +722,13 @@ async def revoke_grant_(request: Request, st: AdminState, admin: Admin, query: d
         raise NotFoundError(f"tenant {tenant!r} has no grant of adapter {name!r}")
     st.access_changed()
     await st.audit(admin, "adapter.revoke_grant", f"adapter:{name}", tenant=tenant)
-    return await _adapters_payload(st, name, versions=True)
+    return await _adapters_payload(st, name)
 
 
 async def remove_adapter_(request: Request, st: AdminState, admin: Admin, query: dict, name: str) -> Any:
     validate_name(name)
     info = await asyncio.to_thread(remove_adapter, st.db, st.store, name)
-    st.access_changed()
+    st.adapters_changed()
     await st.audit(admin, "adapter.remove", f"adapter:{name}", digest=info.digest)
     return {"name": info.name, "digest": info.digest, "removed": True}
 
@@ -701,10 +741,18 @@ async def engine_status(request: Request, st: AdminState, admin: Admin, query: d
     eng = gw.engine.engine
     lora = getattr(eng, "lora", None)
     where = _residency(gw)
-    names: dict[str, list[str]] = {}
-    records = await asyncio.to_thread(st.store.list)
-    for r in records:
-        names.setdefault(r.digest, []).append(r.name)
+    def digest_names() -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for cur in st.store.list():
+            try:
+                versions = st.store.versions(cur.name)
+            except AdapterNotFoundError:  # removed meanwhile
+                continue
+            for i, r in enumerate(versions):
+                out.setdefault(r.digest, []).append(r.name if i == 0 else f"{r.name} (older version)")
+        return out
+
+    names = await asyncio.to_thread(digest_names)
     resident = [{"digest": d, "tier": tier, "names": names.get(d, [])} for d, tier in where.items()]
     resident.sort(key=lambda x: (x["tier"] != "device", x["names"], x["digest"]))
     cfg = eng.config
@@ -737,6 +785,78 @@ async def list_audit(request: Request, st: AdminState, admin: Admin, query: dict
     return await asyncio.to_thread(load)
 
 
+def _usage_range(query: dict, granularity: str) -> tuple[dt.datetime, dt.datetime]:
+    """[from, to): defaults to the last 24 hours (hourly) or 30 days (daily), aligned."""
+    u = _usage_module()
+    step = dt.timedelta(days=1) if granularity == "day" else dt.timedelta(hours=1)
+    now = utcnow()
+    floor = (now.replace(hour=0, minute=0, second=0, microsecond=0) if granularity == "day"
+             else now.replace(minute=0, second=0, microsecond=0))
+    end = u.parse_time(query["to"], "to") if query.get("to") else floor + step
+    start = u.parse_time(query["from"], "from") if query.get("from") else end - step * (30 if step.days else 24)
+    if end <= start:
+        raise BadRequestError("to: must be after from", "to")
+    if (end - start) / step > 5000:
+        raise BadRequestError(f"the range holds over 5000 {granularity}s: pick a shorter range or a coarser "
+                              "granularity", "from")
+    return start, end
+
+
+_SERIES_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens")
+
+
+async def usage_series(request: Request, st: AdminState, admin: Admin, query: dict) -> Any:
+    u = _usage_module()
+    if u is None:
+        raise FeatureUnavailableError("usage metering is not available in this build")
+    granularity = query.get("granularity", "hour")
+    group = query.get("group_by", "tenant")
+    start, end = _usage_range(query, granularity)
+    rows = await asyncio.to_thread(u.usage_summary, st.db, start, end, tenant=query.get("tenant"),
+                                   adapter=query.get("adapter"), granularity=granularity,
+                                   by_adapter=group == "adapter")
+    series: dict[str, dict[dt.datetime, dict[str, int]]] = {}
+    for r in rows:
+        key = r.tenant if group == "tenant" else (r.adapter or BASE_MODEL_KEY)
+        point = series.setdefault(key, {}).setdefault(r.period_start, dict.fromkeys(_SERIES_FIELDS, 0))
+        for f in _SERIES_FIELDS:
+            point[f] += getattr(r, f)
+    totals = {k: {f: sum(p[f] for p in pts.values()) for f in _SERIES_FIELDS} for k, pts in series.items()}
+    ordered = sorted(series, key=lambda k: -totals[k]["total_tokens"])
+    return {"from": start, "to": end, "granularity": granularity, "group_by": group,
+            "series": [{"key": k, "totals": totals[k],
+                        "points": [{"t": t, **series[k][t]} for t in sorted(series[k])]} for k in ordered]}
+
+
+_EXPORT_TYPES = {"csv": ("text/csv; charset=utf-8", "csv"), "jsonl": ("application/x-ndjson", "jsonl"),
+                 "cloudevents": ("application/cloudevents-batch+json", "cloudevents.jsonl")}
+
+
+async def usage_export(request: Request, st: AdminState, admin: Admin, query: dict) -> Response:
+    from starlette.responses import StreamingResponse
+
+    u = _usage_module()
+    if u is None:
+        raise FeatureUnavailableError("usage metering is not available in this build")
+    fmt = query.get("format", "csv")
+    granularity = query.get("granularity", "event")
+    start, end = _usage_range(query, "day" if granularity == "day" else "hour")
+    chunks = u.export_usage(st.db, start, end, fmt=fmt, granularity=granularity, tenant=query.get("tenant"))
+    sentinel = object()
+    first = await asyncio.to_thread(next, chunks, sentinel)  # argument errors raise here, before the 200
+
+    def body():
+        if first is not sentinel:
+            yield first
+        yield from chunks
+
+    media, ext = _EXPORT_TYPES[fmt]
+    stamp = f"{start:%Y%m%dT%H%M}-{end:%Y%m%dT%H%M}"
+    return StreamingResponse(body(), media_type=media, headers={
+        "Content-Disposition": f'attachment; filename="loraplex-usage-{granularity}-{stamp}.{ext}"',
+        "Cache-Control": "no-store"})
+
+
 async def get_openapi(request: Request, st: AdminState, admin: None, query: dict) -> Any:
     return request.app.state.admin_openapi
 
@@ -747,8 +867,25 @@ LANE = {"type": "string", "enum": list(LANES)}
 NAME = {"type": "string", "minLength": 1, "maxLength": 64, "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
         "description": "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"}
 TS = {"type": ["string", "null"], "format": "date-time"}
-QUOTAS = {"type": ["object", "null"], "description": "The tenant's limits (null: none or not available); see "
-          "the quotas module for the fields", "additionalProperties": True}
+BASE_MODEL_KEY = "(base model)"
+QUOTA_FIELDS = ("rpm", "tpm", "max_concurrency", "token_budget", "budget_period")
+_LIMIT = {"type": ["integer", "null"], "minimum": 0}
+QUOTAS_IN = {"type": ["object", "null"], "additionalProperties": False,
+             "description": "Limits to set; a field left out keeps its value, null clears it (null: clear all)",
+             "properties": {"rpm": {**_LIMIT, "description": "requests per minute"},
+                            "tpm": {**_LIMIT, "description": "tokens per minute (prompt + max_tokens reserved)"},
+                            "max_concurrency": {**_LIMIT, "description": "requests in flight at once"},
+                            "token_budget": {**_LIMIT, "description": "tokens per budget period"},
+                            "budget_period": {"type": ["string", "null"], "enum": ["day", "month", None]}}}
+QUOTAS = {"type": ["object", "null"], "description": "The tenant's limits (null fields: no limit) and where it "
+          "stands now; null when this build has no quotas",
+          "properties": {**QUOTAS_IN["properties"],
+                         "requests_this_minute": {"type": "integer"}, "tokens_this_minute": {"type": "integer"},
+                         "in_flight": {"type": "integer"}, "budget_used": {"type": "integer"},
+                         "budget_remaining": {"type": ["integer", "null"]},
+                         "budget_period_start": TS, "budget_period_end": TS, "updated_at": TS}}
+_POINT = {"type": "object", "required": ["t", "total_tokens"], "properties": {
+    "t": {"type": "string", "format": "date-time"}, **{f: {"type": "integer"} for f in _SERIES_FIELDS}}}
 
 COMPONENTS: dict[str, dict] = {
     "Session": {"type": "object", "required": ["actor", "csrf_token"], "properties": {
@@ -777,7 +914,9 @@ COMPONENTS: dict[str, dict] = {
         "size_bytes": {"type": ["integer", "null"]}, "created_at": TS, "updated_at": TS,
         "residency": {"type": "string", "enum": ["device", "cpu", "disk", "missing"],
                       "description": "where the current version is now: a device slot, the CPU tier, or disk only"},
-        "versions": {"type": "array", "items": {"$ref": "#/components/schemas/AdapterVersion"}}}},
+        "versions": {"type": "array", "items": {"$ref": "#/components/schemas/AdapterVersion"},
+                     "description": "(one adapter) the current version first, then older ones still kept"},
+        "num_versions": {"type": "integer", "description": "(listings) versions kept, the current one included"}}},
     "Engine": {"type": "object", "required": ["model", "running", "lanes", "kv_cache_usage", "resident_adapters"],
                "properties": {
                    "model": {"type": "string"}, "running": {"type": "boolean"}, "device": {"type": "string"},
@@ -793,6 +932,12 @@ COMPONENTS: dict[str, dict] = {
                    "resident_adapters": {"type": "array", "items": {"type": "object", "properties": {
                        "digest": {"type": "string"}, "tier": {"type": "string", "enum": ["device", "cpu"]},
                        "names": {"type": "array", "items": {"type": "string"}}}}}}},
+    "Usage": {"type": "object", "required": ["from", "to", "granularity", "group_by", "series"], "properties": {
+        "from": {"type": "string", "format": "date-time"}, "to": {"type": "string", "format": "date-time"},
+        "granularity": {"type": "string"}, "group_by": {"type": "string"},
+        "series": {"type": "array", "items": {"type": "object", "required": ["key", "points"], "properties": {
+            "key": {"type": "string", "description": f"tenant or adapter name; {BASE_MODEL_KEY!r} for the base model"},
+            "totals": {"type": "object"}, "points": {"type": "array", "items": _POINT}}}}}},
     "AuditEntry": {"type": "object", "required": ["id", "at", "actor", "action", "target", "details"], "properties": {
         "id": {"type": "integer"}, "at": {"type": "string", "format": "date-time"}, "actor": {"type": "string"},
         "action": {"type": "string"}, "target": {"type": "string"}, "details": {"type": "object"}}},
@@ -820,13 +965,13 @@ OPS: list[Op] = [
        body={"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
            "name": NAME, "default_lane": LANE,
            "allowed_lanes": {"type": "array", "items": LANE, "minItems": 1, "uniqueItems": True},
-           "quotas": {"type": ["object", "null"]}}}),
+           "quotas": QUOTAS_IN}}),
     Op("GET", "/tenants/{name}", get_tenant_, "One tenant", "tenants", out="Tenant"),
     Op("PATCH", "/tenants/{name}", update_tenant_, "Change a tenant's lanes or quotas, or disable/enable it",
        "tenants", out="Tenant",
        body={"type": "object", "additionalProperties": False, "minProperties": 1, "properties": {
            "default_lane": LANE, "allowed_lanes": {"type": "array", "items": LANE, "minItems": 1, "uniqueItems": True},
-           "enabled": {"type": "boolean"}, "quotas": {"type": ["object", "null"]}}}),
+           "enabled": {"type": "boolean"}, "quotas": QUOTAS_IN}}),
     Op("GET", "/keys", list_keys_, "List API keys (never their secrets), newest first", "keys", out=_list_of("Key"),
        errors=(404,),
        query=[qparam("tenant", {"type": "string", "minLength": 1, "maxLength": 64}, "only this tenant's keys"),
@@ -869,6 +1014,26 @@ OPS: list[Op] = [
        out="Adapter"),
     Op("GET", "/engine", engine_status, "Engine: running/waiting per lane, KV cache use, resident adapters",
        "engine", out="Engine"),
+    Op("GET", "/usage", usage_series, "Tokens over time per tenant or per adapter (from the hourly rollups)",
+       "usage", out="Usage", errors=(404,),
+       query=[qparam("group_by", {"type": "string", "enum": ["tenant", "adapter"]}, "one series per tenant "
+                     "(default) or per adapter"),
+              qparam("granularity", {"type": "string", "enum": ["hour", "day"]}, "default hour"),
+              qparam("from", {"type": "string", "minLength": 1, "maxLength": 40},
+                     "start (ISO date or date-time, UTC), on a period boundary; default 24 periods before `to`"),
+              qparam("to", {"type": "string", "minLength": 1, "maxLength": 40}, "end (exclusive); default now"),
+              qparam("tenant", {"type": "string", "minLength": 1, "maxLength": 64}),
+              qparam("adapter", {"type": "string", "maxLength": 64}, "an adapter name; empty: the base model")]),
+    Op("GET", "/usage/export", usage_export, "Export usage for billing: CSV, JSON lines or CloudEvents",
+       "usage", errors=(404,),
+       produces={"text/csv": {"type": "string"}, "application/x-ndjson": {"type": "string"},
+                 "application/cloudevents-batch+json": {"type": "string"}},
+       query=[qparam("format", {"type": "string", "enum": ["csv", "jsonl", "cloudevents"]}, "default csv"),
+              qparam("granularity", {"type": "string", "enum": ["event", "hour", "day"]},
+                     "one record per request (default) or per tenant, adapter and hour/day"),
+              qparam("from", {"type": "string", "minLength": 1, "maxLength": 40}),
+              qparam("to", {"type": "string", "minLength": 1, "maxLength": 40}),
+              qparam("tenant", {"type": "string", "minLength": 1, "maxLength": 64})]),
     Op("GET", "/audit", list_audit, "The audit log, newest first", "audit", out=_list_of("AuditEntry"),
        query=[qparam("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
               qparam("before", {"type": "integer", "minimum": 1}, "entries with a smaller id (paging)"),

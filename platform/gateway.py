@@ -122,6 +122,10 @@ class Gateway:
             ctx.adapter_digest = ref.digest
         return ctx, self._run(ctx, req, ref)
 
+    def forget_adapter_refs(self) -> None:
+        """Resolve adapter names afresh from now on (the admin API replaced or removed one)."""
+        self._adapter_refs.clear()
+
     def adapter_ref(self, name: str) -> AdapterRef | None:
         """The adapter's current version, resolved here (not on the engine thread) so the
         version metered is the version run; reused for ADAPTER_REF_TTL seconds."""
