@@ -67,7 +67,7 @@ def test_wheel_has_a_single_loraplex_root(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         if (REPO / name).exists():
             shutil.copy2(REPO / name, src / name)
-    for folder in ("engine", "adapters", "platform", "migrations"):
+    for folder in ("engine", "adapters", "platform", "migrations", "admin_ui"):
         shutil.copytree(REPO / folder, src / folder, ignore=ignore)
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                           "--no-index", "-q", "-w", str(tmp_path / "dist"), str(src)],
@@ -78,6 +78,7 @@ def test_wheel_has_a_single_loraplex_root(tmp_path):
     roots = {n.split("/")[0] for n in names}
     assert roots == {"loraplex", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}, roots
     assert "loraplex/engine/__init__.py" in names and "loraplex/adapters/__init__.py" in names
+    assert {"loraplex/admin_ui/index.html", "loraplex/admin_ui/app.js", "loraplex/admin_ui/style.css"} <= set(names)
     assert any(n.startswith("loraplex/platform/") for n in names)
     assert "loraplex/platform/__init__.py" not in names
     assert "loraplex/__init__.py" not in names, "loraplex is a namespace root"
