@@ -97,19 +97,24 @@ def configured_token_hashes(settings: Settings) -> tuple[list[str], str]:
         tokens, source = [t.strip() for t in os.environ[ADMIN_TOKEN_ENV].split(",") if t.strip()], f"${ADMIN_TOKEN_ENV}"
     else:
         path = token_file(settings)
-        try:
-            lines = path.read_text().split()
-        except FileNotFoundError:
-            return [], "none"
-        hashes = [x.lower() for x in lines if len(x) == 64 and all(c in "0123456789abcdefABCDEF" for c in x)]
-        if not hashes:
-            raise ConfigError(f"{path} holds no admin token hash; delete it to have a new token generated")
-        return hashes, str(path)
+        hashes = _read_token_file(path)
+        return (hashes, str(path)) if hashes else ([], "none")
     for t in tokens:
         if len(t) < MIN_TOKEN_CHARS:
             raise ConfigError(f"the admin token from {source} is too short: use at least {MIN_TOKEN_CHARS} "
                               "random characters (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
     return [token_hash(t) for t in tokens], source
+
+
+def _read_token_file(path: Path) -> list[str]:
+    try:
+        lines = path.read_text().split()
+    except FileNotFoundError:
+        return []
+    hashes = [x.lower() for x in lines if len(x) == 64 and all(c in "0123456789abcdefABCDEF" for c in x)]
+    if not hashes:
+        raise ConfigError(f"{path} holds no admin token hash; delete it to have a new token generated")
+    return hashes
 
 
 def new_admin_token() -> str:
@@ -142,18 +147,43 @@ def ensure_admin_token(settings: Settings) -> str | None:
 class AdminAuth:
     """Checks admin tokens and browser sessions; see the module docstring."""
 
-    def __init__(self, token_hashes: list[str], source: str = "settings") -> None:
+    def __init__(self, token_hashes: list[str], source: str = "settings", watch: Path | None = None) -> None:
         self._tokens = [_token_entry(h) for h in token_hashes]
         self.source = source
         self._signed_out: dict[str, int] = {}  # session id -> its expiry (this process)
+        # The generated token's file: re-read when it changes (`loraplex admin-token --reset`).
+        self._watch = watch
+        self._watch_stamp = self._stamp()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> AdminAuth:
         hashes, source = configured_token_hashes(settings)
-        return cls(hashes, source)
+        env_or_settings = bool(settings.admin_token or os.environ.get(ADMIN_TOKEN_ENV, "").strip())
+        return cls(hashes, source, watch=None if env_or_settings else token_file(settings))
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        if self._watch is None:
+            return None
+        try:
+            st = self._watch.stat()
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def _refresh(self) -> None:
+        if self._watch is None:
+            return
+        stamp = self._stamp()
+        if stamp != self._watch_stamp:
+            self._watch_stamp = stamp
+            try:
+                self._tokens = [_token_entry(h) for h in _read_token_file(self._watch)]
+            except ConfigError:
+                self._tokens = []
 
     @property
     def configured(self) -> bool:
+        self._refresh()
         return bool(self._tokens)
 
     def _no_token(self) -> AuthenticationError:
@@ -162,6 +192,7 @@ class AdminAuth:
             "one generated")
 
     def check_token(self, token: str | None) -> Admin:
+        self._refresh()
         if not self._tokens:
             raise self._no_token()
         digest = token_hash(token or "")
@@ -195,6 +226,7 @@ class AdminAuth:
         return _b64(hmac.new(t.key, f"csrf.{sid}".encode(), hashlib.sha256).digest())[:32]
 
     def check_session(self, cookie: str, now: float | None = None) -> Admin:
+        self._refresh()
         if not self._tokens:
             raise self._no_token()
         parts = cookie.split(".")
@@ -230,6 +262,7 @@ class AdminAuth:
                 raise AuthenticationError("send the admin token as 'Authorization: Bearer <token>'")
             return self.check_token(token.strip())
         if not cookie:
+            self._refresh()
             if not self._tokens:
                 raise self._no_token()
             raise AuthenticationError("admin token required: send 'Authorization: Bearer <token>' or sign in")

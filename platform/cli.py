@@ -183,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     us.add_argument("--tenant", default=None, metavar="NAME")
     us.add_argument("--granularity", choices=("hour", "day", "total"), default="total")
     _db_options(us)
+    at = sub.add_parser("admin-token", help="where the admin UI's token comes from; --reset makes a new one")
+    at.add_argument("--reset", action="store_true",
+                    help="generate a new admin token (printed once); the old one and its sessions stop working")
+    _db_options(at)  # (only --data-dir matters: the generated token's hash lives there)
     return parser
 
 
@@ -237,6 +241,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if args.command == "serve":
         return commands.serve(settings, access_log=args.access_log)
+    if args.command == "admin-token":
+        return commands.admin_token(settings, reset=args.reset)
     db = commands.open_db(settings)
     try:
         if args.command == "tenant" and args.action == "create":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import sys
 import threading
 
@@ -186,6 +187,7 @@ def _demo_adapters_in_background(settings: Settings, register) -> threading.Thre
 def serve(settings: Settings, access_log: bool = False) -> int:
     import uvicorn
 
+    from .admin_auth import ensure_admin_token
     from .app import create_app
     from .demo import ensure_demo_tenant, register_cli_adapters, register_demo_adapters
     from .engine_factory import build_engine
@@ -202,6 +204,7 @@ def serve(settings: Settings, access_log: bool = False) -> int:
         db.dispose()
     log.info("loading the model (%s)...", settings.engine.model.model)
     engine = build_engine(settings)
+    admin_token = ensure_admin_token(settings)  # first start without $LORAPLEX_ADMIN_TOKEN
     app = create_app(settings, engine)
     url = f"http://{settings.host}:{settings.port}"
     _out(f"loraplex: serving {settings.model_name}" + (f" + adapters {', '.join(adapters)}" if adapters else ""))
@@ -209,6 +212,10 @@ def serve(settings: Settings, access_log: bool = False) -> int:
     _out(f"loraplex: data in {settings.data_dir}; database {Database.display_url(settings.db_url)}")
     if demo_key:
         _out(f"loraplex: demo tenant 'demo' created; its API key (shown only this once):\n\n    {demo_key}\n")
+    _out(f"loraplex: admin UI at {url}/admin  (API {url}/admin/api, described at {url}/admin/api/openapi.json)")
+    if admin_token:
+        _out(f"loraplex: admin token generated (shown only this once; `loraplex admin-token --reset` makes a new "
+             f"one):\n\n    {admin_token}\n")
     if settings.create_demo_tenant:
         _demo_adapters_in_background(settings, register_demo_adapters)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, access_log=access_log,
@@ -217,4 +224,28 @@ def serve(settings: Settings, access_log: bool = False) -> int:
         uvicorn.Server(config).run()
     finally:
         engine.shutdown()
+    return 0
+
+
+def admin_token(settings: Settings, reset: bool = False) -> int:
+    """Say where the admin token comes from; with `reset`, make a new one (printed once)."""
+    from .admin_auth import ADMIN_TOKEN_ENV, configured_token_hashes, new_admin_token, write_token_file
+
+    if reset:
+        if os.environ.get(ADMIN_TOKEN_ENV, "").strip():
+            print(f"loraplex: ${ADMIN_TOKEN_ENV} is set, and wins over a generated token: change it there",
+                  file=sys.stderr)
+            return 1
+        token = new_admin_token()
+        path = write_token_file(settings, token)
+        print(f"new admin token (its hash is in {path}; servers using this data dir accept it at once, "
+              "and no longer the old one):", file=sys.stderr)
+        _out(token)  # stdout carries only the token
+        return 0
+    hashes, source = configured_token_hashes(settings)
+    if not hashes:
+        _out(f"no admin token yet: `loraplex serve` generates one at first start, or set ${ADMIN_TOKEN_ENV}")
+    else:
+        _out(f"admin token from {source} (fingerprint token:{hashes[0][:12]}); "
+             "`loraplex admin-token --reset` replaces a generated one")
     return 0

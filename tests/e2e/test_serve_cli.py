@@ -9,12 +9,14 @@ import subprocess
 import sys
 import time
 
+import httpx
 import openai
 import pytest
 
 from tests.e2e.conftest import MAX_MODEL_LEN
 
 KEY_LINE = re.compile(r"^\s+(lpx_[0-9a-f]{12}_\S+)\s*$")
+ADMIN_LINE = re.compile(r"^\s+(lpxadmin_\S+)\s*$")
 
 
 def _free_port() -> int:
@@ -58,9 +60,14 @@ class Serve:
     def keys(self) -> list[str]:
         return [m.group(1) for line in self.lines if (m := KEY_LINE.match(line))]
 
+    @property
+    def admin_tokens(self) -> list[str]:
+        return [m.group(1) for line in self.lines if (m := ADMIN_LINE.match(line))]
+
 
 def test_serve_first_start_and_restart(empty_db_url, tmp_path, tiny_llama_dir, tiny_adapters):
-    env = {**os.environ, "LORAPLEX_DEMO_ADAPTERS": str(tiny_adapters["ad1"].parent)}
+    env = {**{k: v for k, v in os.environ.items() if k != "LORAPLEX_ADMIN_TOKEN"},  # so one is generated
+           "LORAPLEX_DEMO_ADAPTERS": str(tiny_adapters["ad1"].parent)}
     args = ["--model", str(tiny_llama_dir), "--data-dir", str(tmp_path / "data"), "--database-url", empty_db_url,
             "--dtype", "float32", "--threads", "1", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "64",
             "--adapter", f"mine={tiny_adapters['ad2']}"]
@@ -77,12 +84,19 @@ def test_serve_first_start_and_restart(empty_db_url, tmp_path, tiny_llama_dir, t
         assert {m.id for m in client.models.list()} == expected
         r = client.chat.completions.create(model="mine", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
         assert r.usage.completion_tokens >= 1
+        # The admin token generated at first start signs in to the admin UI.
+        assert len(first.admin_tokens) == 1, "".join(first.lines)
+        admin = httpx.post(f"http://127.0.0.1:{first.port}/admin/api/session", json={"token": first.admin_tokens[0]})
+        assert admin.status_code == 201, admin.text
     finally:
         assert first.stop() == 0, "".join(first.lines)
     second = Serve(*args, env=env)
     try:
         second.wait_ready()
-        assert second.keys == []  # the demo key is printed only on the first start
+        assert second.keys == [] and second.admin_tokens == []  # printed only on the first start
+        r = httpx.get(f"http://127.0.0.1:{second.port}/admin/api/tenants",
+                      headers={"authorization": f"Bearer {first.admin_tokens[0]}"})
+        assert r.status_code == 200 and {t["name"] for t in r.json()} >= {"demo"}
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{second.port}/v1", api_key=first.keys[0], max_retries=0)
         assert client.completions.create(model=tiny_llama_dir.name, prompt="x", max_tokens=2).choices
     finally:
