@@ -69,10 +69,11 @@
   function fmtShort(n) {
     if (n === null || n === undefined) return "–";
     const a = Math.abs(n);
-    if (a >= 1e9) return (n / 1e9).toFixed(a >= 1e10 ? 0 : 1) + "B";
-    if (a >= 1e6) return (n / 1e6).toFixed(a >= 1e7 ? 0 : 1) + "M";
-    if (a >= 1e3) return (n / 1e3).toFixed(a >= 1e4 ? 0 : 1) + "k";
-    return String(n);
+    const unit = (d, suffix) => (n / d).toFixed(a >= 10 * d ? 0 : 1).replace(/\.0$/, "") + suffix;
+    if (a >= 1e9) return unit(1e9, "B");
+    if (a >= 1e6) return unit(1e6, "M");
+    if (a >= 1e3) return unit(1e3, "k");
+    return String(Math.round(n * 100) / 100);
   }
 
   function fmtBytes(n) {

@@ -125,6 +125,17 @@ def test_admin_ui_end_to_end(page, admin_live, upload_adapters):
         page.click("#tenant-create")
         expect(page.locator("#tenant-error")).to_contain_text("'../bad' is not valid")
         page.fill("#tenant-name", "")
+        # Edit: lanes and quotas.
+        row.locator("button", has_text="Edit").click()
+        page.select_option(f"#edit-{tenant}-lane", "standard")
+        page.fill(f"#edit-{tenant}-q-rpm", "1000")
+        page.fill(f"#edit-{tenant}-q-token_budget", "5000000")
+        page.locator(f"tr[data-tenant='{tenant}'] + tr button", has_text="Save").click()
+        expect(row).to_contain_text("1k rpm")
+        expect(row).to_contain_text("5M/month")
+        t = api.get(f"/tenants/{tenant}").json()
+        assert t["default_lane"] == "standard" and t["allowed_lanes"] == ["standard", "batch"]
+        assert t["quotas"]["rpm"] == 1000 and t["quotas"]["token_budget"] == 5_000_000
         _shot(page, b, "02-tenants")
 
         # -- keys ----------------------------------------------------------------------
@@ -204,7 +215,7 @@ def test_admin_ui_end_to_end(page, admin_live, upload_adapters):
 
         # -- engine ----------------------------------------------------------------------------
         _goto(page, "engine")
-        expect(page.locator("#engine-lanes tr[data-lane=interactive]")).to_be_visible()
+        expect(page.locator("#engine-lanes tr[data-lane=standard]")).to_be_visible()
         expect(page.locator("#engine-resident")).to_contain_text(adapter)
         expect(page.locator("#engine-resident")).to_contain_text(f"{adapter} (older version)")
         expect(page.locator("#engine-kv")).to_contain_text("%")
