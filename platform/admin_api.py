@@ -868,6 +868,9 @@ NAME = {"type": "string", "minLength": 1, "maxLength": 64, "pattern": r"^[A-Za-z
         "description": "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"}
 TS = {"type": ["string", "null"], "format": "date-time"}
 BASE_MODEL_KEY = "(base model)"
+ISO_TIME = {"type": "string", "maxLength": 40,
+            "pattern": r"^\d{4}-\d{2}-\d{2}([Tt ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?([Zz]|[+-]\d{2}:?\d{2})?)?$",
+            "description": "an ISO date (UTC midnight) or date-time"}
 QUOTA_FIELDS = ("rpm", "tpm", "max_concurrency", "token_budget", "budget_period")
 _LIMIT = {"type": ["integer", "null"], "minimum": 0}
 QUOTAS_IN = {"type": ["object", "null"], "additionalProperties": False,
@@ -975,7 +978,8 @@ OPS: list[Op] = [
     Op("GET", "/keys", list_keys_, "List API keys (never their secrets), newest first", "keys", out=_list_of("Key"),
        errors=(404,),
        query=[qparam("tenant", {"type": "string", "minLength": 1, "maxLength": 64}, "only this tenant's keys"),
-              qparam("prefix", {"type": "string", "minLength": 1, "maxLength": 20}, "keys whose prefix starts so"),
+              qparam("prefix", {"type": "string", "pattern": r"^(lpx_)?[0-9a-f]{1,12}$"},
+                     "keys whose prefix starts so"),
               qparam("status", {"type": "string", "enum": ["active", "expired", "revoked"]}),
               qparam("limit", {"type": "integer", "minimum": 1, "maximum": 5000})]),
     Op("POST", "/keys", create_key_, "Create an API key: the response holds the key itself, shown this once",
@@ -1019,9 +1023,9 @@ OPS: list[Op] = [
        query=[qparam("group_by", {"type": "string", "enum": ["tenant", "adapter"]}, "one series per tenant "
                      "(default) or per adapter"),
               qparam("granularity", {"type": "string", "enum": ["hour", "day"]}, "default hour"),
-              qparam("from", {"type": "string", "minLength": 1, "maxLength": 40},
+              qparam("from", ISO_TIME,
                      "start (ISO date or date-time, UTC), on a period boundary; default 24 periods before `to`"),
-              qparam("to", {"type": "string", "minLength": 1, "maxLength": 40}, "end (exclusive); default now"),
+              qparam("to", ISO_TIME, "end (exclusive); default now"),
               qparam("tenant", {"type": "string", "minLength": 1, "maxLength": 64}),
               qparam("adapter", {"type": "string", "maxLength": 64}, "an adapter name; empty: the base model")]),
     Op("GET", "/usage/export", usage_export, "Export usage for billing: CSV, JSON lines or CloudEvents",
@@ -1031,8 +1035,8 @@ OPS: list[Op] = [
        query=[qparam("format", {"type": "string", "enum": ["csv", "jsonl", "cloudevents"]}, "default csv"),
               qparam("granularity", {"type": "string", "enum": ["event", "hour", "day"]},
                      "one record per request (default) or per tenant, adapter and hour/day"),
-              qparam("from", {"type": "string", "minLength": 1, "maxLength": 40}),
-              qparam("to", {"type": "string", "minLength": 1, "maxLength": 40}),
+              qparam("from", ISO_TIME, "start (ISO date or date-time, UTC); default 24 hours before `to`"),
+              qparam("to", ISO_TIME, "end (exclusive); default the end of this hour"),
               qparam("tenant", {"type": "string", "minLength": 1, "maxLength": 64})]),
     Op("GET", "/audit", list_audit, "The audit log, newest first", "audit", out=_list_of("AuditEntry"),
        query=[qparam("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
@@ -1048,9 +1052,14 @@ Authenticate with the admin token (`Authorization: Bearer <token>`), or sign in
 the session's CSRF token in `X-CSRF-Token`. Every change is written to the audit log."""
 
 
+PATH_PARAMS = {"name": NAME, "tenant": NAME,
+               "prefix": {"type": "string", "pattern": r"^(lpx_)?[0-9a-f]{12}$",
+                          "description": "a key's visible prefix, lpx_<12 hex digits>"}}
+
+
 def openapi() -> dict:
     return openapi_document(OPS, COMPONENTS, title="loraplex admin API", version=API_VERSION,
-                            description=DESCRIPTION)
+                            description=DESCRIPTION, path_params=PATH_PARAMS)
 
 
 # -- the UI's files ----------------------------------------------------------------------------
@@ -1089,9 +1098,22 @@ async def ui_redirect(request: Request) -> Response:
     return RedirectResponse("/admin/", status_code=308)
 
 
+def _dispatch(endpoints: dict[str, Any]):
+    async def endpoint(request: Request) -> Response:
+        method = "GET" if request.method == "HEAD" else request.method
+        return await endpoints[method](request)
+
+    return endpoint
+
+
 def admin_routes() -> list[BaseRoute]:
-    """Routes to mount at the app's root (their paths start with /admin)."""
-    routes: list[BaseRoute] = [Route(f"/admin/api{op.path}", _endpoint(op), methods=[op.method]) for op in OPS]
+    """Routes to mount at the app's root (their paths start with /admin). One route per
+    path, so a 405 names every method the path has in its Allow header."""
+    by_path: dict[str, dict[str, Any]] = {}
+    for op in OPS:
+        by_path.setdefault(op.path, {})[op.method] = _endpoint(op)
+    routes: list[BaseRoute] = [Route(f"/admin/api{path}", _dispatch(eps), methods=list(eps))
+                               for path, eps in by_path.items()]
     routes += [Route("/admin", ui_redirect, methods=["GET"]),
                Route("/admin/", ui_index, methods=["GET"]),
                Route("/admin/{file}", ui_asset, methods=["GET"])]

@@ -168,14 +168,16 @@ _STATUS_TEXT = {200: "OK", 201: "Created", 400: "Bad input: the message names th
 
 
 def openapi_document(ops: list[Op], components: dict[str, dict], *, title: str, version: str,
-                     description: str, prefix: str = "/admin/api") -> dict:
+                     description: str, prefix: str = "/admin/api",
+                     path_params: dict[str, dict] | None = None) -> dict:
     paths: dict[str, dict] = {}
     err = {"$ref": "#/components/responses/Error"}
     for op in ops:
         item: dict[str, Any] = {"operationId": op.operation_id, "summary": op.summary, "tags": [op.tag]}
         if op.description:
             item["description"] = op.description
-        params = [{"name": n, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+        params = [{"name": n, "in": "path", "required": True,
+                   "schema": (path_params or {}).get(n, {"type": "string", "minLength": 1})}
                   for n in re.findall(r"{(\w+)}", op.path)]
         if op.method not in ("GET", "HEAD") and op.auth:
             params.append({"name": "X-CSRF-Token", "in": "header", "required": False, "schema": {"type": "string"},
