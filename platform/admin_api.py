@@ -109,6 +109,7 @@ class AdminState:
         lora = getattr(gateway.engine.engine, "lora", None)
         # The engine's own store when it has one: an upload is then servable at once.
         store = lora.store if lora is not None else open_store(settings)
+        _clean_stale_uploads(store.root / "uploads")
         auth = AdminAuth.from_settings(settings)
         if not auth.configured:
             log.warning("admin API: no admin token configured (set $LORAPLEX_ADMIN_TOKEN); /admin is locked")
@@ -131,6 +132,21 @@ class AdminState:
         forget = getattr(self.gateway, "forget_adapter_refs", None)
         if forget is not None:
             forget()
+
+
+def _clean_stale_uploads(folder: Path, max_age: float = 3600.0) -> None:
+    """Staging left by uploads a crashed process never finished (never visible anyway)."""
+    import time
+
+    if not folder.is_dir():
+        return
+    cutoff = time.time() - max_age
+    for p in folder.iterdir():
+        try:
+            if p.name.startswith("upload-") and p.lstat().st_mtime < cutoff:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _state(request: Request) -> AdminState:
