@@ -80,6 +80,21 @@ def _insert(engine: Engine):
     return insert
 
 
+_EVENT_COLUMNS = ("request_id", "tenant_id", "key_id", "adapter_id", "lane", "status", "prompt_tokens",
+                  "cached_tokens", "completion_tokens", "received_at", "first_token_at", "finished_at")
+_EVENT_TYPES = ("text", "int", "int", "int", "smallint", "text", "int", "int", "int", "timestamptz", "timestamptz",
+                "timestamptz")
+_PG_EVENTS = (f"INSERT INTO usage_events ({', '.join(_EVENT_COLUMNS)}) SELECT * FROM unnest("
+              + ", ".join(f"%({c})s::{t}[]" for c, t in zip(_EVENT_COLUMNS, _EVENT_TYPES))
+              + ") ON CONFLICT (request_id) DO NOTHING RETURNING request_id")
+_ROLLUP_SUMS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "aborted", "errors")
+_PG_ROLLUP = ("INSERT INTO usage_hourly (tenant_id, hour, adapter_id, " + ", ".join(_ROLLUP_SUMS) + ") "
+              "SELECT * FROM unnest(%(t)s::int[], %(h)s::timestamptz[], %(a)s::int[], "
+              + ", ".join(f"%(v{i})s::bigint[]" for i in range(len(_ROLLUP_SUMS)))
+              + ") ON CONFLICT (tenant_id, hour, adapter_id) DO UPDATE SET "
+              + ", ".join(f"{c} = usage_hourly.{c} + excluded.{c}" for c in _ROLLUP_SUMS))
+
+
 class EventStore:
     """Writes batches of events idempotently, with their rollups, in one transaction."""
 
@@ -95,6 +110,14 @@ class EventStore:
                   for c in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "aborted", "errors")})
         self._events = (self._insert(UsageEvent).on_conflict_do_nothing(index_elements=["request_id"])
                         .returning(UsageEvent.request_id))
+        self.pg = engine.dialect.name == "postgresql"
+
+    @staticmethod
+    def _insert_events_pg(conn, rows: list[dict]) -> list[str]:
+        """PostgreSQL: one INSERT ... SELECT FROM unnest(arrays): a short statement however
+        many rows (a VALUES list of thousands of parameters costs more to build and parse)."""
+        params = {c: [r[c] for r in rows] for c in _EVENT_COLUMNS}
+        return [r[0] for r in conn.exec_driver_sql(_PG_EVENTS, params).fetchall()]
 
     def _adapter_id(self, conn, name: str | None, digest: str | None) -> int:
         if name is None:
@@ -123,7 +146,7 @@ class EventStore:
                              "prompt_tokens": e.prompt_tokens, "cached_tokens": e.cached_tokens,
                              "completion_tokens": e.completion_tokens, "received_at": _utc(e.received_at),
                              "first_token_at": _utc(e.first_token_at), "finished_at": _utc(e.finished_at)})
-            inserted = set(conn.execute(self._events, rows).scalars())
+            inserted = set(self._insert_events_pg(conn, rows) if self.pg else conn.execute(self._events, rows).scalars())
             sums: dict[tuple[int, int, int], list[int]] = {}
             for e, row in zip(events, rows):
                 if e.request_id not in inserted:
@@ -137,7 +160,13 @@ class EventStore:
                 s[3] += e.completion_tokens
                 s[4] += e.status == "aborted"
                 s[5] += e.status == "error"
-            if sums:
+            if sums and self.pg:
+                keys = sorted(sums)
+                cols = list(zip(*(sums[k] for k in keys)))
+                conn.exec_driver_sql(_PG_ROLLUP, {
+                    "t": [k[0] for k in keys], "h": [_utc(k[1]) for k in keys], "a": [k[2] for k in keys],
+                    **{f"v{i}": list(col) for i, col in enumerate(cols)}})
+            elif sums:
                 conn.execute(self._rollup, [
                     {"tenant_id": t, "hour": _utc(h), "adapter_id": a, "requests": s[0], "prompt_tokens": s[1],
                      "cached_tokens": s[2], "completion_tokens": s[3], "aborted": s[4], "errors": s[5]}

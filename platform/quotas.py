@@ -32,8 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import calendar
+import collections
 import datetime as dt
+import json
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -302,40 +305,82 @@ def rejection(failed: list[_Check]) -> RateLimitedError:
 
 
 class _Sql:
-    """Statement texts, cached per number of rows (text() compiles once per string)."""
+    """Statement texts per number of rows, in SQLAlchemy/sqlite3 `:name` style (the SQLite
+    hot path runs them on the raw sqlite3 connection; `move` also runs through SQLAlchemy)."""
 
     def __init__(self) -> None:
-        self._admit: dict[int, object] = {}
-        self._move: dict[int, object] = {}
+        self._admit: dict[int, str] = {}
+        self._move: dict[int, str] = {}
 
     @staticmethod
     def _values(n: int) -> str:
         return ", ".join(f"(:s{i}, :k{i}, :w{i}, :u{i}, :l{i})" for i in range(n))
 
-    def admit(self, n: int):
-        stmt = self._admit.get(n)
-        if stmt is None:
-            stmt = self._admit[n] = text(
+    def admit(self, n: int) -> str:
+        sql = self._admit.get(n)
+        if sql is None:
+            sql = self._admit[n] = (
                 f"INSERT INTO quota_counters (scope, kind, window_start, used, lim) VALUES {self._values(n)} "
                 "ON CONFLICT (scope, kind, window_start) DO UPDATE SET used = quota_counters.used + excluded.used, "
                 "lim = excluded.lim WHERE quota_counters.used + excluded.used <= excluded.lim "
                 "RETURNING scope, kind")
-        return stmt
+        return sql
 
-    def move(self, n: int):
+    def move(self, n: int) -> str:
         """Unconditional counter moves (settle, release): same sorted upsert shape."""
-        stmt = self._move.get(n)
-        if stmt is None:
-            stmt = self._move[n] = text(
+        sql = self._move.get(n)
+        if sql is None:
+            sql = self._move[n] = (
                 f"INSERT INTO quota_counters (scope, kind, window_start, used, lim) VALUES {self._values(n)} "
                 "ON CONFLICT (scope, kind, window_start) DO UPDATE SET used = quota_counters.used + excluded.used")
-        return stmt
+        return sql
+
+
+class _PgSql:
+    """PostgreSQL: admission and settlement are ONE autocommit statement each (one round
+    trip, no BEGIN/COMMIT), with data-modifying CTEs. Admission divides by zero when any
+    counter is full, which aborts the whole statement: all-or-nothing."""
+
+    def __init__(self) -> None:
+        self._reserve: dict[tuple[int, bool], str] = {}
+        self._settle: dict[int, str] = {}
+
+    def reserve(self, n: int, lease: bool) -> str:
+        sql = self._reserve.get((n, lease))
+        if sql is None:
+            values = ", ".join(f"(%(s{i})s, %(k{i})s, %(w{i})s, %(u{i})s, %(l{i})s)" for i in range(n))
+            sql = (f"WITH c AS (INSERT INTO quota_counters (scope, kind, window_start, used, lim) VALUES {values} "
+                   "ON CONFLICT (scope, kind, window_start) DO UPDATE SET used = quota_counters.used + excluded.used, "
+                   "lim = excluded.lim WHERE quota_counters.used + excluded.used <= excluded.lim RETURNING 1)")
+            if lease:
+                sql += (", l AS (INSERT INTO quota_leases (request_id, holder, state, expires_at, charges) "
+                        "SELECT %(r)s, %(h)s, 'live', %(e)s, CAST(%(c)s AS JSON) "
+                        "WHERE (SELECT count(*) FROM c) = %(n)s)")
+            sql += " SELECT 1 / (CASE WHEN (SELECT count(*) FROM c) = %(n)s THEN 1 ELSE 0 END)"
+            self._reserve[(n, lease)] = sql
+        return sql
+
+    def settle(self, n: int) -> str:
+        sql = self._settle.get(n)
+        if sql is None:
+            values = ", ".join(f"(%(s{i})s, %(k{i})s, CAST(%(w{i})s AS BIGINT), CAST(%(dl{i})s AS BIGINT), "
+                               f"CAST(%(dr{i})s AS BIGINT))" for i in range(n))
+            sql = self._settle[n] = (
+                "WITH l AS (DELETE FROM quota_leases WHERE request_id = %(r)s RETURNING state) "
+                "INSERT INTO quota_counters (scope, kind, window_start, used, lim) "
+                "SELECT v.s, v.k, v.w, CASE WHEN l.state = 'live' THEN v.dl ELSE v.dr END, 0 "
+                f"FROM (VALUES {values}) AS v(s, k, w, dl, dr) CROSS JOIN l "
+                "WHERE CASE WHEN l.state = 'live' THEN v.dl ELSE v.dr END <> 0 ORDER BY v.s, v.k, v.w "
+                "ON CONFLICT (scope, kind, window_start) DO UPDATE SET used = quota_counters.used + excluded.used")
+        return sql
 
 
 _SQL = _Sql()
-_INSERT_LEASE = text("INSERT INTO quota_leases (request_id, holder, state, expires_at, charges) "
-                     "VALUES (:r, :h, 'live', :e, :c)").bindparams(bindparam("c", type_=JSON))
-_TAKE_LEASE = text("DELETE FROM quota_leases WHERE request_id = :r RETURNING state")
+_PG = _PgSql()
+_LITE_LEASE = ("INSERT INTO quota_leases (request_id, holder, state, expires_at, charges) "
+               "VALUES (:r, :h, 'live', :e, :c)")
+_LITE_TAKE = "DELETE FROM quota_leases WHERE request_id = :r RETURNING state"
+_PG_PEEK = "SELECT scope, kind, window_start, used FROM quota_counters WHERE scope = ANY(%(scopes)s)"
 _RENEW = text("UPDATE quota_leases SET expires_at = :e WHERE holder = :h AND state = 'live'")
 _REAP = text("UPDATE quota_leases SET state = 'reaped' WHERE state = 'live' AND expires_at < :now "
              "RETURNING request_id, charges")
@@ -348,58 +393,368 @@ def _params(rows: list[tuple[str, str, int, int, int]]) -> dict:
     return p
 
 
+def _move_rows(moves: list[tuple[str, str, int, int]]) -> list[tuple[str, str, int, int, int]]:
+    return sorted((s, k, w, d, 0) for s, k, w, d in moves if d != 0)
+
+
 def _move(conn, moves: list[tuple[str, str, int, int]]) -> None:
-    rows = sorted((s, k, w, d, 0) for s, k, w, d in moves if d != 0)
+    """Counter moves through a SQLAlchemy connection (maintenance)."""
+    rows = _move_rows(moves)
     if rows:
-        conn.execute(_SQL.move(len(rows)), _params(rows))
+        conn.execute(text(_SQL.move(len(rows))), _params(rows))
+
+
+def _settle_moves(charges, tokens_used: int, live: bool) -> list[tuple[str, str, int, int]]:
+    moves = []
+    for scope, kind, window, amount in charges:
+        if kind == "conc":
+            if live:
+                moves.append((scope, kind, window, -amount))
+        else:  # tpm, budget: the reservation becomes the actual use
+            moves.append((scope, kind, window, tokens_used - amount if live else tokens_used))
+    return moves
+
+
+def _is_disconnect(exc: BaseException) -> bool:
+    """Worth one retry on a fresh connection: a dropped/stale connection, a deadlock."""
+    import sqlite3
+
+    if isinstance(exc, sqlite3.ProgrammingError):  # a closed connection
+        return True
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover - psycopg is a dependency
+        return False
+    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
+
+
+def quota_engine(url: str, pool_size: int = 4) -> Engine:
+    """The engine quotas run on: no pre-ping (a stale connection is replaced and the
+    operation retried instead), and commits that do not wait for a disk flush (SQLite
+    synchronous=NORMAL in WAL mode, PostgreSQL synchronous_commit=off): a database
+    crash may lose the last milliseconds of counter changes, never their consistency.
+    Usage events (billing) keep fully durable commits on their own engine."""
+    from sqlalchemy import event
+
+    from .db import make_db_engine
+
+    engine = make_db_engine(url, pre_ping=False, pool_size=pool_size, max_overflow=pool_size,
+                            sqlite_synchronous="NORMAL")
+    if engine.dialect.name == "postgresql":
+        def _async_commit(dbapi_conn, _record) -> None:
+            autocommit = dbapi_conn.autocommit
+            dbapi_conn.autocommit = True
+            dbapi_conn.execute("SET synchronous_commit TO off")
+            dbapi_conn.autocommit = autocommit
+
+        event.listen(engine, "connect", _async_commit)
+    return engine
+
+
+def _full(checks: list[_Check], used: dict) -> RateLimitedError:
+    """The rejection when some counter was full; `used` read after the fact names which."""
+    full = [c for c in checks if used.get((c.scope, c.kind, c.window), 0) + c.amount > c.limit]
+    return rejection(full or checks)
+
+
+class _AsyncPgPool:
+    """A few psycopg AsyncConnections (autocommit, synchronous_commit off) for one loop."""
+
+    def __init__(self, conninfo: str, size: int) -> None:
+        self.conninfo = conninfo
+        self.size = size
+        self._idle: list = []
+        self._count = 0
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+
+    async def acquire(self):
+        while True:
+            if self._idle:
+                return self._idle.pop()
+            if self._count < self.size:
+                self._count += 1
+                try:
+                    import psycopg
+
+                    conn = await psycopg.AsyncConnection.connect(self.conninfo, autocommit=True)
+                    await conn.execute("SET synchronous_commit TO off")
+                    return conn
+                except BaseException:
+                    self._count -= 1
+                    self._wake()
+                    raise
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            await fut
+
+    def _wake(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+    async def release(self, conn, broken: bool = False) -> None:
+        if broken or conn.closed:
+            self._count -= 1
+            try:
+                await conn.close()
+            except Exception:  # noqa: BLE001 - already broken
+                pass
+        else:
+            self._idle.append(conn)
+        self._wake()
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            self._count -= 1
+            await conn.close()
 
 
 class QuotaStore:
-    """The database side of quotas for one gateway process (`holder`). Synchronous: the
-    hooks call it through `asyncio.to_thread`."""
+    """The database side of quotas for one gateway process (`holder`).
 
-    def __init__(self, engine: Engine, holder: str, lease_ttl: float = 60.0) -> None:
+    The hot path (`start_reserve`, `start_settle`) bypasses SQLAlchemy's pool and execution
+    layer. PostgreSQL: one autocommit statement (one round trip) each, on psycopg async
+    connections driven by the gateway's event loop (no thread hop). SQLite: one short
+    `BEGIN IMMEDIATE` transaction each (the write lock first, so no lock upgrade can fail)
+    on `executor`'s threads, each holding its own raw connection. A connection that fails
+    is dropped and the operation retried once on a fresh one.
+    Maintenance (`renew`, `reap`) goes through SQLAlchemy transactions.
+    """
+
+    def __init__(self, engine: Engine, holder: str, lease_ttl: float = 60.0, threads: int = 4) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         self.engine = engine
         self.holder = holder
         self.lease_ttl = lease_ttl
+        self.pg = engine.dialect.name == "postgresql"
+        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="loraplex-quota")
+        self.async_connections = threads
+        self._apool: _AsyncPgPool | None = None
+        self._local = threading.local()
+        self._conns: list = []
+        self._lock = threading.Lock()
 
-    def reserve(self, request_id: str, checks: list[_Check], now: float) -> Reservation:
-        """Take every counter in `checks` or none; raise RateLimitedError naming the limit."""
+    # -- raw connections ----------------------------------------------------------------
+    def _conn(self):
+        fairy = getattr(self._local, "conn", None)
+        if fairy is None:
+            fairy = self.engine.raw_connection()
+            raw = fairy.driver_connection
+            if self.pg:
+                raw.autocommit = True
+            else:
+                raw.isolation_level = None  # explicit BEGIN IMMEDIATE / COMMIT
+            self._local.conn = fairy
+            with self._lock:
+                self._conns.append(fairy)
+        return fairy.driver_connection
+
+    def _drop_conn(self) -> None:
+        fairy = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if fairy is not None:
+            with self._lock:
+                if fairy in self._conns:
+                    self._conns.remove(fairy)
+            try:
+                fairy.invalidate()
+            except Exception:  # noqa: BLE001 - already broken
+                pass
+
+    def _with_retry(self, op):
+        for attempt in (0, 1):
+            try:
+                return op(self._conn())
+            except RateLimitedError:
+                raise
+            except Exception as exc:
+                if attempt or not _is_disconnect(exc):
+                    if not self.pg:
+                        self._rollback_quietly()
+                    raise
+                self._drop_conn()  # a stale or broken connection: one retry on a fresh one
+
+    def _rollback_quietly(self) -> None:
+        raw = getattr(self._local, "conn", None)
+        if raw is not None and raw.driver_connection.in_transaction:
+            try:
+                raw.driver_connection.execute("ROLLBACK")
+            except Exception:  # noqa: BLE001
+                self._drop_conn()
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for fairy in conns:
+            try:
+                fairy.invalidate()  # autocommit connections must not go back to the pool
+            except Exception:  # noqa: BLE001
+                pass
+
+    # -- the hot path -----------------------------------------------------------------------
+    def _reserve_params(self, request_id: str, checks: list[_Check], now: float) -> tuple[dict, list]:
         rows = [(c.scope, c.kind, c.window, c.amount, c.limit) for c in checks]
         charges = [(c.scope, c.kind, c.window, c.amount) for c in checks if c.kind != "rpm"]
-        with self.engine.connect() as conn:
-            got = {(s, k) for s, k in conn.execute(_SQL.admit(len(rows)), _params(rows))}
-            if len(got) < len(rows):
-                conn.rollback()
-                raise rejection([c for c in checks if (c.scope, c.kind) not in got])
-            if charges:
-                conn.execute(_INSERT_LEASE, {"r": request_id, "h": self.holder,
-                                             "e": int(now + self.lease_ttl), "c": [list(c) for c in charges]})
-            conn.commit()
+        params = _params(rows)
+        params["n"] = len(rows)
+        if charges:
+            params.update(r=request_id, h=self.holder, e=int(now + self.lease_ttl),
+                          c=json.dumps([list(c) for c in charges]))
+        return params, charges
+
+    def reserve(self, request_id: str, checks: list[_Check], now: float) -> Reservation:
+        """Take every counter in `checks` or none; raise RateLimitedError naming the limit.
+        Synchronous (a quota thread, tests); the gateway uses start_reserve()."""
+        params, charges = self._reserve_params(request_id, checks, now)
+        if self.pg:
+            self._with_retry(lambda conn: self._reserve_pg(conn, checks, params, bool(charges)))
+        else:
+            self._with_retry(lambda conn: self._reserve_lite(conn, checks, params, bool(charges)))
         return Reservation(request_id, charges, bool(charges))
 
+    def start_reserve(self, request_id: str, checks: list[_Check], now: float) -> asyncio.Future:
+        """reserve() as a future that completes even if its awaiter is cancelled: on
+        PostgreSQL a task on this event loop (async driver, no thread hop), on SQLite a
+        quota thread's job."""
+        if not self.pg:
+            return asyncio.wrap_future(self.executor.submit(self.reserve, request_id, checks, now))
+        params, charges = self._reserve_params(request_id, checks, now)
+
+        async def run() -> Reservation:
+            await self._apg(lambda conn: self._areserve_pg(conn, checks, params, bool(charges)))
+            return Reservation(request_id, charges, bool(charges))
+
+        return asyncio.ensure_future(run())
+
+    @staticmethod
+    def _reserve_lite(conn, checks, params, lease: bool) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+        got = set(conn.execute(_SQL.admit(len(checks)), params).fetchall())
+        if len(got) < len(checks):
+            conn.execute("ROLLBACK")
+            raise rejection([c for c in checks if (c.scope, c.kind) not in got])
+        if lease:
+            conn.execute(_LITE_LEASE, params)
+        conn.execute("COMMIT")
+
+    @staticmethod
+    def _reserve_pg(conn, checks, params, lease: bool) -> None:
+        import psycopg
+
+        try:
+            conn.execute(_PG.reserve(len(checks), lease), params)
+            return
+        except psycopg.errors.DivisionByZero:  # some counter was full: the statement took nothing
+            pass
+        except psycopg.errors.UniqueViolation as exc:
+            if exc.diag.table_name == "quota_leases":
+                return  # a retry: the first attempt went through, only its answer was lost
+            raise
+        used = {(s, k, w): u for s, k, w, u in
+                conn.execute(_PG_PEEK, {"scopes": sorted({c.scope for c in checks})}).fetchall()}
+        raise _full(checks, used)
+
+    @staticmethod
+    async def _areserve_pg(conn, checks, params, lease: bool) -> None:
+        import psycopg
+
+        try:
+            await conn.execute(_PG.reserve(len(checks), lease), params)
+            return
+        except psycopg.errors.DivisionByZero:
+            pass
+        except psycopg.errors.UniqueViolation as exc:
+            if exc.diag.table_name == "quota_leases":
+                return
+            raise
+        cur = await conn.execute(_PG_PEEK, {"scopes": sorted({c.scope for c in checks})})
+        raise _full(checks, {(s, k, w): u for s, k, w, u in await cur.fetchall()})
+
     def settle(self, res: Reservation, tokens_used: int) -> None:
-        """Give back what admission took, keeping the tokens actually used. Idempotent."""
+        """Give back what admission took, keeping the tokens actually used. Idempotent: the
+        lease is deleted in the same statement/transaction, and a lease already gone means
+        this settlement already happened. Synchronous; the gateway uses start_settle()."""
         if res.settled:
             return
-        if not res.leased:
-            res.settled = True
-            return
-        with self.engine.connect() as conn:
-            row = conn.execute(_TAKE_LEASE, {"r": res.request_id}).first()
-            if row is not None:
-                live = row[0] == "live"
-                moves = []
-                for scope, kind, window, amount in res.charges:
-                    if kind == "conc":
-                        if live:
-                            moves.append((scope, kind, window, -amount))
-                    else:  # tpm, budget: the reservation becomes the actual use
-                        moves.append((scope, kind, window, tokens_used - amount if live else tokens_used))
-                _move(conn, moves)
-            conn.commit()
+        if res.leased:
+            if self.pg:
+                sql, params = self._settle_pg_sql(res, tokens_used)
+                self._with_retry(lambda conn: conn.execute(sql, params))
+            else:
+                self._with_retry(lambda conn: self._settle_lite(conn, res, tokens_used))
         res.settled = True
 
+    def start_settle(self, res: Reservation, tokens_used: int) -> asyncio.Future:
+        if res.settled or not res.leased:
+            res.settled = True
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        if not self.pg:
+            return asyncio.wrap_future(self.executor.submit(self.settle, res, tokens_used))
+        sql, params = self._settle_pg_sql(res, tokens_used)
+
+        async def run() -> None:
+            await self._apg(lambda conn: conn.execute(sql, params))
+            res.settled = True
+
+        return asyncio.ensure_future(run())
+
+    @staticmethod
+    def _settle_lite(conn, res: Reservation, tokens_used: int) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+        row = conn.execute(_LITE_TAKE, {"r": res.request_id}).fetchone()
+        if row is not None:
+            rows = _move_rows(_settle_moves(res.charges, tokens_used, row[0] == "live"))
+            if rows:
+                conn.execute(_SQL.move(len(rows)), _params(rows))
+        conn.execute("COMMIT")
+
+    @staticmethod
+    def _settle_pg_sql(res: Reservation, tokens_used: int) -> tuple[str, dict]:
+        live = {(s, k, w): d for s, k, w, d in _settle_moves(res.charges, tokens_used, True)}
+        reaped = {(s, k, w): d for s, k, w, d in _settle_moves(res.charges, tokens_used, False)}
+        params: dict = {"r": res.request_id}
+        keys = sorted(set(live) | set(reaped))
+        for i, (s, k, w) in enumerate(keys):
+            params.update({f"s{i}": s, f"k{i}": k, f"w{i}": w, f"dl{i}": live.get((s, k, w), 0),
+                           f"dr{i}": reaped.get((s, k, w), 0)})
+        return _PG.settle(len(keys)), params
+
+    # -- PostgreSQL's async connections (the gateway's event loop) ------------------------------
+    async def _apg(self, op):
+        """Run `op(conn)` on an async autocommit connection; one retry on a fresh connection
+        when the connection broke (a database restart leaves every pooled one stale)."""
+        if self._apool is None:
+            self._apool = _AsyncPgPool(self.engine.url.set(drivername="postgresql")
+                                       .render_as_string(hide_password=False), self.async_connections)
+        for attempt in (0, 1):
+            conn = await self._apool.acquire()
+            broken = True
+            try:
+                result = await op(conn)
+                broken = False
+                return result
+            except RateLimitedError:
+                broken = False
+                raise
+            except Exception as exc:
+                if attempt or not _is_disconnect(exc):
+                    raise
+            finally:
+                await self._apool.release(conn, broken)
+
+    async def aclose(self) -> None:
+        if self._apool is not None:
+            await self._apool.close()
+            self._apool = None
+
+    # -- maintenance --------------------------------------------------------------------------
     def renew(self, now: float | None = None) -> int:
         """Extend this holder's live leases (the heartbeat)."""
         now = time.time() if now is None else now

@@ -27,14 +27,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import orjson
-from sqlalchemy import func, select
+from sqlalchemy import func, literal, select
 
 from loraplex.engine.request import Lane
 
 from .db import Database
-from .errors import BadRequestError
+from .errors import BadRequestError, NotFoundError
 from .models import ApiKey, Tenant
-from .tenants import get_tenant
 from .usage_models import UsageAdapter, UsageEvent, UsageHourly
 
 FORMATS = ("csv", "jsonl", "cloudevents")
@@ -85,8 +84,11 @@ def _iso(t: dt.datetime | None) -> str | None:
 def _tenant_id(db: Database, tenant: str | None) -> int | None:
     if tenant is None:
         return None
-    with db.session() as s:
-        return get_tenant(s, tenant).id
+    with db.engine.connect() as conn:
+        tid = conn.execute(select(Tenant.id).where(Tenant.name == tenant)).scalar()
+    if tid is None:
+        raise NotFoundError(f"no tenant named {tenant!r}")
+    return tid
 
 
 # -- rollups ------------------------------------------------------------------------------
@@ -124,15 +126,6 @@ class UsageRow:
 _SUMS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "aborted", "errors")
 
 
-def _floor(t: dt.datetime, granularity: str, start: dt.datetime, end: dt.datetime) -> tuple[dt.datetime, dt.datetime]:
-    if granularity == "hour":
-        return t, t + dt.timedelta(hours=1)
-    if granularity == "day":
-        d = t.replace(hour=0, minute=0, second=0, microsecond=0)
-        return d, d + dt.timedelta(days=1)
-    return start, end  # total
-
-
 def iter_usage(db: Database, start: dt.datetime, end: dt.datetime, *, tenant: str | None = None,
                adapter: str | None = None, granularity: str = "hour", by_adapter: bool = True
                ) -> Iterator[UsageRow]:
@@ -144,36 +137,47 @@ def iter_usage(db: Database, start: dt.datetime, end: dt.datetime, *, tenant: st
     _check_range(start, end, granularity if granularity != "total" else "hour")
     tid = _tenant_id(db, tenant)
     h = UsageHourly
-    q = (select(h.hour, h.tenant_id, Tenant.name, h.adapter_id, UsageAdapter.name, UsageAdapter.digest,
-                *(getattr(h, c) for c in _SUMS))
-         .outerjoin(Tenant, Tenant.id == h.tenant_id).outerjoin(UsageAdapter, UsageAdapter.id == h.adapter_id)
-         .where(h.hour >= start, h.hour < end).order_by(h.hour, h.tenant_id, h.adapter_id))
+    pg = db.engine.dialect.name == "postgresql"
+    # The database sums hours into days or the whole range: a month is one short query.
+    if granularity == "hour":
+        period = h.hour
+    elif granularity == "day":
+        period = func.date_trunc("day", h.hour, "UTC") if pg else func.substr(h.hour, 1, 10)
+    else:
+        period = literal(0)
+    adapter_col = h.adapter_id if by_adapter else literal(-1)
+    agg = (select(period.label("period"), h.tenant_id.label("tenant_id"), adapter_col.label("adapter_id"),
+                  *(func.sum(getattr(h, c)).label(c) for c in _SUMS))
+           .where(h.hour >= start, h.hour < end).group_by(period, h.tenant_id, adapter_col))
     if tid is not None:
-        q = q.where(h.tenant_id == tid)
-    if adapter is not None:
-        q = q.where(h.adapter_id == 0) if adapter == "" else q.where(UsageAdapter.name == adapter)
-    pending: dict[tuple, list] = {}
-    period: tuple[dt.datetime, dt.datetime] | None = None
-
-    def flush():
-        for (t_id, t_name, a_id, a_name, a_digest), sums in sorted(pending.items(), key=lambda kv: (kv[0][0], kv[0][2])):
-            yield UsageRow(period[0], period[1], t_id, t_name or f"tenant-{t_id}", a_name, a_digest, a_id, *sums)
-        pending.clear()
-
+        agg = agg.where(h.tenant_id == tid)
+    if adapter == "":
+        agg = agg.where(h.adapter_id == 0)
+    elif adapter is not None:
+        agg = agg.where(h.adapter_id.in_(select(UsageAdapter.id).where(UsageAdapter.name == adapter)))
+    a = agg.subquery()
+    q = (select(a.c.period, a.c.tenant_id, Tenant.name, a.c.adapter_id, UsageAdapter.name, UsageAdapter.digest,
+                *(getattr(a.c, c) for c in _SUMS))
+         .outerjoin(Tenant, Tenant.id == a.c.tenant_id).outerjoin(UsageAdapter, UsageAdapter.id == a.c.adapter_id)
+         .order_by(a.c.period, a.c.tenant_id, a.c.adapter_id))
     with db.engine.connect() as conn:
         for row in conn.execution_options(yield_per=2000).execute(q):
-            hour = row[0] if row[0].tzinfo else row[0].replace(tzinfo=dt.timezone.utc)
-            p = _floor(hour.astimezone(dt.timezone.utc), granularity, start, end)
-            if p != period:
-                if period is not None:
-                    yield from flush()
-                period = p
-            key = (row[1], row[2], row[3], row[4], row[5]) if by_adapter else (row[1], row[2], -1, None, None)
-            acc = pending.setdefault(key, [0] * len(_SUMS))
-            for i in range(len(_SUMS)):
-                acc[i] += int(row[6 + i] or 0)
-        if period is not None:
-            yield from flush()
+            if granularity == "total":
+                p0, p1 = start, end
+            else:
+                p0 = _period_start(row[0])
+                p1 = p0 + (dt.timedelta(hours=1) if granularity == "hour" else dt.timedelta(days=1))
+            yield UsageRow(p0, p1, row[1], row[2] or f"tenant-{row[1]}", row[4], row[5], row[3],
+                           *(int(v or 0) for v in row[6:]))
+
+
+def _period_start(value) -> dt.datetime:
+    if isinstance(value, str):  # SQLite day: "YYYY-MM-DD"
+        d = dt.date.fromisoformat(value[:10])
+        return dt.datetime(d.year, d.month, d.day, tzinfo=dt.timezone.utc)
+    if value.tzinfo is None:  # SQLite hour (UTCDateTime column read raw)
+        return value.replace(tzinfo=dt.timezone.utc)
+    return value.astimezone(dt.timezone.utc)
 
 
 def usage_summary(db: Database, start: dt.datetime, end: dt.datetime, *, tenant: str | None = None,

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 from .db import make_db_engine
-from .errors import MeteringUnavailableError
+from .errors import MeteringUnavailableError, RateLimitedError
 from .gateway import RequestContext
 from .metering import STATUS, Event, UsageWriter
-from .quotas import QuotaCache, QuotaStore, Reservation, key_scope, plan_admission, tenant_scope
+from .quotas import QuotaCache, QuotaStore, Reservation, key_scope, plan_admission, quota_engine, tenant_scope
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -50,8 +50,7 @@ class UsageHooks:
         self.settings = settings
         self.holder = uuid.uuid4().hex[:16]
         # Own engines, no pre-ping (a round trip per checkout): errors are retried instead.
-        self.quota_engine = make_db_engine(url, pre_ping=False, pool_size=8, max_overflow=8,
-                                           sqlite_synchronous="NORMAL")
+        self.quota_engine = quota_engine(url)
         self.writer_engine = make_db_engine(url, pre_ping=False, pool_size=1, max_overflow=1)
         self.limits = QuotaCache(self.quota_engine, settings.quota_cache_ttl)
         self.store = QuotaStore(self.quota_engine, self.holder, settings.quota_lease_ttl)
@@ -87,6 +86,8 @@ class UsageHooks:
                 pass
             self._maintenance = None
         await asyncio.to_thread(self.writer.close)
+        await self.store.aclose()
+        await asyncio.to_thread(self.store.close)
         self.quota_engine.dispose()
         self.writer_engine.dispose()
 
@@ -122,13 +123,16 @@ class UsageHooks:
                 scopes.append((key_scope(p.key_id), f"API key lpx_{p.key_prefix}", key))
             if scopes:
                 now = time.time()
+                checks = plan_admission(scopes, ctx.num_prompt_tokens + ctx.max_tokens, now)
                 try:
-                    checks = plan_admission(scopes, ctx.num_prompt_tokens + ctx.max_tokens, now)
-                    ctx.hook_state = await self._in_thread(self.store.reserve, ctx.request_id, checks, now,
-                                                           undo=lambda res: self.store.settle(res, 0))
-                except Exception:
+                    ctx.hook_state = await self._completing(self.store.start_reserve(ctx.request_id, checks, now),
+                                                            undo=lambda res: self.store.settle(res, 0))
+                except RateLimitedError:
                     self.rejected += 1
                     raise
+                except Exception as exc:  # the quota database is unreachable: refuse, do not serve unmetered
+                    log.warning("quota admission failed: %s: %s", type(exc).__name__, exc)
+                    raise MeteringUnavailableError("quota accounting is unavailable; retry shortly") from None
         self._open[ctx.request_id] = ctx
 
     async def finish(self, ctx: RequestContext) -> None:
@@ -144,8 +148,8 @@ class UsageHooks:
         if isinstance(res, Reservation) and res.leased:
             used = event.total_tokens
             try:
-                await self._in_thread(self.store.settle, res, used,
-                                      retry=lambda: self.writer.submit_op(lambda: self.store.settle(res, used)))
+                await self._completing(self.store.start_settle(res, used),
+                                       retry=lambda: self.writer.submit_op(lambda: self.store.settle(res, used)))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - retried by the writer thread
@@ -153,18 +157,17 @@ class UsageHooks:
                             ctx.request_id, exc)
                 self.writer.submit_op(lambda: self.store.settle(res, used))
 
-    async def _in_thread(self, fn: Callable, *args: Any, undo: Callable | None = None,
-                         retry: Callable | None = None) -> Any:
-        """Run `fn` in a thread; if the caller is cancelled meanwhile, the work still
-        completes, then `undo(result)` runs on success (admission: give it back) or
-        `retry()` on failure (settlement: the writer retries it)."""
-        fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    async def _completing(self, fut: asyncio.Future, undo: Callable | None = None,
+                          retry: Callable | None = None) -> Any:
+        """Await `fut`, which runs to its end even if this request is cancelled meanwhile;
+        then `undo(result)` runs on success (admission: give it back) or `retry()` on
+        failure (settlement: the writer thread retries it)."""
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             def after(f: asyncio.Future) -> None:
                 if f.cancelled():
-                    return
+                    return  # never ran: nothing to undo
                 if f.exception() is None:
                     if undo is not None:
                         result = f.result()
