@@ -75,6 +75,8 @@ def create_app(settings: Settings, engine: AsyncEngine | None = None, *, hooks: 
         usage = app.state.usage = UsageHooks(settings) if hooks is None else hooks
         if hasattr(usage, "start"):
             await usage.start()
+        if hasattr(usage, "register_metrics"):
+            usage.register_metrics(m.registry)
         gw = app.state.gateway = Gateway(settings, eng, auth, m, usage)
         app.state.admin = AdminState.create(settings, db, gw)
         auth.start()

@@ -282,10 +282,13 @@ def plan_admission(scopes: Iterable[tuple[str, str, Limits]], tokens: int, now: 
     for c in checks:
         if c.amount > c.limit:
             if c.kind in ("tpm", "budget"):
-                raise RateLimitedError(
+                err = RateLimitedError(
                     f"{c.label}: this request needs up to {c.amount} tokens (prompt + max_tokens), more than its "
                     f"whole {LIMIT_NAMES[c.kind]} of {c.limit}; lower max_tokens", c.retry_after)
-            raise RateLimitedError(f"{c.label} has a {LIMIT_NAMES[c.kind]} limit of {c.limit}", c.retry_after)
+            else:
+                err = RateLimitedError(f"{c.label} has a {LIMIT_NAMES[c.kind]} limit of {c.limit}", c.retry_after)
+            err.limit = c.kind
+            raise err
     checks.sort(key=lambda c: (c.scope, c.kind, c.window))
     return checks
 
@@ -301,7 +304,9 @@ def rejection(failed: list[_Check]) -> RateLimitedError:
         msg = f"{worst.label} is at its max-concurrency limit of {worst.limit} requests in flight"
     else:
         msg = f"{worst.label} is over its {what} limit of {worst.limit}"
-    return RateLimitedError(f"{msg}; retry after {max(1, round(retry))} s", retry)
+    err = RateLimitedError(f"{msg}; retry after {max(1, round(retry))} s", retry)
+    err.limit = worst.kind  # for metrics
+    return err
 
 
 class _Sql:

@@ -53,13 +53,15 @@ class UsageHooks:
         self.quota_engine = quota_engine(url)
         self.writer_engine = make_db_engine(url, pre_ping=False, pool_size=1, max_overflow=1)
         self.limits = QuotaCache(self.quota_engine, settings.quota_cache_ttl)
-        self.store = QuotaStore(self.quota_engine, self.holder, settings.quota_lease_ttl)
+        # SQLite takes one writer at a time: one quota thread queues them without lock waits.
+        self.store = QuotaStore(self.quota_engine, self.holder, settings.quota_lease_ttl,
+                                threads=4 if self.quota_engine.dialect.name == "postgresql" else 1)
         self.writer = UsageWriter(self.writer_engine, batch_size=settings.usage_batch_size,
                                   flush_interval=settings.usage_flush_seconds, max_buffer=settings.usage_max_buffer,
                                   spool_dir=settings.data_dir / "usage-spool")
         self._open: dict[str, RequestContext] = {}  # admitted, not finished
         self._maintenance: asyncio.Task | None = None
-        self.rejected = 0
+        self.rejections: dict[str, int] = {}  # limit kind -> requests refused (429)
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -123,12 +125,18 @@ class UsageHooks:
                 scopes.append((key_scope(p.key_id), f"API key lpx_{p.key_prefix}", key))
             if scopes:
                 now = time.time()
-                checks = plan_admission(scopes, ctx.num_prompt_tokens + ctx.max_tokens, now)
+                try:
+                    checks = plan_admission(scopes, ctx.num_prompt_tokens + ctx.max_tokens, now)
+                except RateLimitedError as exc:
+                    kind = getattr(exc, "limit", "other")
+                    self.rejections[kind] = self.rejections.get(kind, 0) + 1
+                    raise
                 try:
                     ctx.hook_state = await self._completing(self.store.start_reserve(ctx.request_id, checks, now),
                                                             undo=lambda res: self.store.settle(res, 0))
-                except RateLimitedError:
-                    self.rejected += 1
+                except RateLimitedError as exc:
+                    kind = getattr(exc, "limit", "other")
+                    self.rejections[kind] = self.rejections.get(kind, 0) + 1
                     raise
                 except Exception as exc:  # the quota database is unreachable: refuse, do not serve unmetered
                     log.warning("quota admission failed: %s: %s", type(exc).__name__, exc)
@@ -178,7 +186,11 @@ class UsageHooks:
             fut.add_done_callback(after)
             raise
 
-    # -- for tests and the admin API -----------------------------------------------------
+    # -- for tests, metrics and the admin API ---------------------------------------------
+    def register_metrics(self, registry) -> None:
+        """Quota and metering series on the app's Prometheus registry (read at scrape time)."""
+        registry.register(_UsageCollector(self))
+
     @property
     def open_requests(self) -> int:
         return len(self._open)
@@ -186,3 +198,27 @@ class UsageHooks:
     def invalidate(self, tenant_id: int | None = None) -> None:
         """Forget cached limits after a quota change made in this process."""
         self.limits.invalidate(tenant_id)
+
+
+class _UsageCollector:
+    def __init__(self, hooks: UsageHooks) -> None:
+        self.h = hooks
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        h, w = self.h, self.h.writer
+        rej = CounterMetricFamily("loraplex:quota_rejections", "Requests refused (429) by a quota, by limit.",
+                                  labels=["limit"])
+        for kind in ("rpm", "tpm", "conc", "budget"):
+            rej.add_metric([kind], h.rejections.get(kind, 0))
+        yield rej
+        yield GaugeMetricFamily("loraplex:metered_requests_in_flight", "Admitted requests not finished yet.",
+                                value=h.open_requests)
+        yield GaugeMetricFamily("loraplex:usage_events_pending", "Usage events not yet written to the database.",
+                                value=w.backlog())
+        yield CounterMetricFamily("loraplex:usage_events_written", "Usage events written.", value=w.written)
+        yield CounterMetricFamily("loraplex:usage_write_failures", "Failed usage batch writes (retried).",
+                                  value=w.failures)
+        yield CounterMetricFamily("loraplex:usage_events_spooled", "Usage events spooled to disk at shutdown.",
+                                  value=w.spooled)

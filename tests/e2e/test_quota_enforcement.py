@@ -222,3 +222,9 @@ def test_429_rate_limits_name_the_limit_and_retry_after(metered):
     assert "more than its whole tokens-per-minute of 30; lower max_tokens" in e.value.body["message"]
     metered.settle()
     assert len(metered.events(name)) == 2 and metered.events(name2) == []
+    text = httpx.get(f"{metered.url}/metrics").text
+    series = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("loraplex:") and not line.startswith("#")}
+    assert series['loraplex:quota_rejections_total{limit="rpm"}'] >= 2
+    assert series['loraplex:quota_rejections_total{limit="tpm"}'] >= 1
+    assert series["loraplex:usage_events_written_total"] >= 2 and series["loraplex:usage_events_pending"] == 0
