@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 
-from loraplex.platform.db import Database, make_db_engine, migrate  # noqa: E402
-from loraplex.platform.metering import Event, EventStore, UsageWriter  # noqa: E402
-from loraplex.platform.tenants import create_tenant  # noqa: E402
-from loraplex.platform.usage import usage_summary, usage_totals_raw  # noqa: E402
+from loraplex.platform.db import Database, make_db_engine, migrate
+from loraplex.platform.metering import Event, EventStore, UsageWriter
+from loraplex.platform.tenants import create_tenant
+from loraplex.platform.usage import usage_summary, usage_totals_raw
 
 PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 MONTH = 30 * 86400
@@ -140,7 +140,6 @@ def bench_query(db: Database, tenants: list[int], names: dict[int, str], start: 
 # -- 3. gateway CPU per request ----------------------------------------------------------------
 def bench_gateway_cpu(url: str, tmp: Path, requests: int, concurrency: int) -> dict:
     import torch
-
     from bench_gateway import RawClient, model_dir, start_server
     from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig
     from loraplex.platform.engine_factory import build_engine

@@ -310,8 +310,7 @@ class UsageWriter:
         path = self.spool_dir / f"usage-{int(time.time())}-{uuid.uuid4().hex[:8]}.jsonl"
         tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
-            for e in events:
-                f.write(orjson.dumps(asdict(e)) + b"\n")
+            f.writelines(orjson.dumps(asdict(e)) + b"\n" for e in events)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -329,5 +328,5 @@ class UsageWriter:
                     self.written += self.store.write(events[i:i + self.batch_size])
                 path.unlink()
                 log.info("usage writer: replayed %d spooled usage events from %s", len(events), path)
-            except Exception:  # noqa: BLE001 - leave the file for the next start
+            except Exception:
                 log.exception("usage writer: replaying %s failed; kept for the next start", path)

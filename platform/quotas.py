@@ -41,7 +41,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from sqlalchemy import JSON, Engine, bindparam, delete, select, text
+from sqlalchemy import Engine, delete, select, text
 
 from .db import Database
 from .errors import BadRequestError, NotFoundError, RateLimitedError

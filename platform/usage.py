@@ -27,9 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import orjson
-from sqlalchemy import func, literal, select
-
 from loraplex.engine.request import Lane
+from sqlalchemy import func, literal, select
 
 from .db import Database
 from .errors import BadRequestError, NotFoundError

@@ -20,7 +20,15 @@ from .db import make_db_engine
 from .errors import MeteringUnavailableError, RateLimitedError
 from .gateway import RequestContext
 from .metering import STATUS, Event, UsageWriter
-from .quotas import QuotaCache, QuotaStore, Reservation, key_scope, plan_admission, quota_engine, tenant_scope
+from .quotas import (
+    QuotaCache,
+    QuotaStore,
+    Reservation,
+    key_scope,
+    plan_admission,
+    quota_engine,
+    tenant_scope,
+)
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -107,7 +115,7 @@ class UsageHooks:
                 if time.monotonic() >= next_reap:
                     next_reap = time.monotonic() + reap_every
                     await asyncio.to_thread(self.store.reap)
-            except Exception:  # noqa: BLE001 - a DB hiccup: the next round retries
+            except Exception:
                 log.exception("quota lease maintenance failed")
 
     # -- the hooks --------------------------------------------------------------------------
@@ -148,7 +156,7 @@ class UsageHooks:
             return  # not admitted here, or already finished (close() at shutdown)
         try:
             event = event_of(ctx)
-        except Exception:  # noqa: BLE001 - finish must not raise
+        except Exception:
             log.exception("building the usage event of %s failed", ctx.request_id)
             return
         self.writer.submit(event)  # first: the event is never lost, whatever follows

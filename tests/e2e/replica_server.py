@@ -26,11 +26,11 @@ def main() -> None:
 
     import torch
     import uvicorn
-
     from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig
     from loraplex.platform.app import create_app
     from loraplex.platform.engine_factory import build_engine
     from loraplex.platform.settings import Settings
+
     from tests.e2e.usage_support import ChaosEngine
 
     torch.set_num_threads(1)

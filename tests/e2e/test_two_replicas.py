@@ -14,10 +14,10 @@ from pathlib import Path
 
 import openai
 import pytest
-
 from loraplex.platform.db import Database, migrate
 from loraplex.platform.quotas import set_quota
 from loraplex.platform.tenants import create_key, create_tenant
+
 from tests.e2e.usage_support import counters, export_events
 from tests.platform.fixtures import pg_schema_url  # noqa: F401 - fixture
 

@@ -9,6 +9,7 @@ import json
 
 from loraplex.platform.adapter_registry import add_adapter, open_store
 from loraplex.platform.usage import export_usage, usage_summary
+
 from tests.e2e.usage_support import export_range, metered  # noqa: F401 - fixture
 
 CE_REQUIRED = {"specversion", "id", "source", "type", "time", "subject"}

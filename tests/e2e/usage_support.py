@@ -12,15 +12,13 @@ import threading
 import time
 import uuid
 from collections import Counter
-from contextlib import aclosing
 from collections.abc import Iterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import openai
 import pytest
 import uvicorn
-from sqlalchemy import func, select
-
 from loraplex.platform.app import create_app
 from loraplex.platform.db import Database, migrate
 from loraplex.platform.quotas import quota_status, set_quota
@@ -28,6 +26,8 @@ from loraplex.platform.tenants import create_key, create_tenant
 from loraplex.platform.usage import export_usage
 from loraplex.platform.usage_hooks import UsageHooks
 from loraplex.platform.usage_models import QuotaLease
+from sqlalchemy import func, select
+
 from tests.platform.fixtures import BACKENDS, fresh_db_url, pg_schema_url  # noqa: F401 - fixtures
 
 FAIL_MAX_TOKENS = 97  # ChaosEngine fails requests with this max_tokens after 3 outputs

@@ -9,8 +9,6 @@ import json
 import random
 
 import pytest
-from sqlalchemy import func, select
-
 from loraplex.platform.db import make_db_engine
 from loraplex.platform.errors import BadRequestError, NotFoundError
 from loraplex.platform.metering import Event, EventStore, UsageWriter
@@ -24,6 +22,7 @@ from loraplex.platform.usage import (
     usage_totals_raw,
 )
 from loraplex.platform.usage_models import UsageEvent, UsageHourly
+from sqlalchemy import func, select
 
 T0 = 1_799_971_200.0  # 2027-01-15T00:00:00Z, on a day boundary
 START = dt.datetime.fromtimestamp(T0, dt.timezone.utc)

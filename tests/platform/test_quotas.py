@@ -7,8 +7,6 @@ import threading
 import time
 
 import pytest
-from sqlalchemy import func, select
-
 from loraplex.platform.db import make_db_engine
 from loraplex.platform.errors import BadRequestError, NotFoundError, RateLimitedError
 from loraplex.platform.quotas import (
@@ -25,6 +23,7 @@ from loraplex.platform.quotas import (
 )
 from loraplex.platform.tenants import create_key, create_tenant
 from loraplex.platform.usage_models import QuotaLease
+from sqlalchemy import func, select
 
 NOW = 1_800_000_010.0  # 10 s into a minute
 

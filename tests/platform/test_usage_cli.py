@@ -7,7 +7,6 @@ import io
 import json
 
 import pytest
-
 from loraplex.platform.cli import main
 from loraplex.platform.db import Database, make_db_engine
 from loraplex.platform.metering import Event, EventStore

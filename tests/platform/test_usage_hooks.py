@@ -8,7 +8,6 @@ import time
 import uuid
 
 import pytest
-
 from loraplex.engine.request import Lane
 from loraplex.platform.auth import Principal
 from loraplex.platform.errors import MeteringUnavailableError, RateLimitedError
