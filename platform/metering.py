@@ -328,5 +328,5 @@ class UsageWriter:
                     self.written += self.store.write(events[i:i + self.batch_size])
                 path.unlink()
                 log.info("usage writer: replayed %d spooled usage events from %s", len(events), path)
-            except Exception:
+            except Exception:  # leave the file for the next start
                 log.exception("usage writer: replaying %s failed; kept for the next start", path)

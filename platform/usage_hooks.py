@@ -115,7 +115,7 @@ class UsageHooks:
                 if time.monotonic() >= next_reap:
                     next_reap = time.monotonic() + reap_every
                     await asyncio.to_thread(self.store.reap)
-            except Exception:
+            except Exception:  # a DB hiccup: the next round retries
                 log.exception("quota lease maintenance failed")
 
     # -- the hooks --------------------------------------------------------------------------
@@ -156,7 +156,7 @@ class UsageHooks:
             return  # not admitted here, or already finished (close() at shutdown)
         try:
             event = event_of(ctx)
-        except Exception:
+        except Exception:  # finish must not raise
             log.exception("building the usage event of %s failed", ctx.request_id)
             return
         self.writer.submit(event)  # first: the event is never lost, whatever follows
