@@ -26,8 +26,11 @@ def _out(line: str = "") -> None:
 
 
 def tenant_create(db: Database, name: str, lane: str, allowed: list[str] | None, quotas: dict | None = None) -> int:
+    from .errors import BadRequestError
     from .quotas import set_quota
 
+    if quotas and "budget_period" in quotas and quotas.get("token_budget") is None:
+        raise BadRequestError("--budget-period needs a token budget: give --token-budget too")
     t = create_tenant(db, name, lane, allowed)
     _out(f"created tenant {t.name} (lane {t.default_lane}; may ask for {', '.join(t.allowed_lanes)})")
     if quotas:

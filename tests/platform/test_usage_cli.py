@@ -57,6 +57,7 @@ def test_tenant_quotas(cli):
     (("tenant", "update", "nobody", "--rpm", "3"), "no tenant named 'nobody'"),
     (("tenant", "update", "acme"), "nothing to change"),
     (("tenant", "update", "acme", "--budget-period", "day"), "needs a token budget"),
+    (("tenant", "create", "zeta", "--budget-period", "day"), "needs a token budget"),
     (("tenant", "update", "acme", "--key", "000000000000", "--rpm", "1"), "has no API key with prefix"),
     (("usage", "export", "--from", "2026-01-15", "--to", "2026-01-14"), "must be after"),
     (("usage", "export", "--from", "noon", "--to", "2026-01-16"), "--from 'noon' is not an ISO date"),
