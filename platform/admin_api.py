@@ -11,80 +11,69 @@ in this process (its key cache is cleared) and within `auth_cache_ttl` on other 
 Adapter uploads stream to a private staging folder with a size limit, are validated in
 full by the adapter store, and are published atomically: an adapter is visible (to the
 engine and in listings) only once complete and valid; a bad upload changes nothing.
+
+The handlers live beside it: admin_state.py (AdminState, shared helpers), admin_tenants.py
+(sessions, tenants, keys, quotas), admin_adapters.py and admin_uploads.py (adapters),
+admin_usage.py (engine, audit, usage).
 """
 from __future__ import annotations
 
-import asyncio
-import datetime as dt
 import logging
 import mimetypes
-import shutil
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import FileResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from loraplex.adapters import AdapterError, AdapterNotFoundError, AdapterRecord, AdapterStore
-from loraplex.adapters.store import validate_name
+from loraplex.adapters import AdapterNotFoundError
 
-from . import audit
-from .adapter_registry import (
-    AdapterInfo,
-    adapter_info,
-    add_adapter,
-    grant_adapter,
-    list_adapters,
-    open_store,
-    remove_adapter,
-    revoke_grant,
-    set_adapter_access,
+from .admin_adapters import (
+    get_adapter_,
+    grant_adapter_,
+    list_adapters_,
+    remove_adapter_,
+    replace_adapter,
+    revoke_grant_,
+    update_adapter_,
+    upload_adapter,
 )
-from .admin_auth import (
-    COOKIE_PATH,
-    CSRF_COOKIE,
-    CSRF_HEADER,
-    SESSION_COOKIE,
-    SESSION_SECONDS,
-    Admin,
-    AdminAuth,
+from .admin_auth import CSRF_HEADER, SESSION_COOKIE
+from .admin_schema import Op, check_query, openapi_document, qparam, validate
+from .admin_state import AdminState, _json
+from .admin_tenants import (
+    create_key_,
+    create_session,
+    create_tenant_,
+    delete_session,
+    get_session,
+    get_tenant_,
+    list_keys_,
+    list_tenants_,
+    revoke_key_,
+    update_tenant_,
 )
-from .admin_schema import Op, check_query, openapi_document, parse_datetime, qparam, validate
-from .db import Database
+from .admin_usage import (
+    _SERIES_FIELDS,
+    BASE_MODEL_KEY,
+    engine_status,
+    list_audit,
+    usage_export,
+    usage_series,
+)
 from .errors import (
     BadRequestError,
     NotFoundError,
-    PayloadTooLargeError,
     UnsupportedMediaTypeError,
     api_error,
     error_response,
 )
-from .gateway import Gateway
-from .models import LANES, utcnow
-from .settings import Settings
-from .tenants import (
-    KEY_PREFIX,
-    TenantInfo,
-    create_key,
-    create_tenant,
-    key_info,
-    key_prefix,
-    list_keys,
-    list_tenants,
-    revoke_key,
-    tenant_info,
-    update_tenant,
-)
+from .models import LANES
 
 log = logging.getLogger(__name__)
 API_VERSION = "1"
-_MAX_FIELD_BYTES = 4096
-_MAX_FIELDS = 32
-_MAX_FILES = 2
 
 
 def admin_ui_dir() -> Path:
@@ -93,69 +82,8 @@ def admin_ui_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "admin_ui"
 
 
-# -- state -------------------------------------------------------------------------------
-
-@dataclass
-class AdminState:
-    settings: Settings
-    db: Database
-    gateway: Gateway
-    auth: AdminAuth
-    store: AdapterStore
-
-    @classmethod
-    def create(cls, settings: Settings, db: Database, gateway: Gateway) -> AdminState:
-        """Built in the app's lifespan; a bad admin token setting stops the server there."""
-        lora = getattr(gateway.engine.engine, "lora", None)
-        # The engine's own store when it has one: an upload is then servable at once.
-        store = lora.store if lora is not None else open_store(settings)
-        _clean_stale_uploads(store.root / "uploads")
-        auth = AdminAuth.from_settings(settings)
-        if not auth.configured:
-            log.warning("admin API: no admin token configured (set $LORAPLEX_ADMIN_TOKEN); /admin is locked")
-        return cls(settings, db, gateway, auth, store)
-
-    async def audit(self, admin: Admin, action: str, target: str, **details: Any) -> None:
-        def write() -> None:
-            with self.db.session() as s:
-                audit.record(s, admin.actor, action, target, **details)
-
-        await asyncio.to_thread(write)
-        log.info("admin %s: %s %s", admin.actor, action, target)
-
-    def access_changed(self) -> None:
-        self.gateway.auth.invalidate()
-
-    def adapters_changed(self) -> None:
-        """A version was published or removed: this process resolves names afresh at once."""
-        self.access_changed()
-        forget = getattr(self.gateway, "forget_adapter_refs", None)
-        if forget is not None:
-            forget()
-
-
-def _clean_stale_uploads(folder: Path, max_age: float = 3600.0) -> None:
-    """Staging left by uploads a crashed process never finished (never visible anyway)."""
-    import time
-
-    if not folder.is_dir():
-        return
-    cutoff = time.time() - max_age
-    for p in folder.iterdir():
-        try:
-            if p.name.startswith("upload-") and p.lstat().st_mtime < cutoff:
-                shutil.rmtree(p, ignore_errors=True)
-        except OSError:
-            pass
-
-
 def _state(request: Request) -> AdminState:
     return request.app.state.admin
-
-
-def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(obj, option=orjson.OPT_UTC_Z), status_code=status, media_type="application/json",
-                    headers={"Cache-Control": "no-store", **(headers or {})})
 
 
 async def _json_body(request: Request, schema: dict) -> dict:
@@ -202,677 +130,6 @@ def _endpoint(op: Op):
     return endpoint
 
 
-# -- serializers ---------------------------------------------------------------------------
-
-def _tenant_json(t: TenantInfo, quotas: dict | None = None) -> dict:
-    return {"name": t.name, "default_lane": t.default_lane, "allowed_lanes": list(t.allowed_lanes),
-            "enabled": t.enabled, "num_keys": t.num_keys, "quotas": quotas}
-
-
-def _key_json(k, secret: str | None = None) -> dict:
-    d = {"prefix": f"{KEY_PREFIX}{k.prefix}", "tenant": k.tenant, "name": k.name, "status": k.status(),
-         "created_at": k.created_at, "expires_at": k.expires_at, "revoked_at": k.revoked_at,
-         "last_used_at": k.last_used_at}
-    if secret is not None:
-        d["key"] = secret
-    return d
-
-
-def _residency(gw: Gateway) -> dict[str, str]:
-    """digest -> "device" (a device slot) or "cpu" (the CPU tier); absent: on disk only."""
-    lora = getattr(gw.engine.engine, "lora", None)
-    if lora is None:
-        return {}
-    tiers = lora.tiers()
-    where = {d: "cpu" for d in tiers.get("cpu", ())}
-    where.update({d: "device" for d in tiers.get("device", ())})
-    return where
-
-
-def _record_json(r: AdapterRecord, where: dict[str, str]) -> dict:
-    return {"digest": r.digest, "rank": r.rank, "alpha": r.alpha, "target_modules": list(r.target_modules),
-            "size_bytes": r.size_bytes, "created_at": dt.datetime.fromtimestamp(r.created_at, dt.timezone.utc),
-            "residency": where.get(r.digest, "disk")}
-
-
-def _adapter_json(a: AdapterInfo, records: dict[str, AdapterRecord], where: dict[str, str],
-                  versions: list[AdapterRecord] | None = None) -> dict:
-    r = records.get(a.name)
-    d: dict[str, Any] = {"name": a.name, "digest": a.digest, "public": a.public, "owner": a.owner,
-                         "grants": list(a.grants), "created_at": a.created_at, "updated_at": a.updated_at,
-                         "residency": where.get(a.digest, "disk" if r is not None else "missing"),
-                         "rank": None, "alpha": None, "target_modules": [], "size_bytes": None}
-    if r is not None:
-        d.update(rank=r.rank, alpha=r.alpha, target_modules=list(r.target_modules), size_bytes=r.size_bytes)
-    if versions is not None:
-        d["versions"] = [_record_json(v, where) for v in versions]
-    return d
-
-
-async def _adapters_payload(st: AdminState, only: str | None = None) -> Any:
-    def load():
-        infos = [adapter_info(st.db, only)] if only else list_adapters(st.db)
-        records = {r.name: r for r in st.store.list()}
-        vers: dict[str, list[AdapterRecord]] = {}
-        for a in infos:
-            try:
-                vers[a.name] = st.store.versions(a.name)
-            except AdapterNotFoundError:
-                vers[a.name] = []
-        return infos, records, vers
-
-    infos, records, vers = await asyncio.to_thread(load)
-    where = _residency(st.gateway)
-    if only:
-        return _adapter_json(infos[0], records, where, vers[only])
-    return [{**_adapter_json(a, records, where), "num_versions": len(vers[a.name])} for a in infos]
-
-
-# -- quotas and usage (issue 5: quotas.py, usage.py) -----------------------------------------
-# Imported lazily: the admin API works (without those sections) in a build without them.
-
-def _quotas_module():
-    try:
-        from . import quotas
-    except ImportError:
-        return None
-    return quotas if hasattr(quotas, "set_quota") and hasattr(quotas, "quota_status") else None
-
-
-def _usage_module():
-    try:
-        from . import usage
-    except ImportError:
-        return None
-    return usage if hasattr(usage, "usage_summary") and hasattr(usage, "export_usage") else None
-
-
-class FeatureUnavailableError(NotFoundError):
-    """A section of the admin API whose module this build lacks."""
-
-
-def _get_quotas(st: AdminState, tenant: str) -> dict | None:
-    """The tenant's limits and where it stands against them now (None: no quotas module)."""
-    q = _quotas_module()
-    if q is None:
-        return None
-    d = q.quota_status(st.db, tenant).as_dict()
-    d.pop("tenant", None)
-    d.pop("key_prefix", None)
-    return d
-
-
-def _set_quotas(st: AdminState, tenant: str, values: dict | None) -> None:
-    q = _quotas_module()
-    if q is None:
-        raise FeatureUnavailableError("quotas are not available in this build")
-    if values is None:  # null: clear every limit
-        values = {f: None for f in QUOTA_FIELDS}
-    q.set_quota(st.db, tenant, **values)
-
-
-def _quotas_changed(st: AdminState, request: Request) -> None:
-    usage_hooks = getattr(request.app.state, "usage", None)
-    limits = getattr(usage_hooks, "limits", None)
-    if limits is not None:
-        limits.invalidate()
-
-
-# -- handlers: session -----------------------------------------------------------------------
-
-def _session_json(admin: Admin) -> dict:
-    return {"actor": admin.actor, "csrf_token": admin.csrf,
-            "expires_at": dt.datetime.fromtimestamp(admin.session_expires, dt.timezone.utc)
-            if admin.session_expires else None}
-
-
-async def get_session(request: Request, st: AdminState, admin: Admin, query: dict) -> Any:
-    return _session_json(admin)
-
-
-async def create_session(request: Request, st: AdminState, admin: None, query: dict, body: dict) -> Response:
-    try:
-        who = st.auth.check_token(body["token"])
-    except Exception:
-        await asyncio.sleep(0.2)  # a little friction for guessing; tokens are long anyway
-        raise
-    cookie, session = st.auth.new_session(who)
-    await st.audit(session, "session.create", f"session:{session.session_id}")
-    resp = _json(_session_json(session), 201)
-    secure = request.url.scheme == "https"
-    resp.set_cookie(SESSION_COOKIE, cookie, max_age=SESSION_SECONDS, path=COOKIE_PATH, httponly=True,
-                    samesite="strict", secure=secure)
-    resp.set_cookie(CSRF_COOKIE, session.csrf or "", max_age=SESSION_SECONDS, path=COOKIE_PATH, httponly=False,
-                    samesite="strict", secure=secure)
-    return resp
-
-
-async def delete_session(request: Request, st: AdminState, admin: Admin, query: dict) -> Response:
-    if admin.session_id:
-        st.auth.sign_out(admin)
-        await st.audit(admin, "session.delete", f"session:{admin.session_id}")
-    resp = Response(status_code=204, headers={"Cache-Control": "no-store"})
-    for name in (SESSION_COOKIE, CSRF_COOKIE):
-        resp.delete_cookie(name, path=COOKIE_PATH, samesite="strict")
-    return resp
-
-
-# -- handlers: tenants -----------------------------------------------------------------------
-
-async def list_tenants_(request: Request, st: AdminState, admin: Admin, query: dict) -> Any:
-    def load():
-        return [_tenant_json(t, _get_quotas(st, t.name)) for t in list_tenants(st.db)]
-
-    return await asyncio.to_thread(load)
-
-
-async def get_tenant_(request: Request, st: AdminState, admin: Admin, query: dict, name: str) -> Any:
-    def load():
-        return _tenant_json(tenant_info(st.db, name), _get_quotas(st, name))
-
-    return await asyncio.to_thread(load)
-
-
-async def create_tenant_(request: Request, st: AdminState, admin: Admin, query: dict, body: dict) -> Any:
-    if body.get("quotas") and _quotas_module() is None:
-        raise FeatureUnavailableError("quotas are not available in this build")
-
-    def make():
-        t = create_tenant(st.db, body["name"], body.get("default_lane", "standard"), body.get("allowed_lanes"))
-        if body.get("quotas"):
-            _set_quotas(st, t.name, body["quotas"])
-        return t, _get_quotas(st, t.name)
-
-    t, quotas = await asyncio.to_thread(make)
-    _quotas_changed(st, request)
-    await st.audit(admin, "tenant.create", f"tenant:{t.name}", default_lane=t.default_lane,
-                   allowed_lanes=list(t.allowed_lanes), **({"quotas": body["quotas"]} if body.get("quotas") else {}))
-    return _tenant_json(t, quotas)
-
-
-async def update_tenant_(request: Request, st: AdminState, admin: Admin, query: dict, body: dict,
-                         name: str) -> Any:
-    if "quotas" in body and _quotas_module() is None:
-        raise FeatureUnavailableError("quotas are not available in this build")
-
-    def change():
-        before = tenant_info(st.db, name)
-        t = update_tenant(st.db, name, lane=body.get("default_lane"), allowed=body.get("allowed_lanes"),
-                          enabled=body.get("enabled"))
-        if "quotas" in body:
-            _set_quotas(st, name, body["quotas"])
-        return before, t, _get_quotas(st, name)
-
-    before, t, quotas = await asyncio.to_thread(change)
-    st.access_changed()
-    _quotas_changed(st, request)
-    changes: dict[str, Any] = {}
-    if (before.default_lane, before.allowed_lanes) != (t.default_lane, t.allowed_lanes):
-        changes["lanes"] = {"from": [before.default_lane, list(before.allowed_lanes)],
-                            "to": [t.default_lane, list(t.allowed_lanes)]}
-    if before.enabled != t.enabled:
-        changes["enabled"] = t.enabled
-    if "quotas" in body:
-        changes["quotas"] = body["quotas"]
-    action = ("tenant.disable" if changes.get("enabled") is False else
-              "tenant.enable" if changes.get("enabled") is True and len(changes) == 1 else "tenant.update")
-    await st.audit(admin, action, f"tenant:{name}", **changes)
-    return _tenant_json(t, quotas)
-
-
-# -- handlers: keys --------------------------------------------------------------------------
-
-async def list_keys_(request: Request, st: AdminState, admin: Admin, query: dict) -> Any:
-    keys = await asyncio.to_thread(list_keys, st.db, query.get("tenant"), query.get("prefix"))
-    if query.get("status"):
-        keys = [k for k in keys if k.status() == query["status"]]
-    return [_key_json(k) for k in keys[: query.get("limit", 500)]]
-
-
-async def create_key_(request: Request, st: AdminState, admin: Admin, query: dict, body: dict) -> Any:
-    expires = None
-    if body.get("expires_at") is not None:
-        expires = parse_datetime(body["expires_at"], "expires_at")
-    elif body.get("expires_in_days") is not None:
-        expires = utcnow() + dt.timedelta(days=body["expires_in_days"])
-    if expires is not None and expires <= utcnow():
-        raise BadRequestError("expires_at: must be in the future", "expires_at")
-
-    def make():
-        secret = create_key(st.db, body["tenant"], expires, body.get("name"))
-        return secret, key_info(st.db, key_prefix(secret) or "")
-
-    secret, info = await asyncio.to_thread(make)
-    await st.audit(admin, "key.create", f"key:{KEY_PREFIX}{info.prefix}", tenant=info.tenant, name=info.name,
-                   expires_at=info.expires_at.isoformat() if info.expires_at else None)
-    return _key_json(info, secret)
-
-
-async def revoke_key_(request: Request, st: AdminState, admin: Admin, query: dict, prefix: str) -> Any:
-    def revoke():
-        before = key_info(st.db, prefix)
-        revoke_key(st.db, before.prefix)
-        return before, key_info(st.db, before.prefix)
-
-    before, info = await asyncio.to_thread(revoke)
-    st.access_changed()
-    if before.revoked_at is None:
-        await st.audit(admin, "key.revoke", f"key:{KEY_PREFIX}{info.prefix}", tenant=info.tenant)
-    return _key_json(info)
-
-
-# -- handlers: adapters -------------------------------------------------------------------
-
-async def list_adapters_(request: Request, st: AdminState, admin: Admin, query: dict) -> Any:
-    return await _adapters_payload(st)
-
-
-async def get_adapter_(request: Request, st: AdminState, admin: Admin, query: dict, name: str) -> Any:
-    validate_name(name)
-    return await _adapters_payload(st, name)
-
-
-@dataclass
-class _Upload:
-    folder: Path  # staging: adapter_config.json + adapter_model.safetensors, or upload.zip
-    fields: dict[str, list[str]]
-    source: Path  # what the store validates: the folder or the zip
-    total_bytes: int
-
-
-def _sniff(head: bytes) -> str:
-    """"zip", "json", "safetensors", "pickle" or "unknown" from a file's first bytes."""
-    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
-        return "zip"
-    if head.lstrip()[:1] == b"{":
-        return "json"
-    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (100 << 20):
-        return "safetensors"
-    if head[:1] == b"\x80" or head.startswith(b"PK"):
-        return "pickle"
-    return "unknown"
-
-
-async def _receive_upload(request: Request, st: AdminState, on_field) -> _Upload:
-    """Stream a multipart body to a staging folder; fields go to `on_field(name, value)` as
-    they arrive (so a bad adapter name stops the upload before its files are read)."""
-    import python_multipart
-    from python_multipart.multipart import parse_options_header
-
-    limit = st.settings.admin_max_upload_bytes
-    ctype, params = parse_options_header(request.headers.get("content-type", ""))
-    if ctype != b"multipart/form-data" or b"boundary" not in params:
-        raise UnsupportedMediaTypeError("upload the adapter as multipart/form-data: its two files "
-                                        "(adapter_config.json, adapter_model.safetensors) or a .zip of the folder")
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit + 65536:
-        raise PayloadTooLargeError(f"the upload is {int(length)} bytes, over the {limit} byte limit")
-    uploads = st.store.root / "uploads"
-    uploads.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix="upload-", dir=uploads))
-    fields: dict[str, list[str]] = {}
-    files: list[tuple[str, Path, bytes]] = []  # (client filename, staged path, first bytes)
-    state: dict[str, Any] = {"headers": [], "name": b"", "value": b"", "part": None, "total": 0, "nfields": 0}
-
-    def on_part_begin():
-        state["headers"], state["part"] = [], None
-
-    def on_header_field(data, start, end):
-        state["name"] += data[start:end]
-
-    def on_header_value(data, start, end):
-        state["value"] += data[start:end]
-
-    def on_header_end():
-        state["headers"].append((state["name"].lower(), state["value"]))
-        state["name"], state["value"] = b"", b""
-
-    def on_headers_finished():
-        disp = dict(state["headers"]).get(b"content-disposition", b"")
-        _, opts = parse_options_header(disp)
-        if b"name" not in opts:
-            raise BadRequestError("a multipart part has no name")
-        fname = opts[b"name"].decode("utf-8", "replace")
-        if b"filename" in opts:
-            if len(files) >= _MAX_FILES:
-                raise BadRequestError("upload at most two files: adapter_config.json and adapter_model.safetensors "
-                                      "(or one .zip)")
-            path = folder / f"part-{len(files)}"
-            client = opts[b"filename"].decode("utf-8", "replace")
-            state["part"] = {"kind": "file", "f": open(path, "xb"), "path": path, "client": client, "head": b""}
-        else:
-            state["nfields"] += 1
-            if state["nfields"] > _MAX_FIELDS:
-                raise BadRequestError("too many form fields")
-            state["part"] = {"kind": "field", "name": fname, "data": bytearray()}
-
-    def on_part_data(data, start, end):
-        part = state["part"]
-        chunk = data[start:end]
-        state["total"] += len(chunk)
-        if state["total"] > limit:
-            raise PayloadTooLargeError(f"the upload is over the {limit} byte limit")
-        if part["kind"] == "file":
-            part["f"].write(chunk)
-            if len(part["head"]) < 16:
-                part["head"] += chunk[: 16 - len(part["head"])]
-        else:
-            part["data"] += chunk
-            if len(part["data"]) > _MAX_FIELD_BYTES:
-                raise BadRequestError(f"form field {part['name']!r} is too long")
-
-    def on_part_end():
-        part = state["part"]
-        if part["kind"] == "file":
-            part["f"].close()
-            files.append((part["client"], part["path"], part["head"]))
-        else:
-            value = part["data"].decode("utf-8", "replace")
-            fields.setdefault(part["name"], []).append(value)
-            on_field(part["name"], value)
-        state["part"] = None
-
-    callbacks = dict(on_part_begin=on_part_begin, on_part_data=on_part_data, on_part_end=on_part_end,
-                     on_header_field=on_header_field, on_header_value=on_header_value,
-                     on_header_end=on_header_end, on_headers_finished=on_headers_finished)
-    parser = python_multipart.MultipartParser(params[b"boundary"], callbacks)
-    try:
-        async for chunk in request.stream():
-            parser.write(chunk)
-        parser.finalize()
-        if state["part"] is not None:
-            raise BadRequestError("the upload ended in the middle of a part (interrupted?)")
-        source = _arrange(folder, files)
-    except BaseException as exc:
-        part = state.get("part")
-        if part and part.get("kind") == "file":
-            part["f"].close()
-        shutil.rmtree(folder, ignore_errors=True)
-        if isinstance(exc, ClientDisconnect):
-            raise BadRequestError("the client went away before the upload completed") from None
-        if isinstance(exc, python_multipart.exceptions.MultipartParseError):
-            raise BadRequestError(f"the multipart body is malformed: {exc}") from None
-        raise
-    return _Upload(folder, fields, source, state["total"])
-
-
-def _arrange(folder: Path, files: list[tuple[str, Path, bytes]]) -> Path:
-    """Name the staged files as the adapter store expects; the client's file names are
-    used as hints only, never as paths."""
-    if not files:
-        raise BadRequestError("no adapter files in the upload: send adapter_config.json and "
-                              "adapter_model.safetensors, or a .zip of the adapter folder")
-    kinds = [(_sniff(head), client, path) for client, path, head in files]
-    for kind, client, _ in kinds:
-        low = client.lower()
-        if low.endswith((".bin", ".pt", ".pth", ".ckpt", ".pkl")) or (kind == "pickle" and not low.endswith(".zip")):
-            raise BadRequestError(f"{_show(client)} is a pickled checkpoint; only safetensors is accepted "
-                                  "(adapter_model.safetensors)")
-    if len(kinds) == 1:
-        kind, client, path = kinds[0]
-        if kind == "zip":
-            return path.rename(folder / "upload.zip")
-        if kind in ("json", "safetensors"):
-            missing = "adapter_model.safetensors" if kind == "json" else "adapter_config.json"
-            raise BadRequestError(f"{missing} is missing: upload both files of the adapter, or a .zip of its folder")
-        raise BadRequestError(f"{_show(client)} is neither a .zip nor an adapter file")
-    if "zip" in [k for k, _, _ in kinds]:
-        raise BadRequestError("upload either one .zip, or the two adapter files, not both")
-    by_kind = {k: p for k, _, p in kinds}
-    if set(by_kind) != {"json", "safetensors"}:
-        names = ", ".join(_show(c) for _, c, _ in kinds)
-        raise BadRequestError(f"expected adapter_config.json (JSON) and adapter_model.safetensors, got {names}")
-    adapter = folder / "adapter"
-    adapter.mkdir()
-    by_kind["json"].rename(adapter / "adapter_config.json")
-    by_kind["safetensors"].rename(adapter / "adapter_model.safetensors")
-    return adapter
-
-
-def _show(client_name: str) -> str:
-    return repr(client_name.replace("\\", "/").rsplit("/", 1)[-1][:80])
-
-
-def _bool_field(fields: dict[str, list[str]], name: str) -> bool | None:
-    vals = fields.get(name)
-    if not vals:
-        return None
-    v = vals[-1].strip().lower()
-    if v in ("true", "1", "on", "yes"):
-        return True
-    if v in ("false", "0", "off", "no", ""):
-        return False
-    raise BadRequestError(f"{name}: {vals[-1]!r} is not true or false", name)
-
-
-async def upload_adapter(request: Request, st: AdminState, admin: Admin, query: dict) -> Response:
-    def on_field(name: str, value: str) -> None:
-        if name == "name":
-            _check_new_name(st, value)
-
-    up = await _receive_upload(request, st, on_field)
-    try:
-        fields = up.fields
-        unknown = set(fields) - {"name", "public", "owner", "grants"}
-        if unknown:
-            raise BadRequestError(f"{sorted(unknown)[0]}: unknown form field (known: name, public, owner, grants)")
-        name = (fields.get("name") or [""])[-1]
-        if not name:
-            raise BadRequestError("name: is required (the adapter's name)", "name")
-        _check_new_name(st, name)
-        public = bool(_bool_field(fields, "public"))
-        owner = (fields.get("owner") or [""])[-1].strip() or None
-        grants = [g.strip() for v in fields.get("grants", []) for g in v.split(",") if g.strip()]
-        info = await asyncio.to_thread(add_adapter, st.db, st.store, name, up.source, public=public, owner=owner,
-                                       grants=grants, reserved=(st.settings.model_name,))
-    finally:
-        shutil.rmtree(up.folder, ignore_errors=True)
-    st.adapters_changed()
-    payload = await _adapters_payload(st, info.name)
-    await st.audit(admin, "adapter.upload", f"adapter:{info.name}", digest=info.digest, public=info.public,
-                   owner=info.owner, grants=list(info.grants), rank=payload["rank"], size_bytes=payload["size_bytes"],
-                   upload_bytes=up.total_bytes)
-    return _json(payload, 201)
-
-
-def _check_new_name(st: AdminState, name: str) -> None:
-    validate_name(name)
-    if name == st.settings.model_name:
-        raise BadRequestError(f"name: {name!r} is the base model's name; pick another adapter name", "name")
-
-
-async def replace_adapter(request: Request, st: AdminState, admin: Admin, query: dict, name: str) -> Response:
-    validate_name(name)
-    before = await asyncio.to_thread(adapter_info, st.db, name)  # 404 before reading the body
-
-    def on_field(field: str, value: str) -> None:
-        raise BadRequestError(f"{field}: unknown form field (send only the adapter files)")
-
-    up = await _receive_upload(request, st, on_field)
-    try:
-        info = await asyncio.to_thread(add_adapter, st.db, st.store, name, up.source, replace=True,
-                                       reserved=(st.settings.model_name,))
-    finally:
-        shutil.rmtree(up.folder, ignore_errors=True)
-    st.adapters_changed()
-    payload = await _adapters_payload(st, name)
-    await st.audit(admin, "adapter.replace", f"adapter:{name}", previous_digest=before.digest, digest=info.digest,
-                   rank=payload["rank"], size_bytes=payload["size_bytes"], upload_bytes=up.total_bytes)
-    return _json(payload, 200)
-
-
-async def update_adapter_(request: Request, st: AdminState, admin: Admin, query: dict, body: dict,
-                          name: str) -> Any:
-    validate_name(name)
-    owner = body["owner"] if "owner" in body else False
-    before = await asyncio.to_thread(adapter_info, st.db, name)
-    info = await asyncio.to_thread(set_adapter_access, st.db, name, public=body.get("public"), owner=owner)
-    st.access_changed()
-    changes = {}
-    if before.public != info.public:
-        changes["public"] = info.public
-    if before.owner != info.owner:
-        changes["owner"] = {"from": before.owner, "to": info.owner}
-    action = ("adapter.make_public" if changes == {"public": True} else
-              "adapter.make_private" if changes == {"public": False} else "adapter.update")
-    await st.audit(admin, action, f"adapter:{name}", **changes)
-    return await _adapters_payload(st, name)
-
-
-async def grant_adapter_(request: Request, st: AdminState, admin: Admin, query: dict, name: str,
-                         tenant: str) -> Any:
-    validate_name(name)
-    before = await asyncio.to_thread(adapter_info, st.db, name)
-    await asyncio.to_thread(grant_adapter, st.db, name, tenant)
-    st.access_changed()
-    if tenant not in before.grants:
-        await st.audit(admin, "adapter.grant", f"adapter:{name}", tenant=tenant)
-    return await _adapters_payload(st, name)
-
-
-async def revoke_grant_(request: Request, st: AdminState, admin: Admin, query: dict, name: str,
-                        tenant: str) -> Any:
-    validate_name(name)
-    had = await asyncio.to_thread(revoke_grant, st.db, name, tenant)
-    if not had:
-        raise NotFoundError(f"tenant {tenant!r} has no grant of adapter {name!r}")
-    st.access_changed()
-    await st.audit(admin, "adapter.revoke_grant", f"adapter:{name}", tenant=tenant)
-    return await _adapters_payload(st, name)
-
-
-async def remove_adapter_(request: Request, st: AdminState, admin: Admin, query: dict, name: str) -> Any:
-    validate_name(name)
-    info = await asyncio.to_thread(remove_adapter, st.db, st.store, name)
-    st.adapters_changed()
-    await st.audit(admin, "adapter.remove", f"adapter:{name}", digest=info.digest)
-    return {"name": info.name, "digest": info.digest, "removed": True}
-
-
-# -- handlers: engine, audit, usage -----------------------------------------------------
-
-async def engine_status(request: Request, st: AdminState, admin: Admin, query: dict) -> Any:
-    gw = st.gateway
-    stats = dict(gw.engine.stats())
-    eng = gw.engine.engine
-    lora = getattr(eng, "lora", None)
-    where = _residency(gw)
-    def digest_names() -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        for cur in st.store.list():
-            try:
-                versions = st.store.versions(cur.name)
-            except AdapterNotFoundError:  # removed meanwhile
-                continue
-            for i, r in enumerate(versions):
-                out.setdefault(r.digest, []).append(r.name if i == 0 else f"{r.name} (older version)")
-        return out
-
-    names = await asyncio.to_thread(digest_names)
-    resident = [{"digest": d, "tier": tier, "names": names.get(d, [])} for d, tier in where.items()]
-    resident.sort(key=lambda x: (x["tier"] != "device", x["names"], x["digest"]))
-    cfg = eng.config
-    lanes = stats.get("lanes") or {}
-    return {
-        "model": gw.model_name, "running": gw.engine.is_running and not gw.draining,
-        "device": str(getattr(getattr(eng, "runner", None), "device", "cpu")),
-        "num_running": stats.get("num_running", 0), "num_waiting": stats.get("num_waiting", 0),
-        "lanes": {lane: {"running": lanes.get(lane, {}).get("running", 0),
-                         "waiting": lanes.get(lane, {}).get("waiting", 0)} for lane in LANES},
-        "kv_cache_usage": float(stats.get("kv_cache_usage", 0.0)), "num_kv_blocks": stats.get("num_blocks"),
-        "block_size": cfg.cache.block_size, "num_preemptions": stats.get("num_preemptions", 0),
-        "prefix_cache_queries": stats.get("prefix_cache_queries", 0),
-        "prefix_cache_hits": stats.get("prefix_cache_hits", 0),
-        "max_loras": cfg.lora.max_loras if lora is not None else 0,
-        "max_cpu_loras": cfg.lora.max_cpu_loras if lora is not None else 0,
-        "resident_adapters": resident,
-        "stats_time": dt.datetime.fromtimestamp(stats["time"], dt.timezone.utc) if stats.get("time") else None,
-    }
-
-
-async def list_audit(request: Request, st: AdminState, admin: Admin, query: dict) -> Any:
-    def load():
-        with st.db.session() as s:
-            rows = audit.entries(s, limit=query.get("limit", 100), before_id=query.get("before"),
-                                 action=query.get("action"), target=query.get("target"))
-            return [{"id": r.id, "at": r.created_at, "actor": r.actor, "action": r.action, "target": r.target,
-                     "details": r.details or {}} for r in rows]
-
-    return await asyncio.to_thread(load)
-
-
-def _usage_range(query: dict, granularity: str) -> tuple[dt.datetime, dt.datetime]:
-    """[from, to): defaults to the last 24 hours (hourly) or 30 days (daily), aligned."""
-    u = _usage_module()
-    step = dt.timedelta(days=1) if granularity == "day" else dt.timedelta(hours=1)
-    now = utcnow()
-    floor = (now.replace(hour=0, minute=0, second=0, microsecond=0) if granularity == "day"
-             else now.replace(minute=0, second=0, microsecond=0))
-    end = u.parse_time(query["to"], "to") if query.get("to") else floor + step
-    start = u.parse_time(query["from"], "from") if query.get("from") else end - step * (30 if step.days else 24)
-    if end <= start:
-        raise BadRequestError("to: must be after from", "to")
-    if (end - start) / step > 5000:
-        raise BadRequestError(f"the range holds over 5000 {granularity}s: pick a shorter range or a coarser "
-                              "granularity", "from")
-    return start, end
-
-
-_SERIES_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens")
-
-
-async def usage_series(request: Request, st: AdminState, admin: Admin, query: dict) -> Any:
-    u = _usage_module()
-    if u is None:
-        raise FeatureUnavailableError("usage metering is not available in this build")
-    granularity = query.get("granularity", "hour")
-    group = query.get("group_by", "tenant")
-    start, end = _usage_range(query, granularity)
-    rows = await asyncio.to_thread(u.usage_summary, st.db, start, end, tenant=query.get("tenant"),
-                                   adapter=query.get("adapter"), granularity=granularity,
-                                   by_adapter=group == "adapter")
-    series: dict[str, dict[dt.datetime, dict[str, int]]] = {}
-    for r in rows:
-        key = r.tenant if group == "tenant" else (r.adapter or BASE_MODEL_KEY)
-        point = series.setdefault(key, {}).setdefault(r.period_start, dict.fromkeys(_SERIES_FIELDS, 0))
-        for f in _SERIES_FIELDS:
-            point[f] += getattr(r, f)
-    totals = {k: {f: sum(p[f] for p in pts.values()) for f in _SERIES_FIELDS} for k, pts in series.items()}
-    ordered = sorted(series, key=lambda k: -totals[k]["total_tokens"])
-    return {"from": start, "to": end, "granularity": granularity, "group_by": group,
-            "series": [{"key": k, "totals": totals[k],
-                        "points": [{"t": t, **series[k][t]} for t in sorted(series[k])]} for k in ordered]}
-
-
-_EXPORT_TYPES = {"csv": ("text/csv; charset=utf-8", "csv"), "jsonl": ("application/x-ndjson", "jsonl"),
-                 "cloudevents": ("application/cloudevents-batch+json", "cloudevents.jsonl")}
-
-
-async def usage_export(request: Request, st: AdminState, admin: Admin, query: dict) -> Response:
-    from starlette.responses import StreamingResponse
-
-    u = _usage_module()
-    if u is None:
-        raise FeatureUnavailableError("usage metering is not available in this build")
-    fmt = query.get("format", "csv")
-    granularity = query.get("granularity", "event")
-    start, end = _usage_range(query, "day" if granularity == "day" else "hour")
-    chunks = u.export_usage(st.db, start, end, fmt=fmt, granularity=granularity, tenant=query.get("tenant"))
-    sentinel = object()
-    first = await asyncio.to_thread(next, chunks, sentinel)  # argument errors raise here, before the 200
-
-    def body():
-        if first is not sentinel:
-            yield first
-        yield from chunks
-
-    media, ext = _EXPORT_TYPES[fmt]
-    stamp = f"{start:%Y%m%dT%H%M}-{end:%Y%m%dT%H%M}"
-    return StreamingResponse(body(), media_type=media, headers={
-        "Content-Disposition": f'attachment; filename="loraplex-usage-{granularity}-{stamp}.{ext}"',
-        "Cache-Control": "no-store"})
-
-
 async def get_openapi(request: Request, st: AdminState, admin: None, query: dict) -> Any:
     return request.app.state.admin_openapi
 
@@ -883,11 +140,9 @@ LANE = {"type": "string", "enum": list(LANES)}
 NAME = {"type": "string", "minLength": 1, "maxLength": 64, "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
         "description": "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"}
 TS = {"type": ["string", "null"], "format": "date-time"}
-BASE_MODEL_KEY = "(base model)"
 ISO_TIME = {"type": "string", "maxLength": 40,
             "pattern": r"^\d{4}-\d{2}-\d{2}([Tt ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?([Zz]|[+-]\d{2}:?\d{2})?)?$",
             "description": "an ISO date (UTC midnight) or date-time"}
-QUOTA_FIELDS = ("rpm", "tpm", "max_concurrency", "token_budget", "budget_period")
 _LIMIT = {"type": ["integer", "null"], "minimum": 0}
 QUOTAS_IN = {"type": ["object", "null"], "additionalProperties": False,
              "description": "Limits to set; a field left out keeps its value, null clears it (null: clear all)",
