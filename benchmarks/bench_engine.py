@@ -119,13 +119,14 @@ def main() -> None:
     a = run_engine(eng, wl)
     model_dir = eng.model_dir
     del eng
-    b = run_engine(engine("static", args.max_num_seqs), wl)
-    full = run_engine(engine("continuous", max(args.max_num_seqs, len(wl.prompts))), wl)
     print(f"(a) continuous batching, width {args.max_num_seqs:>3}: {a['tok_s']:7.1f} output tok/s ({a['elapsed']:.1f} s, "
-          f"KV slots wasted {a['waste']:.1%}, preemptions {a['preemptions']})")
+          f"KV slots wasted {a['waste']:.1%}, preemptions {a['preemptions']})", flush=True)
+    b = run_engine(engine("static", args.max_num_seqs), wl)
     print(f"(b) static batching,     width {args.max_num_seqs:>3}: {b['tok_s']:7.1f} output tok/s ({b['elapsed']:.1f} s, "
-          f"KV slots wasted {b['waste']:.1%})")
-    print(f"(a+) continuous, all requests at once: {full['tok_s']:7.1f} output tok/s ({full['elapsed']:.1f} s)")
+          f"KV slots wasted {b['waste']:.1%})", flush=True)
+    full = run_engine(engine("continuous", max(args.max_num_seqs, len(wl.prompts))), wl)
+    print(f"(a+) continuous, all requests at once: {full['tok_s']:7.1f} output tok/s ({full['elapsed']:.1f} s)",
+          flush=True)
     if not args.skip_hf:
         c = run_hf(model_dir, wl, getattr(torch, args.dtype), args.hf_batch)
         print(f"(c) transformers generate, batch {args.hf_batch}: {c['tok_s']:7.1f} output tok/s ({c['elapsed']:.1f} s, "
