@@ -17,8 +17,6 @@ peft and transformers are imported only when an adapter has to be trained.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -26,8 +24,9 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
+
+from loraplex.engine.loader import apply_umask, file_lock
 
 from .shapes import LORA_MODULES
 
@@ -164,7 +163,7 @@ def _ensure_one(base: Path, folder: Path, name: str) -> Path:
     if _is_complete(target):  # only ever appears through an atomic rename: it is whole
         return target
     folder.mkdir(parents=True, exist_ok=True)
-    with _file_lock(folder / f".{name}.lock"):
+    with file_lock(folder / f".{name}.lock"):
         if _is_complete(target):  # another process trained it while we waited
             return target
         for stale in folder.glob(f".{name}.tmp-*"):
@@ -177,7 +176,7 @@ def _ensure_one(base: Path, folder: Path, name: str) -> Path:
                   file=sys.stderr, flush=True)
             start = time.monotonic()
             loss = train_demo_adapter(base, tmp, name)
-            _apply_umask(tmp)
+            apply_umask(tmp)
             os.rename(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -185,25 +184,6 @@ def _ensure_one(base: Path, folder: Path, name: str) -> Path:
         print(f"loraplex: trained demo adapter {name!r} in {time.monotonic() - start:.0f} s "
               f"(final loss {loss:.3f})", file=sys.stderr, flush=True)
     return target
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # blocks while another process trains
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _apply_umask(folder: Path) -> None:
-    # mkdtemp creates an owner-only folder; a shared cache must be readable as umask allows.
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for file in folder.iterdir():
-        file.chmod(0o666 & ~umask)
 
 
 def demo_messages(question: str) -> list[dict[str, str]]:

@@ -273,7 +273,7 @@ def _ensure_embedded(cache_dir: Path) -> Path:
         return target
     gguf = embedded_gguf_path()
     models.mkdir(parents=True, exist_ok=True)
-    with _file_lock(models / f".{EMBEDDED_NAME}.lock"):
+    with file_lock(models / f".{EMBEDDED_NAME}.lock"):
         if _is_complete(target):  # another process converted while we waited
             return target
         for stale in models.glob(f".{EMBEDDED_NAME}.tmp-*"):
@@ -283,7 +283,7 @@ def _ensure_embedded(cache_dir: Path) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_NAME}.tmp-", dir=models))
         try:
             _convert_gguf(gguf, tmp)
-            _apply_umask(tmp)
+            apply_umask(tmp)
             os.rename(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -291,7 +291,7 @@ def _ensure_embedded(cache_dir: Path) -> Path:
     return target
 
 
-def _apply_umask(folder: Path) -> None:
+def apply_umask(folder: Path) -> None:
     # mkdtemp (and safetensors' own temp files) create owner-only modes; a shared cache
     # dir must stay readable by the other users the umask allows.
     umask = os.umask(0)
@@ -302,7 +302,7 @@ def _apply_umask(folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     with open(path, "a+") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)  # blocks while another process converts
         try:
