@@ -26,7 +26,12 @@ each timed run, every adapter it uses serves one 1-token request (loading it fro
 into the CPU tier and a slot), like the base model's own warm-up; that time is printed
 separately.
 
+On a 2-core machine that other processes keep busy, 2 torch threads can be several times
+slower than 1 (and erratic): an OpenMP barrier waits for a thread that is not running.
+There, use --threads 1, and --repeat-base to see whether the machine drifted during the run.
+
     python benchmarks/bench_lora.py                       # SmolLM2, 64 prompts, bf16, 2 threads
+    python benchmarks/bench_lora.py --threads 1 --hf-prompts 16 --hf-modes grouped --repeat-base
     python benchmarks/bench_lora.py --num-prompts 16 --adapters 1,8 --hf-prompts 8
 """
 from __future__ import annotations
