@@ -58,6 +58,9 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
+                if self.engine.idle_step:
+                    self._wake.wait(0.002)  # nothing runnable yet: let loader threads work
+                    self._wake.clear()
                 self._stats = self.engine.stats()
                 for out in outputs:
                     self._deliver(out.request_id, out)

@@ -68,6 +68,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
+        self.idle_step = False
 
     # -- requests -----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
@@ -127,6 +128,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         failed = self._fail_broken_adapters()
         plan = self.scheduler.schedule()
+        # True when nothing could run (e.g. waiting on an adapter load): callers back off
+        # instead of spinning, which would starve the loader thread of the GIL.
+        self.idle_step = not plan.seqs
         if not plan.seqs:
             if plan.adapter_loads:
                 self.lora.load(plan.adapter_loads)
@@ -199,7 +203,10 @@ class LLMEngine:
             raise
         results = {rid: RequestOutput(rid, [], "", False) for rid in rids}
         while self.has_unfinished_requests():
-            for o in self.step():
+            outs = self.step()
+            if self.idle_step:
+                time.sleep(0.002)
+            for o in outs:
                 r = results.get(o.request_id)
                 if r is None:
                     continue
