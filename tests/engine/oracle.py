@@ -27,3 +27,20 @@ def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_tokens: list[
                                do_sample=False, pad_token_id=0)
             outs.append(y[0, len(ids):].tolist())
     return outs
+
+
+def run_greedy_with_adapters(engine, prompts: list[list[int]], adapters: list[str | None],
+                             max_tokens: list[int]) -> list[list[int]]:
+    """Our engine's greedy tokens per request; checks no request errored and no block leaked."""
+    from loraplex.engine.request import SamplingParams
+
+    ids = [engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), adapter=a)
+           for p, n, a in zip(prompts, max_tokens, adapters)]
+    outs: dict[str, list[int]] = {i: [] for i in ids}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            assert o.finish_reason != "error", o.stop_reason
+            outs[o.request_id] += o.new_token_ids
+    engine.kv.pool.check_invariants()
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+    return [outs[i] for i in ids]

@@ -13,7 +13,7 @@ from loraplex.engine.engine import LLMEngine
 from loraplex.engine.errors import UnknownAdapterError
 from loraplex.engine.lora import LoRAManager
 from loraplex.engine.request import SamplingParams
-from tests.engine.oracle import hf_greedy
+from tests.engine.oracle import hf_greedy, run_greedy_with_adapters
 
 # (name, rank, targets, rslora): ranks 4..64, partial targets, rsLoRA scaling.
 ADAPTERS = [
@@ -59,15 +59,7 @@ def _engine(model_dir, store_root, dirs, *, max_loras=8, max_cpu_loras=8, **sche
 
 
 def _run(engine, prompts, assign) -> list[list[int]]:
-    ids = [engine.add_request(p, _greedy(n), adapter=a) for p, n, a in zip(prompts, MAX_TOKENS, assign)]
-    outs: dict[str, list[int]] = {i: [] for i in ids}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            assert o.finish_reason != "error", o.stop_reason
-            outs[o.request_id] += o.new_token_ids
-    engine.kv.pool.check_invariants()
-    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
-    return [outs[i] for i in ids]
+    return run_greedy_with_adapters(engine, prompts, assign, list(MAX_TOKENS))
 
 
 @pytest.mark.parametrize("setup", [

@@ -13,7 +13,7 @@ from loraplex.engine.engine import LLMEngine
 from loraplex.engine.lora import LoRAManager
 from loraplex.engine.request import SamplingParams
 from loraplex.engine.tokenizer import Tokenizer
-from tests.engine.oracle import hf_greedy
+from tests.engine.oracle import hf_greedy, run_greedy_with_adapters
 
 pytestmark = pytest.mark.slow
 
@@ -68,15 +68,7 @@ def _engine(model_dir, store_root, dirs, *, max_loras=4, max_cpu_loras=4, num_bl
 
 
 def _run(engine, prompts, assign, max_tokens) -> list[list[int]]:
-    ids = [engine.add_request(p, _greedy(n), adapter=a) for p, n, a in zip(prompts, max_tokens, assign)]
-    outs: dict[str, list[int]] = {i: [] for i in ids}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            assert o.finish_reason != "error", o.stop_reason
-            outs[o.request_id] += o.new_token_ids
-    engine.kv.pool.check_invariants()
-    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
-    return [outs[i] for i in ids]
+    return run_greedy_with_adapters(engine, prompts, assign, max_tokens)
 
 
 def test_adapters_change_the_output(setup):

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.platform.fixtures import db, empty_db_url, pg_schema_url, tiny_adapters  # noqa: F401 - fixtures
+from tests.platform.fixtures import cli, db, empty_db_url, pg_schema_url, tiny_adapters  # noqa: F401 - fixtures
 
 
 @pytest.fixture(autouse=True)

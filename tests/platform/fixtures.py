@@ -92,3 +92,21 @@ def tiny_adapters(tmp_path_factory, tiny_llama_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny_adapters")
     return {f"ad{i}": make_random_peft_adapter(tiny_llama_dir, root / f"ad{i}", rank=r, seed=i, init_scale=0.3)
             for i, r in ((1, 4), (2, 8), (3, 16))}
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """Run the `loraplex` CLI in process: (exit code, stdout, stderr)."""
+    from loraplex.platform.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+@pytest.fixture
+def cli(capsys, empty_db_url, tmp_path):
+    def call(*argv):
+        return run_cli(capsys, *argv, "--database-url", empty_db_url, "--data-dir", str(tmp_path / "data"))
+    call.url = empty_db_url
+    return call

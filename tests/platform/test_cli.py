@@ -6,22 +6,11 @@ import sys
 
 import pytest
 
-from loraplex.platform.cli import main, parse_size
+from loraplex.platform.cli import parse_size
+from tests.platform.fixtures import run_cli
 from loraplex.platform.tenants import KEY_RE
 
 
-def run(capsys, *argv) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as e:
-        main(list(argv))
-    out, err = capsys.readouterr()
-    return e.value.code, out, err
-
-
-@pytest.fixture
-def cli(capsys, empty_db_url, tmp_path):
-    def call(*argv):
-        return run(capsys, *argv, "--database-url", empty_db_url, "--data-dir", str(tmp_path / "data"))
-    return call
 
 
 def test_tenants_and_keys(cli):
@@ -76,7 +65,7 @@ def test_adapters(cli, tiny_llama_dir, tiny_adapters):
 
 
 def test_bad_database_url_is_a_clean_error(capsys, tmp_path):
-    code, _, err = run(capsys, "tenant", "list", "--database-url", "mysql://nope/x", "--data-dir", str(tmp_path))
+    code, _, err = run_cli(capsys, "tenant", "list", "--database-url", "mysql://nope/x", "--data-dir", str(tmp_path))
     assert code == 1 and "unsupported database" in err
 
 

@@ -7,7 +7,6 @@ import io
 import json
 
 import pytest
-from loraplex.platform.cli import main
 from loraplex.platform.db import Database, make_db_engine
 from loraplex.platform.metering import Event, EventStore
 from loraplex.platform.quotas import Limits, get_quota
@@ -15,19 +14,6 @@ from loraplex.platform.quotas import Limits, get_quota
 T0 = 1_768_435_200.0  # 2026-01-15T00:00:00Z (in the past: its periods are over)
 
 
-def run(capsys, *argv) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as e:
-        main(list(argv))
-    out, err = capsys.readouterr()
-    return e.value.code, out, err
-
-
-@pytest.fixture
-def cli(capsys, empty_db_url, tmp_path):
-    def call(*argv):
-        return run(capsys, *argv, "--database-url", empty_db_url, "--data-dir", str(tmp_path / "data"))
-    call.url = empty_db_url
-    return call
 
 
 def test_tenant_quotas(cli):
