@@ -7,6 +7,8 @@ import torch
 
 from .attention import build_metadata
 from .config import EngineConfig
+from .cpu_linear import packing_supported
+from .cpu_tuning import keep_freed_memory_in_heap
 from .kernels.select import attention_ops, select_backend
 from .loader import ModelArch, load_state_dict
 from .models.llama import LlamaModel
@@ -31,6 +33,7 @@ class ModelRunner:
         self.arch = arch
         self.dtype = DTYPES[config.model.dtype]
         self.device = torch.device(config.model.device)
+        keep_freed_memory_in_heap()
         # "triton" or "torch" for attention, KV writes and LoRA (EngineConfig.kernels).
         self.kernels = select_backend(config.kernels, self.device)
         self.block_size = config.cache.block_size
@@ -39,6 +42,8 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(load_state_dict(model_dir, self.dtype))
         self.model = model.eval()
+        if packing_supported(self.device, self.dtype):
+            self.model.pack_weights()
         self.num_blocks = self._num_blocks()
         slots = self.num_blocks * self.block_size
         self.kv_caches = [
@@ -71,9 +76,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, requests: dict[str, Request]
                 ) -> tuple[dict[str, int], dict[str, Logprobs | None]]:
-        # Decodes first (attention computes them as one group), then each group ordered
-        # by adapter so every adapter's tokens form one segment.
-        seqs = sorted(out.seqs, key=lambda s: (len(s.token_ids) != 1, s.adapter_slot))
+        # Decodes first (attention computes them in groups of similar context length),
+        # then prefills; within each, ordered by adapter so every adapter's tokens form
+        # one segment, and decodes by length so a base-model group is a run of rows.
+        seqs = sorted(out.seqs, key=lambda s: (len(s.token_ids) != 1, s.adapter_slot, s.start_pos))
         ids, pos = [], []
         for s in seqs:
             ids.extend(s.token_ids)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention, write_kv
+from ..cpu_linear import PackedLinear, pack_linears
 from ..loader import ModelArch, rope_inv_freq
 
 
@@ -93,6 +94,13 @@ class LlamaModel(nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         # Not a buffer: it must stay fp32 when the model is cast to bf16, as in transformers.
         self.inv_freq: torch.Tensor | None = None
+        self.packed_head: PackedLinear | None = None
+
+    def pack_weights(self) -> None:
+        """Pre-pack every projection and the LM head for oneDNN (engine/cpu_linear.py)."""
+        pack_linears(self.layers)
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_head = PackedLinear(w, None)
 
     def set_attention_ops(self, write_kv_fn, attention_fn) -> None:
         """Use these (engine/kernels/select.py `attention_ops`) for KV writes and attention."""
@@ -117,6 +125,8 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
+        if self.packed_head is not None:
+            return self.packed_head(h).float()
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, w).float()
 
