@@ -105,12 +105,16 @@ class LoRAManager:
         # When the Triton kernels run LoRA, the runner sets this to a
         # kernels.lora_kernels.StackedLoRAWeights: slots are mirrored into it, batches use it.
         self.kernel_weights = None
+        # Otherwise (the torch path) slots are mirrored into lora_batch.SlotStacks, made on
+        # the first load, so a step's short segments run as a few grouped ops.
+        self.stacks = None
 
     def bind(self, arch, dtype: torch.dtype, device: torch.device) -> None:
         q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         h, i = arch.hidden_size, arch.intermediate_size
         self.out_sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h,
                           "gate_proj": i, "up_proj": i, "down_proj": h}
+        self.in_sizes = {"qkv": h, "o": q, "gate_up": h, "down": i}
         self.num_layers, self.dtype, self.device = arch.num_layers, dtype, device
 
     # -- names and lifetimes ---------------------------------------------------------
@@ -194,6 +198,16 @@ class LoRAManager:
             self.slot_refs[slot] = ref
             if self.kernel_weights is not None:
                 self.kernel_weights.set_slot(slot, self.slots[slot])
+            else:
+                self._stacks().set_slot(slot, self.slots[slot])
+
+    def _stacks(self):
+        if self.stacks is None:
+            from .lora_batch import SlotStacks  # lora_batch imports this module
+
+            self.stacks = SlotStacks(self.config.max_loras, self.num_layers, self.in_sizes, self.out_sizes,
+                                     self.dtype, self.device)
+        return self.stacks
 
     def batch(self, seqs: list[tuple[int, int]]) -> LoRABatch | None:
         """`seqs`: (num tokens, slot) in batch order -> segments of equal slot."""
@@ -210,7 +224,9 @@ class LoRAManager:
             return None
         if self.kernel_weights is not None:
             return self.kernel_weights.batch(segments)
-        return LoRABatch(self.slots, segments)
+        from .lora_batch import GroupedLoRABatch
+
+        return GroupedLoRABatch(self._stacks(), self.slots, segments)
 
     def tiers(self) -> dict[str, list[str]]:
         """Where each adapter is now: device slots, CPU tier (digests)."""

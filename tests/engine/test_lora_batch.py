@@ -1,0 +1,164 @@
+"""Grouped LoRA (`GroupedLoRABatch`) vs the per-segment loop (`LoRABatch`) on random tensors."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from loraplex.engine.lora import GROUPS, LoRABatch, pack_adapter
+from loraplex.engine.lora_batch import GROUPED_MAX_ROWS, GroupedLoRABatch, SlotStacks
+from tests.engine.kernels.kernel_cases import random_adapter
+
+HIDDEN, Q, KV, INTER, LAYERS = 48, 48, 16, 80, 2
+OUT = {"q_proj": Q, "k_proj": KV, "v_proj": KV, "o_proj": HIDDEN, "gate_proj": INTER, "up_proj": INTER,
+       "down_proj": HIDDEN}
+IN = {"q_proj": HIDDEN, "k_proj": HIDDEN, "v_proj": HIDDEN, "o_proj": Q, "gate_proj": HIDDEN, "up_proj": HIDDEN,
+      "down_proj": INTER}
+GROUP_IN = {"qkv": HIDDEN, "o": Q, "gate_up": HIDDEN, "down": INTER}
+GROUP_OUT = {g: sum(OUT[m] for m in mods) for g, mods in GROUPS.items()}
+ALL = tuple(OUT)
+# Ranks 4..64, per-module ranks, partial targets: slot 2 has no qkv, slot 4 no gate_up/down.
+ADAPTERS = [
+    {m: 4 for m in ALL},
+    {"q_proj": 64, "v_proj": 64, "down_proj": 64},
+    {"o_proj": 8, "gate_proj": 8},
+    {m: 32 for m in ALL} | {"k_proj": 5, "up_proj": 17},
+    {"q_proj": 16, "o_proj": 16},
+    {m: 8 for m in ALL},
+    {m: 16 for m in ALL},
+    {"down_proj": 4},
+]
+NUM_SLOTS = 12  # more slots than adapters: idle slots inside and past the active range
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
+
+
+def _loaded(dtype, slot_of=None):
+    """(packed per slot, stacks) with ADAPTERS[i] in slot slot_of[i] (default: slot i)."""
+    slot_of = slot_of or list(range(len(ADAPTERS)))
+    slots = [None] * NUM_SLOTS
+    stacks = SlotStacks(NUM_SLOTS, LAYERS, GROUP_IN, OUT, dtype, torch.device("cpu"))
+    for i, ranks in enumerate(ADAPTERS):
+        slots[slot_of[i]] = pack_adapter(random_adapter(ranks, IN, OUT, LAYERS, seed=i + 1), OUT, LAYERS, dtype,
+                                         torch.device("cpu"))
+        stacks.set_slot(slot_of[i], slots[slot_of[i]])
+    return slots, stacks
+
+
+def _segments(seqs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(num tokens, slot) in batch order -> (start, end, slot) segments, as LoRAManager.batch."""
+    segments, row = [], 0
+    for n, slot in seqs:
+        if slot >= 0:
+            if segments and segments[-1][2] == slot and segments[-1][1] == row:
+                segments[-1] = (segments[-1][0], row + n, slot)
+            else:
+                segments.append((row, row + n, slot))
+        row += n
+    return segments
+
+
+def _batch(decode_slots: list[int], prefill: list[tuple[int, int]]) -> tuple[list, int]:
+    """Decode rows first then prefill chunks, each sorted by slot (as the model runner orders them)."""
+    seqs = [(1, s) for s in sorted(decode_slots)] + sorted(prefill, key=lambda p: p[1])
+    return seqs, sum(n for n, _ in seqs)
+
+
+CASES = {
+    # one row per adapter, contiguous slots 0..7: the no-gather, no-padding path
+    "decode-1-each": ([0, 1, 2, 3, 4, 5, 6, 7], []),
+    # 1..3 rows per adapter with base rows: padding
+    "decode-mixed": ([-1, -1, 0, 0, 0, 1, 3, 3, 5, 6, 6, 7, -1], []),
+    # sparse slots (0, 7 of 0..7 with NUM_SLOTS 12): gathered weights
+    "decode-sparse": ([0, 7, 7, -1], []),
+    # decodes + short and long prefill chunks, an adapter in both groups
+    "mixed": ([-1, 1, 2, 2, 4, 5], [(5, 1), (40, 3), (GROUPED_MAX_ROWS, 6), (30, -1), (3, 0)]),
+    "prefill-only": ([], [(9, 2), (70, 5), (17, -1), (2, 7)]),
+    "base-only": ([-1, -1], [(6, -1)]),
+}
+
+
+def _run(batch, x_by_group, out_by_group):
+    outs = {}
+    for g in GROUPS:
+        for layer in range(LAYERS):
+            out = out_by_group[g].clone()
+            batch.apply(layer, g, x_by_group[g], out)
+            outs[(layer, g)] = out
+    return outs
+
+
+def _inputs(rows: int, dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = {g: torch.randn(rows, GROUP_IN[g], generator=gen).to(dtype) for g in GROUPS}
+    out = {g: torch.randn(rows, GROUP_OUT[g], generator=gen).to(dtype) for g in GROUPS}
+    return x, out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_grouped_matches_per_segment_loop(dtype, case):
+    slots, stacks = _loaded(dtype)
+    seqs, rows = _batch(*CASES[case])
+    segments = _segments(seqs)
+    x, out = _inputs(rows, dtype)
+    ref = _run(LoRABatch(slots, segments), x, out)
+    got = _run(GroupedLoRABatch(stacks, slots, segments), x, out)
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], **TOL[dtype], msg=lambda m: f"{case} {key}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_random_batches_match(dtype):
+    rng = random.Random(5)
+    slots, stacks = _loaded(dtype, slot_of=[0, 2, 3, 5, 6, 9, 10, 11])
+    loaded = [-1, 0, 2, 3, 5, 6, 9, 10, 11]
+    for trial in range(12):
+        decodes = [rng.choice(loaded) for _ in range(rng.randrange(0, 20))]
+        prefill = [(rng.choice([1, 2, 5, 16, 17, 33]), rng.choice(loaded)) for _ in range(rng.randrange(0, 4))]
+        seqs, rows = _batch(decodes, prefill)
+        segments = _segments(seqs)
+        if not segments:
+            continue
+        x, out = _inputs(rows, dtype, seed=trial)
+        ref = _run(LoRABatch(slots, segments), x, out)
+        got = _run(GroupedLoRABatch(stacks, slots, segments), x, out)
+        for key in ref:
+            torch.testing.assert_close(got[key], ref[key], **TOL[dtype], msg=lambda m: f"{seqs} {key}: {m}")
+
+
+@pytest.mark.parametrize("case", ["decode-mixed", "decode-sparse", "mixed", "base-only"])
+def test_base_rows_untouched(case):
+    """Base rows keep their exact bits (a +0.0 on a -0.0 would flip the sign), however large x is."""
+    slots, stacks = _loaded(torch.float32)
+    seqs, rows = _batch(*CASES[case])
+    segments = _segments(seqs)
+    base = [r for r, slot in enumerate(s for n, s in seqs for _ in range(n)) if slot < 0]
+    x, out = _inputs(rows, torch.float32)
+    for g in GROUPS:
+        x[g][base] = 1e4
+        out[g][base] = -0.0
+    got = _run(GroupedLoRABatch(stacks, slots, segments), x, out)
+    changed = False
+    for (layer, g), o in got.items():
+        assert torch.equal(o[base].view(torch.int32), out[g][base].view(torch.int32)), (layer, g)
+        changed |= not torch.equal(o, out[g])
+    assert changed == (len(base) < rows)  # not vacuous: adapter rows did get deltas
+
+
+def test_reload_replaces_weights_and_cached_gathers():
+    """A slot reloaded with a smaller adapter leaves nothing of the old one; gathered copies refresh."""
+    dtype = torch.float32
+    slots, stacks = _loaded(dtype)
+    seqs, rows = _batch([0, 7, 7], [])  # sparse: the gathered path, cached across steps
+    segments = _segments(seqs)
+    x, out = _inputs(rows, dtype)
+    _run(GroupedLoRABatch(stacks, slots, segments), x, out)  # fills the gather cache
+    for slot, ranks in ((7, {"q_proj": 4}), (0, {m: 64 for m in ALL})):  # shrink, then grow the stacks
+        slots[slot] = pack_adapter(random_adapter(ranks, IN, OUT, LAYERS, seed=99 + slot), OUT, LAYERS, dtype,
+                                   torch.device("cpu"))
+        stacks.set_slot(slot, slots[slot])
+        ref = _run(LoRABatch(slots, segments), x, out)
+        got = _run(GroupedLoRABatch(stacks, slots, segments), x, out)
+        for key in ref:
+            torch.testing.assert_close(got[key], ref[key], **TOL[dtype])
