@@ -67,13 +67,24 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     block_size: int = 16
     num_decodes: int = 0
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # (start_pos, 1, block ids) per decode, for the groups built on first use: the CPU
+    # kernel reads block_tables/seq_lens instead and never needs them.
+    decodes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    device: torch.device | str = "cpu"
+    _decode_groups: list[DecodeGroup] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     # The same batch in the generic ragged form GPU kernels take: per sequence, its
     # first query row, its context length after this step, and its block table.
     query_start_loc: torch.Tensor | None = None  # [B + 1] int32
     seq_lens: torch.Tensor | None = None  # [B] int32
     block_tables: torch.Tensor | None = None  # [B, max blocks] int32, padded with 0
+
+    @property
+    def decode_groups(self) -> list[DecodeGroup]:
+        if self._decode_groups is None:
+            self._decode_groups = [_decode_group(self.decodes, idx, self.block_size, self.device)
+                                   for idx in group_decodes([len(b) for _, _, b in self.decodes])] if self.decodes else []
+        return self._decode_groups
 
 
 # Cost model for splitting decodes into groups, per layer: a group's fixed cost (about a
@@ -121,7 +132,8 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int, dtyp
         pos = torch.arange(start, start + n)
         slot_chunks.append(b[pos // block_size] * block_size + pos % block_size)
         (decodes if n == 1 and not prefills else prefills).append((start, n, b))
-    meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(device), block_size=block_size)
+    meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(device), block_size=block_size,
+                             num_decodes=len(decodes), decodes=decodes, device=device)
     lens = [n for _, n, _ in seqs]
     meta.query_start_loc = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
     meta.seq_lens = torch.tensor([s + n for s, n, _ in seqs], dtype=torch.int32).to(device)
@@ -129,10 +141,6 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int, dtyp
     for i, (_, _, b) in enumerate(seqs):
         tables[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
     meta.block_tables = tables.to(device)
-    meta.num_decodes = len(decodes)
-    if decodes:
-        meta.decode_groups = [_decode_group(decodes, idx, block_size, device)
-                              for idx in group_decodes([len(b) for _, _, b in decodes])]
     q_start = len(decodes)
     for s, n, b in prefills:
         mask = None
@@ -171,8 +179,6 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads, head_dim]; K/V already written for this step."""
-    T, H, Dh = q.shape
-    KVH = k_cache.shape[0]
     out = torch.empty_like(q)
     for g in meta.decode_groups:
         out_rows = _decode_attention(q[g.start:g.start + g.count] if g.rows is None else q.index_select(0, g.rows),
@@ -181,6 +187,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             out[g.start:g.start + g.count] = out_rows
         else:
             out.index_copy_(0, g.rows, out_rows)
+    prefill_attention(q, k_cache, v_cache, meta, scale, out)
+    return out
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float, out: torch.Tensor) -> None:
+    """The prefill chunks' rows of `out`: one SDPA call per chunk over its gathered blocks."""
+    Dh, KVH = q.shape[2], k_cache.shape[0]
     flat_k, flat_v = k_cache.view(-1, meta.block_size * Dh), v_cache.view(-1, meta.block_size * Dh)
     num_blocks = k_cache.shape[1] // meta.block_size
     for c in meta.prefills:
@@ -192,7 +206,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         o = F.scaled_dot_product_attention(qc, k, v, attn_mask=c.mask, is_causal=c.mask is None,
                                            scale=scale, enable_gqa=True)
         out[c.q_start:c.q_start + c.q_len] = o[0].transpose(0, 1)
-    return out
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,

@@ -65,6 +65,7 @@ class EngineConfig:
     # torch intra-op threads; None leaves torch's default. A busy 2-core machine can be
     # 40x slower with too many threads, so the CLI always sets this.
     num_threads: int | None = None
-    # "auto" picks Triton on CUDA and the torch path elsewhere.
+    # "auto" picks Triton on CUDA and, on a CPU, the C decode-attention kernel where a C
+    # compiler can build it (else the torch path); "triton", "cpu" or "torch" force one.
     kernels: str = "auto"
     seed: int = 0

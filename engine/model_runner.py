@@ -34,7 +34,7 @@ class ModelRunner:
         self.dtype = DTYPES[config.model.dtype]
         self.device = torch.device(config.model.device)
         keep_freed_memory_in_heap()
-        # "triton" or "torch" for attention, KV writes and LoRA (EngineConfig.kernels).
+        # "triton", "cpu" or "torch" for attention, KV writes and LoRA (EngineConfig.kernels).
         self.kernels = select_backend(config.kernels, self.device)
         self.block_size = config.cache.block_size
         with torch.device("meta"):
@@ -53,10 +53,11 @@ class ModelRunner:
         ]
         self.sampler = Sampler(config.seed)
         self.lora = lora_manager
+        if self.kernels != "torch":
+            self.model.set_attention_ops(*attention_ops(self.kernels))
         if self.kernels == "triton":
             from .kernels.lora_kernels import StackedLoRAWeights
 
-            self.model.set_attention_ops(*attention_ops("triton"))
             if lora_manager is not None:
                 lora_manager.kernel_weights = StackedLoRAWeights.for_arch(
                     arch, config.lora.max_loras, config.lora.max_lora_rank, self.dtype, self.device)

@@ -10,7 +10,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "cpu", "torch")
 
 
 def triton_available() -> bool:
@@ -26,9 +26,11 @@ def interpreting() -> bool:
 
 
 def select_backend(kernels: str, device: torch.device | str) -> str:
-    """`EngineConfig.kernels` ("auto" | "triton" | "torch") and the model's device -> backend.
+    """`EngineConfig.kernels` ("auto" | "triton" | "cpu" | "torch") and the model's device -> backend.
 
-    "auto" is Triton on CUDA (when Triton is installed) and torch elsewhere. "triton"
+    "auto" is Triton on CUDA (when Triton is installed); on a CPU it is "cpu" (the C
+    decode-attention kernel, cpu_decode.py) where a C compiler can build it, else torch.
+    "triton"
     forced on a CPU device runs Triton's interpreter, which must have been switched on
     with TRITON_INTERPRET=1 before the kernel modules were imported: that is for tests.
     """
@@ -37,6 +39,8 @@ def select_backend(kernels: str, device: torch.device | str) -> str:
     device = torch.device(device)
     if kernels == "torch":
         return "torch"
+    if kernels == "cpu" or (kernels == "auto" and device.type == "cpu"):
+        return _cpu_backend(kernels == "cpu", device)
     if kernels == "auto":
         if device.type != "cuda":
             return "torch"
@@ -52,12 +56,29 @@ def select_backend(kernels: str, device: torch.device | str) -> str:
     return "triton"
 
 
+def _cpu_backend(forced: bool, device: torch.device) -> str:
+    from .cpu_decode import load_library
+
+    if device.type != "cpu":
+        raise RuntimeError(f"kernels='cpu' runs on a CPU device, not {device.type!r}")
+    if load_library() is not None:
+        return "cpu"
+    if forced:
+        raise RuntimeError("kernels='cpu' but the C decode kernel could not be built (see the log)")
+    return "torch"
+
+
 def attention_ops(backend: str) -> tuple[Callable, Callable]:
     """(write_kv, paged_attention) for `backend`, both with engine/attention.py's signatures."""
     if backend == "torch":
         from ..attention import paged_attention, write_kv
 
         return write_kv, paged_attention
+    if backend == "cpu":
+        from ..attention import write_kv
+        from .cpu_decode import cpu_paged_attention
+
+        return write_kv, cpu_paged_attention
     if backend == "triton":
         from .kv_write import triton_write_kv
         from .paged_attention import triton_paged_attention

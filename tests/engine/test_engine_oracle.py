@@ -22,9 +22,10 @@ def _prompts(seed: int = 0, lengths=LENGTHS) -> list[list[int]]:
 def _engine(model_dir, **kw) -> LLMEngine:
     cache = CacheConfig(block_size=kw.pop("block_size", 16), num_blocks=kw.pop("num_blocks", 256),
                         enable_prefix_caching=kw.pop("prefix", True))
+    kernels = kw.pop("kernels", "auto")
     sched = SchedulerConfig(**kw)
     return LLMEngine(EngineConfig(model=ModelConfig(model=str(model_dir), dtype="float32"), cache=cache,
-                                  scheduler=sched))
+                                  scheduler=sched, kernels=kernels))
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -51,6 +52,9 @@ def tiny(request, tiny_llama_dir, tiny_qwen2_dir, tiny_llama3rope_dir):
     dict(num_blocks=24, block_size=16, max_num_batched_tokens=128),  # forces preemption
     dict(max_num_seqs=2),
     dict(policy="static", max_num_seqs=3),
+    # "auto" on a CPU runs decodes through the C kernel; the pure torch path must agree too.
+    dict(kernels="torch"),
+    dict(kernels="torch", max_num_batched_tokens=16, block_size=4),
 ])
 def test_tiny_matches_transformers(tiny, setup):
     model_dir, ref = tiny

@@ -8,9 +8,18 @@ from loraplex.engine.attention import paged_attention, write_kv
 from loraplex.engine.kernels.select import attention_ops, select_backend
 
 
-def test_auto_is_torch_on_cpu():
-    assert select_backend("auto", "cpu") == "torch"
+def test_auto_on_cpu_is_the_c_kernel_where_it_builds(monkeypatch):
+    from loraplex.engine.kernels import cpu_decode
+
     assert select_backend("torch", "cpu") == "torch"
+    built = cpu_decode.load_library() is not None
+    assert select_backend("auto", "cpu") == ("cpu" if built else "torch")
+    monkeypatch.setattr(cpu_decode, "load_library", lambda: None)  # no compiler
+    assert select_backend("auto", "cpu") == "torch"
+    with pytest.raises(RuntimeError, match="could not be built"):
+        select_backend("cpu", "cpu")
+    with pytest.raises(RuntimeError, match="CPU device"):
+        select_backend("cpu", "cuda")
 
 
 def test_auto_on_cuda(monkeypatch):
@@ -37,7 +46,10 @@ def test_unknown_setting():
 
 
 def test_attention_ops():
+    from loraplex.engine.kernels.cpu_decode import cpu_paged_attention
+
     assert attention_ops("torch") == (write_kv, paged_attention)
+    assert attention_ops("cpu") == (write_kv, cpu_paged_attention)
     pytest.importorskip("triton")
     from loraplex.engine.kernels.kv_write import triton_write_kv
     from loraplex.engine.kernels.paged_attention import triton_paged_attention
