@@ -55,6 +55,11 @@ class ModelRunner:
         self.lora = lora_manager
         if self.kernels != "torch":
             self.model.set_attention_ops(*attention_ops(self.kernels))
+        if self.kernels == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
+            from .kernels.cpu_fused import CLayerOps, load_library
+
+            if load_library() is not None:
+                self.model.set_layer_ops(CLayerOps(self.dtype))
         if self.kernels == "triton":
             from .kernels.lora_kernels import StackedLoRAWeights
 

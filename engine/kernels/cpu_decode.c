@@ -6,7 +6,7 @@
  * own block table once: a K row is loaded once for all the query heads that share
  * it (GQA), scores and softmax stay in fp32, and V is accumulated in fp32.
  *
- * Built at run time by cpu_decode.py with the machine's compiler
+ * Built at run time by cpu_build.py with the machine's compiler
  * (-O3 -march=native), called through ctypes; the GIL is released during the call,
  * so several Python threads can each run a slice of the work items.
  * Work item w = sequence (w / num_kv_heads), KV head (w % num_kv_heads).
@@ -15,25 +15,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_bf16.h"
+
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 256
-
-static inline float bf16_load(uint16_t v) {
-    union { uint32_t u; float f; } x;
-    x.u = (uint32_t)v << 16;
-    return x.f;
-}
-
-static inline uint16_t bf16_store(float f) {
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40u);  /* NaN stays NaN */
-    x.u += 0x7fffu + ((x.u >> 16) & 1u);  /* round to nearest even, as torch does */
-    return (uint16_t)(x.u >> 16);
-}
-
-static inline float f32_load(float v) { return v; }
-static inline float f32_store(float f) { return f; }
 
 /* One (sequence, KV head) item; always inlined so a constant head_dim unrolls the loops. */
 #define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                        \

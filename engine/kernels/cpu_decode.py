@@ -1,87 +1,25 @@
-"""The C decode-attention kernel (cpu_decode.c): build once per machine, call via ctypes.
+"""The C decode-attention kernel (cpu_decode.c), built and called through cpu_build.
 
-The kernel is compiled on first use with the machine's C compiler for the machine's
-own CPU (-march=native) into ~/.cache/loraplex/kernels (locked, atomic), like Triton
-caches its GPU kernels. Without a compiler the engine keeps the torch path
-(engine/attention.py), which is also this kernel's reference in the tests.
+Without a C compiler the engine keeps the torch path (engine/attention.py), which is
+also this kernel's reference in the tests.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
 from ..attention import AttentionMetadata, prefill_attention
-from ..loader import default_cache_dir, file_lock
+from . import cpu_build
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC", "-std=c11"]
 _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
 # Below this many (sequence, KV head) items a second thread costs more than it saves.
 _MIN_ITEMS_PER_THREAD = 16
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failed: str | None = None
-_pool: ThreadPoolExecutor | None = None
-
-
-def _cpu_tag() -> str:
-    # -march=native code is only valid on the CPU it was built for.
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return hashlib.sha256(flags.encode()).hexdigest()[:12]
-
-
-def _build(target: Path) -> None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
-        os.replace(out, target)
-
 
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernel, or None (reason logged once) where it cannot be built."""
-    global _lib, _failed
-    with _lock:
-        if _lib is not None or _failed is not None:
-            return _lib
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-        folder = default_cache_dir() / "kernels"
-        target = folder / f"cpu_decode-{digest}-{_cpu_tag()}.so"
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with file_lock(folder / ".cpu_decode.lock"):
-                if not target.exists():
-                    _build(target)
-            lib = ctypes.CDLL(str(target))
-            for name in ("paged_decode_bf16", "paged_decode_f32"):
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-            _lib = lib
-        except (OSError, RuntimeError) as exc:
-            _failed = str(exc)
-            log.warning("CPU decode kernel unavailable, using the torch path: %s", exc)
-        return _lib
+    return cpu_build.load("cpu_decode.c", {"paged_decode_bf16": _ARGTYPES, "paged_decode_f32": _ARGTYPES})
 
 
 def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
@@ -101,13 +39,7 @@ def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     fn = lib.paged_decode_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode_f32
     args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
             seq_lens.data_ptr(), block_tables.shape[1], H, KVH, Dh, block_size, slots, scale)
-    items = D * KVH
-    parts = max(1, min(torch.get_num_threads(), items // _MIN_ITEMS_PER_THREAD))
-    bounds = [items * i // parts for i in range(parts + 1)]
-    futures = [_thread_pool().submit(fn, *args, bounds[i], bounds[i + 1]) for i in range(1, parts)]
-    rcs = [fn(*args, bounds[0], bounds[1])] + [f.result() for f in futures]
-    if any(rcs):
-        raise ValueError(f"decode kernel refused the shapes (group {H // KVH}, head_dim {Dh}): codes {rcs}")
+    cpu_build.run_split(fn, args, D * KVH, _MIN_ITEMS_PER_THREAD)
 
 
 def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -123,10 +55,3 @@ def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                              meta.block_size, scale)
     prefill_attention(q, k_cache, v_cache, meta, scale, out)
     return out
-
-
-def _thread_pool() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="loraplex-attn")
-    return _pool

@@ -77,8 +77,9 @@ def attention_ops(backend: str) -> tuple[Callable, Callable]:
     if backend == "cpu":
         from ..attention import write_kv
         from .cpu_decode import cpu_paged_attention
+        from .cpu_fused import cpu_write_kv, load_library
 
-        return write_kv, cpu_paged_attention
+        return (write_kv if load_library() is None else cpu_write_kv), cpu_paged_attention
     if backend == "triton":
         from .kv_write import triton_write_kv
         from .paged_attention import triton_paged_attention

@@ -38,6 +38,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class TorchLayerOps:
+    """A layer's elementwise steps in torch ops: the reference, and what runs on GPUs.
+    engine/kernels/cpu_fused.py's CLayerOps fuses each of them on a CPU."""
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if delta is not None:
+            x = x + delta
+        return x, rms_norm(x, weight, eps)
+
+    @staticmethod
+    def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+             head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        T, q, kv = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+        return (apply_rope(qkv[:, :q].view(T, num_heads, head_dim), cos, sin),
+                apply_rope(qkv[:, q:q + kv].view(T, num_kv_heads, head_dim), cos, sin))
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        g, u = gate_up.chunk(2, dim=-1)
+        return F.silu(g) * u
+
+
 class LlamaLayer(nn.Module):
     def __init__(self, arch: ModelArch, index: int) -> None:
         super().__init__()
@@ -53,35 +77,35 @@ class LlamaLayer(nn.Module):
         self.post_attention_layernorm = nn.Parameter(torch.ones(h))
         # KV write and attention: the torch path unless the runner picks the Triton kernels.
         self.write_kv, self.attn_impl = write_kv, paged_attention
+        self.ops = TorchLayerOps  # or kernels.cpu_fused.CLayerOps (set_layer_ops)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata, lora: LoRAHook | None) -> torch.Tensor:
-        a, L = self.arch, self.index
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, lora: LoRAHook | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, this layer's MLP output): the next layer adds the two as part
+        of its first norm, so the residual add is fused into it."""
+        a, L, ops = self.arch, self.index, self.ops
         T = x.shape[0]
-        h = rms_norm(x, self.input_layernorm, a.rms_norm_eps)
+        x, h = ops.add_rms_norm(x, delta, self.input_layernorm, a.rms_norm_eps)
         qkv = self.qkv_proj(h)
         if lora is not None:
             lora.apply(L, "qkv", h, qkv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(T, a.num_heads, a.head_dim), cos, sin)
-        k = apply_rope(k.view(T, a.num_kv_heads, a.head_dim), cos, sin)
-        v = v.view(T, a.num_kv_heads, a.head_dim)
+        q, k = ops.rope(qkv, cos, sin, a.num_heads, a.num_kv_heads, a.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, a.num_kv_heads, a.head_dim)
         self.write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
         o = self.attn_impl(q, kv[0], kv[1], meta, a.head_dim ** -0.5).reshape(T, self.q_size)
         attn = self.o_proj(o)
         if lora is not None:
             lora.apply(L, "o", o, attn)
-        x = x + attn
-        h = rms_norm(x, self.post_attention_layernorm, a.rms_norm_eps)
+        x, h = ops.add_rms_norm(x, attn, self.post_attention_layernorm, a.rms_norm_eps)
         gu = self.gate_up_proj(h)
         if lora is not None:
             lora.apply(L, "gate_up", h, gu)
-        g, u = gu.split(a.intermediate_size, dim=-1)
-        m = F.silu(g) * u
+        m = ops.silu_mul(gu)
         down = self.down_proj(m)
         if lora is not None:
             lora.apply(L, "down", m, down)
-        return x + down
+        return x, down
 
 
 class LlamaModel(nn.Module):
@@ -95,6 +119,7 @@ class LlamaModel(nn.Module):
         # Not a buffer: it must stay fp32 when the model is cast to bf16, as in transformers.
         self.inv_freq: torch.Tensor | None = None
         self.packed_head: PackedLinear | None = None
+        self.final_ops = TorchLayerOps
 
     def pack_weights(self) -> None:
         """Pre-pack every projection and the LM head for oneDNN (engine/cpu_linear.py)."""
@@ -106,6 +131,12 @@ class LlamaModel(nn.Module):
         """Use these (engine/kernels/select.py `attention_ops`) for KV writes and attention."""
         for layer in self.layers:
             layer.write_kv, layer.attn_impl = write_kv_fn, attention_fn
+
+    def set_layer_ops(self, ops) -> None:
+        """Use `ops` (TorchLayerOps' methods) for every layer's norms, RoPE and SiLU-mul."""
+        self.final_ops = ops
+        for layer in self.layers:
+            layer.ops = ops
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq is None or self.inv_freq.device != positions.device:
@@ -119,9 +150,10 @@ class LlamaModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: LoRAHook | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
+        delta = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta, lora)
-        return x
+            x, delta = layer(x, delta, cos, sin, kv, meta, lora)
+        return x + delta if delta is not None else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = rms_norm(hidden, self.norm, self.arch.rms_norm_eps)

@@ -49,7 +49,9 @@ def test_attention_ops():
     from loraplex.engine.kernels.cpu_decode import cpu_paged_attention
 
     assert attention_ops("torch") == (write_kv, paged_attention)
-    assert attention_ops("cpu") == (write_kv, cpu_paged_attention)
+    from loraplex.engine.kernels.cpu_fused import cpu_write_kv
+
+    assert attention_ops("cpu") == (cpu_write_kv, cpu_paged_attention)
     pytest.importorskip("triton")
     from loraplex.engine.kernels.kv_write import triton_write_kv
     from loraplex.engine.kernels.paged_attention import triton_paged_attention

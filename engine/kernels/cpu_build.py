@@ -1,0 +1,105 @@
+"""Build the engine's C kernels once per machine and run them through ctypes.
+
+Each kernel source beside this file is compiled on first use with the machine's C
+compiler for the machine's own CPU (-march=native) into ~/.cache/loraplex/kernels
+(locked, atomic, keyed by source, flags and CPU), like Triton caches its GPU kernels.
+Where it cannot be built (no compiler), `load` returns None and the engine keeps the
+torch path, which is also every kernel's reference in the tests.
+
+ctypes releases the GIL for the call, so `run_split` runs slices of a kernel's work
+items on several threads at once.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ..loader import default_cache_dir, file_lock
+
+log = logging.getLogger(__name__)
+
+# -ffast-math lets reductions vectorise and exp use glibc's vector math. It also assumes
+# no infinities, so the kernels are written never to make one (exp only of values <= 0).
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-shared", "-fPIC", "-std=c11"]
+
+_lock = threading.Lock()
+_libs: dict[str, ctypes.CDLL | None] = {}
+_pool: ThreadPoolExecutor | None = None
+
+
+def _cpu_tag() -> str:
+    # -march=native code is only valid on the CPU it was built for.
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
+def _compile(source: Path, target: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run([cc, *FLAGS, str(source), "-o", str(out), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[:500]}")
+        os.replace(out, target)
+
+
+def load(source_name: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """The compiled library of `source_name` with `signatures` (function -> argtypes,
+    all returning int) set, or None (reason logged once) where it cannot be built."""
+    with _lock:
+        if source_name in _libs:
+            return _libs[source_name]
+        source = Path(__file__).with_name(source_name)
+        headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+        digest = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode()).hexdigest()[:16]
+        folder = default_cache_dir() / "kernels"
+        target = folder / f"{source.stem}-{digest}-{_cpu_tag()}.so"
+        lib = None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with file_lock(folder / f".{source.stem}.lock"):
+                if not target.exists():
+                    _compile(source, target)
+            lib = ctypes.CDLL(str(target))
+            for name, argtypes in signatures.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        except (OSError, RuntimeError, AttributeError) as exc:
+            lib = None
+            log.warning("C kernel %s unavailable, using the torch path: %s", source_name, exc)
+        _libs[source_name] = lib
+        return lib
+
+
+def run_split(fn: Callable[..., int], args: tuple, items: int, min_items_per_thread: int) -> None:
+    """Call fn(*args, begin, end) over [0, items) split across torch's thread count."""
+    parts = max(1, min(torch.get_num_threads(), items // max(1, min_items_per_thread)))
+    bounds = [items * i // parts for i in range(parts + 1)]
+    futures = [_thread_pool().submit(fn, *args, bounds[i], bounds[i + 1]) for i in range(1, parts)]
+    rcs = [fn(*args, bounds[0], bounds[1])] + [f.result() for f in futures]
+    if any(rcs):
+        raise ValueError(f"{getattr(fn, '__name__', 'C kernel')} refused its arguments: codes {rcs}")
+
+
+def _thread_pool() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="loraplex-ckernel")
+    return _pool
