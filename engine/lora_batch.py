@@ -22,11 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import cpu_lora
 from .lora import GROUPS, LoRABatch, PackedGroup
 
 # Segments up to this many rows join the grouped batch; longer ones run per segment,
 # where one [rows, in] x [in, r] matmul already amortises the call overhead.
-GROUPED_MAX_ROWS = 16
+GROUPED_MAX_ROWS = 16  # at most kernels.cpu_lora.MAX_ROWS
 # Read the weights as a view of slots lo..hi when the active slots are at least this
 # share of that range: cheaper than copying them out (and no cache to keep).
 RANGE_MIN_FILL = 0.5
@@ -37,8 +38,9 @@ class SlotStacks:
 
     a[g]: [layers, slots, RA, in], the group's modules' A one after another, module m's
     rows at offset[g][m], padded to rank[g][m] (the largest rank any loaded slot has for
-    it). b[g][m]: [layers, slots, out_m, rank[g][m]], B·scale per module: expanding per
-    module reads half the bytes of a block-diagonal B, and decode steps are memory bound.
+    it). b[g][m]: [layers, slots, rank[g][m], out_m], (B·scale)ᵀ per module: expanding per
+    module reads half the bytes of a block-diagonal B, and decode steps are memory bound;
+    transposed, each rank's row is contiguous for bmm and for the C kernel (cpu_lora.c).
     Missing modules and groups are zeros.
     """
 
@@ -53,6 +55,10 @@ class SlotStacks:
         # Host copy, [group][layer][slot] -> per-module ranks: per-step sizing without a sync.
         self.ranks = {g: [[(0,) * len(mods)] * num_slots for _ in range(num_layers)] for g, mods in GROUPS.items()}
         self.generation = 0  # bumped on every load: invalidates gathered copies
+        # For the C kernel (kernels/cpu_lora.py): ranks as a tensor, and per group the
+        # modules' layout, rebuilt when a load changed it.
+        self.ranks_t = {g: torch.zeros(num_layers, num_slots, len(mods), dtype=torch.int32) for g, mods in GROUPS.items()}
+        self._mods: dict[str, tuple[int, torch.Tensor]] = {}
         self._gathered_key: tuple | None = None
         self._gathered: dict[tuple[int, str], tuple] = {}
 
@@ -64,7 +70,7 @@ class SlotStacks:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _b(self, g: str, k: int) -> torch.Tensor:
-        shape = (self.num_layers, self.num_slots, self.out_sizes[GROUPS[g][k]], self.rank[g][k])
+        shape = (self.num_layers, self.num_slots, self.rank[g][k], self.out_sizes[GROUPS[g][k]])
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _grow(self, g: str, need: list[int]) -> None:
@@ -76,7 +82,7 @@ class SlotStacks:
         for k, r in enumerate(old_rank):
             self.a[g][:, :, self.offset(g, k):self.offset(g, k) + r] = old_a[:, :, old_offsets[k]:old_offsets[k] + r]
             old_b, self.b[g][k] = self.b[g][k], self._b(g, k)
-            self.b[g][k][..., :r] = old_b
+            self.b[g][k][:, :, :r] = old_b
 
     @torch.no_grad()
     def set_slot(self, slot: int, packed: list[dict[str, PackedGroup]]) -> None:
@@ -92,11 +98,12 @@ class SlotStacks:
                 b[:, slot].zero_()
             for layer, parts in enumerate(per_layer):
                 self.ranks[g][layer][slot] = tuple(r for r, _, _ in parts)
+                self.ranks_t[g][layer, slot] = torch.tensor([r for r, _, _ in parts], dtype=torch.int32)
                 for k, (r, a, b) in enumerate(parts):
                     if r:
                         off = self.offset(g, k)
                         self.a[g][layer, slot, off:off + r] = a
-                        self.b[g][k][layer, slot, :, :r] = b
+                        self.b[g][k][layer, slot, :r] = b.T
 
     def _module_parts(self, g: str, p: PackedGroup | None) -> list[tuple[int, torch.Tensor | None, torch.Tensor | None]]:
         """Per module of group g: (rank, A [r, in], B·scale [out, r]); rank 0 when absent."""
@@ -104,6 +111,16 @@ class SlotStacks:
         for col, _width, r0, r, b in (p.parts if p is not None else []):
             parts[self.cols[g].index(col)] = (r, p.a[r0:r0 + r], b)
         return parts
+
+    def c_modules(self, g: str) -> torch.Tensor:
+        """int64 [modules, 6]: A row offset, allocated rank, output column, out width, B^T
+        address, B^T layer stride (cpu_lora.c's `mods`)."""
+        hit = self._mods.get(g)
+        if hit is None or hit[0] != self.generation:
+            rows = [[self.offset(g, k), self.rank[g][k], self.cols[g][k], self.out_sizes[m],
+                     self.b[g][k].data_ptr(), self.b[g][k].stride(0)] for k, m in enumerate(GROUPS[g])]
+            hit = self._mods[g] = (self.generation, torch.tensor(rows, dtype=torch.int64))
+        return hit[1]
 
     def weights(self, layer: int, g: str, slots: tuple[int, ...], ranks: tuple[int, ...]):
         """Aᵀ [E, in, RA] and per module Bᵀ [E, r, out_m] (r = `ranks`[k], 0: None) for
@@ -113,10 +130,10 @@ class SlotStacks:
         lo, hi = slots[0], slots[-1] + 1
         if hi - lo == len(slots):  # a slot range: views, no copy
             a = self.a[g][layer, lo:hi, :ra]
-            bs = [self.b[g][k][layer, lo:hi, :, :r] if r else None for k, r in enumerate(ranks)]
+            bs = [self.b[g][k][layer, lo:hi, :r] if r else None for k, r in enumerate(ranks)]
         else:
             a, bs = self._gather(layer, g, slots, ra, ranks)
-        return a.transpose(1, 2), [b.transpose(1, 2) if b is not None else None for b in bs]
+        return a.transpose(1, 2), bs
 
     def _gather(self, layer: int, g: str, slots: tuple[int, ...], ra: int, ranks: tuple[int, ...]):
         # Decode steps repeat the same slots for many steps: copy once, reuse until they change.
@@ -127,7 +144,7 @@ class SlotStacks:
         if hit is None or hit[0] != ranks:
             idx = torch.tensor(slots, device=self.device)
             a = self.a[g][layer, :, :ra].index_select(0, idx)
-            bs = [self.b[g][k][layer, :, :, :r].index_select(0, idx) if r else None for k, r in enumerate(ranks)]
+            bs = [self.b[g][k][layer, :, :r].index_select(0, idx) if r else None for k, r in enumerate(ranks)]
             hit = self._gathered[(layer, g)] = (ranks, a, bs)
         return hit[1], hit[2]
 
@@ -174,7 +191,10 @@ class GroupedLoRABatch:
         short = [s for s in segments if s[1] - s[0] <= GROUPED_MAX_ROWS]
         long = [s for s in segments if s[1] - s[0] > GROUPED_MAX_ROWS]
         self.long = LoRABatch(slots, long) if long else None
-        self.plan = _plan(short, stacks.dtype, stacks.device) if short else None
+        # The C kernel takes short segments as they are (no padding, no gather).
+        self.c_segments = (torch.tensor(short, dtype=torch.int32)
+                           if short and cpu_lora.supported(stacks.dtype, stacks.device) else None)
+        self.plan = _plan(short, stacks.dtype, stacks.device) if short and self.c_segments is None else None
         # Per (layer, group): each module's largest rank over the grouped slots.
         self._ranks: dict[tuple[int, str], tuple[int, ...]] = {}
 
@@ -188,6 +208,10 @@ class GroupedLoRABatch:
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         if self.long is not None:
             self.long.apply(layer, group, x, out)
+        if self.c_segments is not None:
+            s = self.stacks
+            cpu_lora.cpu_lora_short(x, out, self.c_segments, s.a[group], s.c_modules(group), s.ranks_t[group], layer)
+            return
         if self.plan is None:
             return
         ranks = self._active_ranks(layer, group)

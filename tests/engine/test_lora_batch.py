@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from loraplex.engine.kernels import cpu_lora
 from loraplex.engine.lora import GROUPS, LoRABatch, pack_adapter
 from loraplex.engine.lora_batch import GROUPED_MAX_ROWS, GroupedLoRABatch, SlotStacks
 from tests.engine.kernels.kernel_cases import random_adapter
@@ -31,6 +32,18 @@ ADAPTERS = [
 ]
 NUM_SLOTS = 12  # more slots than adapters: idle slots inside and past the active range
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
+
+
+@pytest.fixture(autouse=True, params=["c_kernel", "grouped_bmm"])
+def short_segment_path(request, monkeypatch):
+    """Every test runs both ways short segments are computed: the C kernel where it
+    builds, and the grouped torch bmm (what runs without a compiler)."""
+    if request.param == "c_kernel":
+        if cpu_lora.load_library() is None:
+            pytest.skip("no C compiler to build the CPU LoRA kernel")
+    else:
+        monkeypatch.setattr(cpu_lora, "supported", lambda dtype, device: False)
+    return request.param
 
 
 def _loaded(dtype, slot_of=None):

@@ -1,0 +1,47 @@
+"""The C multi-LoRA kernel for short segments (cpu_lora.c), over lora_batch.SlotStacks.
+
+Its reference is the per-segment torch loop (engine/lora.py `LoRABatch`), which the
+tests compare it with; without a C compiler the grouped torch path runs instead.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import cpu_build
+
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_ARGTYPES = [_P, _L, _P, _L, _P, _P, _L, _L, _I, _I, _P, _P, _I, _I, _I]
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+MAX_ROWS = 64  # the kernel's per-segment row limit (cpu_lora.c MAX_ROWS)
+_MIN_SEGMENTS_PER_THREAD = 4
+
+
+def load_library() -> ctypes.CDLL | None:
+    return cpu_build.load("cpu_lora.c", {f"lora_short_{t}": _ARGTYPES for t in _SUFFIX.values()})
+
+
+def supported(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype in _SUFFIX and load_library() is not None
+
+
+def cpu_lora_short(x: torch.Tensor, out: torch.Tensor, segments: torch.Tensor, a: torch.Tensor,
+                   mods: torch.Tensor, ranks: torch.Tensor, layer: int) -> None:
+    """out[rows] += LoRA delta of each segment (start, end, slot) over a group's modules.
+
+    a: [layers, slots, RA, in] stacked A; mods: int64 [modules, 6] (A row offset, r_alloc,
+    output column, out width, B^T base address, B^T layer stride); ranks: int32
+    [layers, slots, modules]."""
+    lib = load_library()
+    assert lib is not None, "load_library() returned None: use the torch path"
+    assert x.dtype == out.dtype == a.dtype and x.dtype in _SUFFIX, (x.dtype, out.dtype, a.dtype)
+    assert x.stride(1) == 1 and out.stride(1) == 1 and a.is_contiguous() and a.shape[3] == x.shape[1]
+    assert segments.dtype == torch.int32 and segments.dim() == 2 and segments.shape[1] == 3 and segments.is_contiguous()
+    assert mods.dtype == torch.int64 and mods.shape[1] == 6 and mods.is_contiguous()
+    assert ranks.dtype == torch.int32 and ranks.is_contiguous() and ranks.shape == (a.shape[0], a.shape[1], mods.shape[0])
+    assert 0 <= layer < a.shape[0]
+    fn = getattr(lib, f"lora_short_{_SUFFIX[x.dtype]}")
+    args = (x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), segments.data_ptr(), a.data_ptr(),
+            a.stride(0), a.stride(1), a.shape[3], mods.shape[0], mods.data_ptr(), ranks[layer].data_ptr(), layer)
+    cpu_build.run_split(fn, args, segments.shape[0], _MIN_SEGMENTS_PER_THREAD)
