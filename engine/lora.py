@@ -81,11 +81,12 @@ class LoRABatch:
             if packed is None:
                 continue
             s = x[start:end] @ packed.a.T  # shrink: [rows, sum of ranks]
+            # addmm_ adds in place: one op per expand instead of a matmul and an add.
             if end - start <= FUSED_EXPAND_MAX_ROWS or len(packed.parts) == 1:
-                out[start:end] += s @ packed.b_fused.T
+                out[start:end].addmm_(s, packed.b_fused.T)
             else:
                 for col, width, r0, r, b in packed.parts:
-                    out[start:end, col:col + width] += s[:, r0:r0 + r] @ b.T
+                    out[start:end, col:col + width].addmm_(s[:, r0:r0 + r], b.T)
 
 
 class LoRAManager:
