@@ -99,7 +99,9 @@ def _greedy(n: int) -> SamplingParams:
 
 
 def run_engine(engine: LLMEngine, wl: Workload, adapters: list[str | None]) -> dict:
-    """All requests arrive at once. Warm-up first: the base model, then each adapter once."""
+    """All requests arrive at once. Warm-up first: every batch width (LLMEngine.warm_up),
+    the base model, then each adapter once."""
+    engine.warm_up()
     engine.generate([wl.prompts[0][:8]], _greedy(2))
     start = time.perf_counter()
     for name in dict.fromkeys(a for a in adapters if a is not None):

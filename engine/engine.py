@@ -121,6 +121,14 @@ class LLMEngine:
         if req.adapter is not None and self.lora is not None:
             self.lora.release(req.adapter.digest)
 
+    def warm_up(self) -> float:
+        """Meet every decode width and the full chunk size once before serving (a few
+        seconds); returns the seconds it took. Steps that meet a new shape are slower."""
+        start = time.perf_counter()
+        s = self.config.scheduler
+        self.runner.warm_up(sorted(set(range(1, s.max_num_seqs + 1)) | {s.max_num_batched_tokens}))
+        return time.perf_counter() - start
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -69,6 +69,19 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB); %s kernels", self.num_blocks, self.block_size,
                  self.num_blocks * kv_bytes_per_block(arch, self.block_size, self.dtype) / 2**20, self.kernels)
 
+    @torch.inference_mode()
+    def warm_up(self, row_counts: list[int]) -> None:
+        """Run every projection and the LM head once per row count, so oneDNN creates its
+        per-shape primitives now rather than in the first steps that meet each shape."""
+        # Primitives are per shape: one projection of each weight shape is enough.
+        linears = {(m.in_features, m.out_features): m for m in self.model.modules() if hasattr(m, "in_features")}
+        head = self.model.packed_head
+        for n in row_counts:
+            for m in linears.values():
+                m(torch.zeros(n, m.in_features, dtype=self.dtype, device=self.device))
+            if head is None:
+                self.model.compute_logits(torch.zeros(n, self.arch.hidden_size, dtype=self.dtype, device=self.device))
+
     def _num_blocks(self) -> int:
         c = self.config.cache
         if c.num_blocks is not None:

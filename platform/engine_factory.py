@@ -34,4 +34,6 @@ def build_lora_manager(settings: Settings):
 
 
 def build_engine(settings: Settings) -> AsyncEngine:
-    return AsyncEngine(LLMEngine(settings.engine, lora_manager=build_lora_manager(settings)))
+    engine = LLMEngine(settings.engine, lora_manager=build_lora_manager(settings))
+    log.info("engine warmed up for every batch width in %.1f s", engine.warm_up())
+    return AsyncEngine(engine)

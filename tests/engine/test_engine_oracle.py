@@ -128,3 +128,20 @@ def test_smollm2_matches_transformers(smollm2_dir):
     engine2_out = _run(engine, prompts, max_tokens)
     assert engine2_out == ref
     assert engine.kv.num_hits > hits
+
+
+def test_warm_up_changes_no_output_and_no_state(tiny_llama_dir):
+    engine = _engine(tiny_llama_dir, max_num_seqs=4)
+    free = engine.kv.pool.num_free_blocks
+    assert engine.warm_up() >= 0
+    assert engine.kv.pool.num_free_blocks == free and not engine.has_unfinished_requests()
+    fresh = _engine(tiny_llama_dir, max_num_seqs=4)
+    assert _run(engine, _prompts(), MAX_TOKENS) == _run(fresh, _prompts(), MAX_TOKENS)
+
+
+def test_onednn_primitive_cache_is_sized_for_many_shapes():
+    import os
+
+    import loraplex.engine  # noqa: F401  (sets it at import unless the operator did)
+
+    assert int(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]) >= 16384
