@@ -7,8 +7,9 @@
  * it (GQA), scores and softmax stay in fp32, and V is accumulated in fp32.
  *
  * Built at run time by cpu_build.py with the machine's compiler
- * (-O3 -march=native), called through ctypes; the GIL is released during the call,
- * so several Python threads can each run a slice of the work items.
+ * (-O3 -march=native -fopenmp), called through ctypes. OpenMP here is torch's own
+ * runtime (the same libgomp.so.1 is already loaded), so the kernels share torch's
+ * thread pool and thread count instead of competing with its spinning workers.
  * Work item w = sequence (w / num_kv_heads), KV head (w % num_kv_heads).
  */
 #include <math.h>
@@ -82,21 +83,27 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *
     int max_ctx = 1;                                                                                \
     for (int w = w_begin; w < w_end; w++)                                                           \
         if (seq_lens[w / num_kv_heads] > max_ctx) max_ctx = seq_lens[w / num_kv_heads];             \
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(num_heads / num_kv_heads) * (size_t)max_ctx); \
-    if (!scores) return -2;                                                                         \
-    for (int w = w_begin; w < w_end; w++) {                                                         \
-        if (head_dim == 64)                                                                         \
-            NAME##_item(q, k_cache, v_cache, out, block_tables, seq_lens, max_blocks, num_heads,    \
-                        num_kv_heads, 64, block_size, num_slots, scale, w, scores);                 \
-        else if (head_dim == 128)                                                                   \
-            NAME##_item(q, k_cache, v_cache, out, block_tables, seq_lens, max_blocks, num_heads,    \
-                        num_kv_heads, 128, block_size, num_slots, scale, w, scores);                \
-        else                                                                                        \
-            NAME##_item(q, k_cache, v_cache, out, block_tables, seq_lens, max_blocks, num_heads,    \
-                        num_kv_heads, head_dim, block_size, num_slots, scale, w, scores);           \
+    int rc = 0;                                                                                     \
+    _Pragma("omp parallel if (w_end - w_begin >= 8) reduction(|: rc)")                                   \
+    {                                                                                               \
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(num_heads / num_kv_heads) * (size_t)max_ctx); \
+        if (!scores) rc |= 2;                                                                       \
+        _Pragma("omp for schedule(static)")                                                          \
+        for (int w = w_begin; w < w_end; w++) {                                                     \
+            if (!scores) continue;                                                                  \
+            if (head_dim == 64)                                                                     \
+                NAME##_item(q, k_cache, v_cache, out, block_tables, seq_lens, max_blocks, num_heads,\
+                            num_kv_heads, 64, block_size, num_slots, scale, w, scores);             \
+            else if (head_dim == 128)                                                               \
+                NAME##_item(q, k_cache, v_cache, out, block_tables, seq_lens, max_blocks, num_heads,\
+                            num_kv_heads, 128, block_size, num_slots, scale, w, scores);            \
+            else                                                                                    \
+                NAME##_item(q, k_cache, v_cache, out, block_tables, seq_lens, max_blocks, num_heads,\
+                            num_kv_heads, head_dim, block_size, num_slots, scale, w, scores);       \
+        }                                                                                           \
+        free(scores);                                                                               \
     }                                                                                               \
-    free(scores);                                                                                   \
-    return 0;                                                                                       \
+    return rc;                                                                                      \
 }
 
 DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_load, bf16_store)

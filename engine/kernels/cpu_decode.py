@@ -13,8 +13,6 @@ from ..attention import AttentionMetadata, prefill_attention
 from . import cpu_build
 
 _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
-# Below this many (sequence, KV head) items a second thread costs more than it saves.
-_MIN_ITEMS_PER_THREAD = 16
 
 
 def load_library() -> ctypes.CDLL | None:
@@ -39,7 +37,7 @@ def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     fn = lib.paged_decode_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode_f32
     args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
             seq_lens.data_ptr(), block_tables.shape[1], H, KVH, Dh, block_size, slots, scale)
-    cpu_build.run_split(fn, args, D * KVH, _MIN_ITEMS_PER_THREAD)
+    cpu_build.run(fn, args, D * KVH)
 
 
 def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

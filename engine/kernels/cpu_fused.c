@@ -4,7 +4,7 @@
  * activation tensor; for a 1024-token prefill step on SmolLM2 those chains cost about
  * as much as attention. Every result is rounded exactly where the bf16 torch ops
  * (and transformers, the oracle) round it, so the numbers stay the reference's.
- * Work items are rows [begin, end); cpu_fused.py splits rows across threads.
+ * Work items are rows [begin, end), shared out by OpenMP (torch's own runtime).
  */
 #include <math.h>
 #include <stdint.h>
@@ -15,6 +15,7 @@
  * out[r] = weight * round(x[r] / rms(x[r])), as transformers' LlamaRMSNorm. */
 #define DEFINE_ADD_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                           \
 int NAME(T *x, const T *delta, const T *weight, T *out, int hidden, float eps, int begin, int end) { \
+    _Pragma("omp parallel for schedule(static) if (end - begin >= 32)")                             \
     for (int r = begin; r < end; r++) {                                                             \
         T *xr = x + (int64_t)r * hidden;                                                            \
         T *orow = out + (int64_t)r * hidden;                                                        \
@@ -42,6 +43,7 @@ int NAME(T *x, const T *delta, const T *weight, T *out, int hidden, float eps, i
 int NAME(T *qkv, int64_t row_stride, const T *cos, const T *sin, int heads, int head_dim,          \
          int begin, int end) {                                                                      \
     const int half = head_dim / 2;                                                                  \
+    _Pragma("omp parallel for schedule(static) if (end - begin >= 32)")                             \
     for (int t = begin; t < end; t++) {                                                             \
         const T *c = cos + (int64_t)t * head_dim, *s = sin + (int64_t)t * head_dim;                 \
         for (int h = 0; h < heads; h++) {                                                           \
@@ -61,6 +63,7 @@ int NAME(T *qkv, int64_t row_stride, const T *cos, const T *sin, int heads, int 
 /* out[r] = silu(gate[r]) * up[r], gate and up the two halves of the fused gate/up row. */
 #define DEFINE_SILU_MUL(NAME, T, LOAD, STORE, ROUND)                                               \
 int NAME(const T *gate_up, T *out, int inter, int begin, int end) {                                \
+    _Pragma("omp parallel for schedule(static) if (end - begin >= 32)")                             \
     for (int r = begin; r < end; r++) {                                                             \
         const T *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;                              \
         T *o = out + (int64_t)r * inter;                                                            \
@@ -85,8 +88,10 @@ DEFINE_SILU_MUL(silu_mul_f32, float, f32_load, f32_store, f32_round)
  * so this is the same for every dtype of a given size. */
 int write_kv_u16(uint16_t *k_cache, uint16_t *v_cache, const uint16_t *k, const uint16_t *v, int64_t row_stride,
                  const int64_t *slots, int kv_heads, int head_dim, int64_t num_slots, int begin, int end) {
-    for (int t = begin; t < end; t++) {
+    for (int t = begin; t < end; t++)  /* checked first: nothing is written for a bad batch */
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    _Pragma("omp parallel for schedule(static) if (end - begin >= 64)")
+    for (int t = begin; t < end; t++) {
         for (int h = 0; h < kv_heads; h++) {
             const int64_t dst = ((int64_t)h * num_slots + slots[t]) * head_dim;
             const int64_t src = (int64_t)t * row_stride + (int64_t)h * head_dim;
@@ -98,8 +103,10 @@ int write_kv_u16(uint16_t *k_cache, uint16_t *v_cache, const uint16_t *k, const 
 
 int write_kv_u32(uint32_t *k_cache, uint32_t *v_cache, const uint32_t *k, const uint32_t *v, int64_t row_stride,
                  const int64_t *slots, int kv_heads, int head_dim, int64_t num_slots, int begin, int end) {
-    for (int t = begin; t < end; t++) {
+    for (int t = begin; t < end; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    _Pragma("omp parallel for schedule(static) if (end - begin >= 64)")
+    for (int t = begin; t < end; t++) {
         for (int h = 0; h < kv_heads; h++) {
             const int64_t dst = ((int64_t)h * num_slots + slots[t]) * head_dim;
             const int64_t src = (int64_t)t * row_stride + (int64_t)h * head_dim;

@@ -20,8 +20,6 @@ _SIGNATURES = {
     **{f"write_kv_{t}": [_P, _P, _P, _P, _L, _P, _I, _I, _L, _I, _I] for t in ("u16", "u32")},
 }
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-# Rows per thread below which splitting costs more than it saves.
-_MIN_ROWS_PER_THREAD = 64
 
 
 def load_library() -> ctypes.CDLL | None:
@@ -40,8 +38,8 @@ def cpu_write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, 
     assert k.stride(2) == 1 and k.stride(1) == Dh and v.stride() == k.stride(), "rows of contiguous heads"
     assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (T,) and slot_mapping.is_contiguous()
     fn = lib.write_kv_u16 if k.dtype.itemsize == 2 else lib.write_kv_u32
-    cpu_build.run_split(fn, (k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
-                             slot_mapping.data_ptr(), KVH, Dh, k_cache.shape[1]), T, _MIN_ROWS_PER_THREAD)
+    cpu_build.run(fn, (k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
+                             slot_mapping.data_ptr(), KVH, Dh, k_cache.shape[1]), T)
 
 
 class CLayerOps:
@@ -64,8 +62,8 @@ class CLayerOps:
         assert x.dtype == weight.dtype == self.dtype and x.is_contiguous() and weight.shape == (hidden,)
         assert delta is None or (delta.shape == x.shape and delta.dtype == x.dtype and delta.is_contiguous())
         out = torch.empty_like(x)
-        cpu_build.run_split(self._norm, (x.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
-                                         out.data_ptr(), hidden, eps), T, _MIN_ROWS_PER_THREAD)
+        cpu_build.run(self._norm, (x.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
+                                         out.data_ptr(), hidden, eps), T)
         return x, out
 
     def rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -76,8 +74,8 @@ class CLayerOps:
         assert qkv.dtype == cos.dtype == sin.dtype == self.dtype and qkv.stride(1) == 1 and width >= q_size + kv_size
         assert cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == T * head_dim
         assert head_dim % 2 == 0
-        cpu_build.run_split(self._rope, (qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
-                                         num_heads + num_kv_heads, head_dim), T, _MIN_ROWS_PER_THREAD)
+        cpu_build.run(self._rope, (qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
+                                         num_heads + num_kv_heads, head_dim), T)
         return (qkv[:, :q_size].view(T, num_heads, head_dim),
                 qkv[:, q_size:q_size + kv_size].view(T, num_kv_heads, head_dim))
 
@@ -85,5 +83,5 @@ class CLayerOps:
         T, width = gate_up.shape
         assert gate_up.dtype == self.dtype and gate_up.is_contiguous() and width % 2 == 0
         out = torch.empty(T, width // 2, dtype=gate_up.dtype)
-        cpu_build.run_split(self._silu_mul, (gate_up.data_ptr(), out.data_ptr(), width // 2), T, _MIN_ROWS_PER_THREAD)
+        cpu_build.run(self._silu_mul, (gate_up.data_ptr(), out.data_ptr(), width // 2), T)
         return out

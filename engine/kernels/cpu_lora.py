@@ -15,7 +15,6 @@ _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _ARGTYPES = [_P, _L, _P, _L, _P, _P, _L, _L, _I, _I, _P, _P, _I, _I, _I]
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 MAX_ROWS = 64  # the kernel's per-segment row limit (cpu_lora.c MAX_ROWS)
-_MIN_SEGMENTS_PER_THREAD = 4
 
 
 def load_library() -> ctypes.CDLL | None:
@@ -44,4 +43,4 @@ def cpu_lora_short(x: torch.Tensor, out: torch.Tensor, segments: torch.Tensor, a
     fn = getattr(lib, f"lora_short_{_SUFFIX[x.dtype]}")
     args = (x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), segments.data_ptr(), a.data_ptr(),
             a.stride(0), a.stride(1), a.shape[3], mods.shape[0], mods.data_ptr(), ranks[layer].data_ptr(), layer)
-    cpu_build.run_split(fn, args, segments.shape[0], _MIN_SEGMENTS_PER_THREAD)
+    cpu_build.run(fn, args, segments.shape[0])
