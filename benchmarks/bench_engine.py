@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import Workload, heavy_tailed, percentile  # noqa: E402
+from workload import Workload, heavy_tailed, left_padded, percentile  # noqa: E402
 
 from loraplex.engine.config import EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from loraplex.engine.engine import LLMEngine  # noqa: E402
@@ -66,12 +66,8 @@ def run_hf(model_dir: Path, wl: Workload, dtype: torch.dtype, batch: int) -> dic
     with torch.inference_mode():
         for b in range(0, len(wl.prompts), batch):
             prompts, outs = wl.prompts[b:b + batch], wl.max_tokens[b:b + batch]
-            width = max(map(len, prompts))
-            ids = torch.zeros(len(prompts), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, p in enumerate(prompts):  # left padding, as generate requires
-                ids[i, width - len(p):] = torch.tensor(p)
-                mask[i, width - len(p):] = 1
+            ids, mask = left_padded(prompts)
+            width = ids.shape[1]
             model.generate(ids, attention_mask=mask, max_new_tokens=max(outs), min_new_tokens=max(outs),
                            do_sample=False, pad_token_id=0)
             padded_slots += len(prompts) * (width + max(outs))

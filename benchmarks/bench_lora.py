@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import Workload, heavy_tailed  # noqa: E402
+from workload import Workload, heavy_tailed, left_padded  # noqa: E402
 
 from loraplex.adapters import AdapterStore, BaseShapes  # noqa: E402
 from loraplex.adapters.synth import make_random_peft_adapter  # noqa: E402
@@ -122,18 +122,8 @@ def run_engine(engine: LLMEngine, wl: Workload, adapters: list[str | None]) -> d
             "preemptions": engine.scheduler.num_preemptions}
 
 
-def _padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding, as generate requires
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return ids, mask
-
-
 def _hf_generate(model, prompts: list[list[int]], outs: list[int], **kw) -> None:
-    ids, mask = _padded(prompts)
+    ids, mask = left_padded(prompts)
     # Each batch runs to its longest request (min_new_tokens: like ignore_eos).
     model.generate(ids, attention_mask=mask, max_new_tokens=max(outs), min_new_tokens=max(outs),
                    do_sample=False, pad_token_id=0, **kw)

@@ -29,6 +29,19 @@ def heavy_tailed(n: int = 64, mean_prompt: int = 218, min_out: int = 16, max_out
     return Workload(prompts, outs)
 
 
+def left_padded(prompts: list[list[int]]):
+    """(input ids, attention mask) for transformers' batched `generate`, which needs left padding."""
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
 def percentile(values: list[float], p: float) -> float:
     if not values:
         return float("nan")

@@ -70,6 +70,21 @@ def pack_adapter(adapter, out_sizes: dict[str, int], num_layers: int, dtype: tor
     return layers
 
 
+def segments_of(seqs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(num tokens, slot) per sequence in batch order -> (start row, end row, slot) for each
+    run of rows with the same adapter slot; base-model rows (slot < 0) are left out."""
+    segments: list[tuple[int, int, int]] = []
+    row = 0
+    for n, slot in seqs:
+        if slot >= 0:
+            if segments and segments[-1][2] == slot and segments[-1][1] == row:
+                segments[-1] = (segments[-1][0], row + n, slot)
+            else:
+                segments.append((row, row + n, slot))
+        row += n
+    return segments
+
+
 class LoRABatch:
     """One step's adapter segments; `apply` adds the deltas in place."""
 
@@ -214,15 +229,7 @@ class LoRAManager:
 
     def batch(self, seqs: list[tuple[int, int]]) -> LoRABatch | None:
         """`seqs`: (num tokens, slot) in batch order -> segments of equal slot."""
-        segments: list[tuple[int, int, int]] = []
-        row = 0
-        for n, slot in seqs:
-            if slot >= 0:
-                if segments and segments[-1][2] == slot and segments[-1][1] == row:
-                    segments[-1] = (segments[-1][0], row + n, slot)
-                else:
-                    segments.append((row, row + n, slot))
-            row += n
+        segments = segments_of(seqs)
         if not segments:
             return None
         if self.kernel_weights is not None:

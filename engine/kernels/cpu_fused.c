@@ -85,33 +85,22 @@ DEFINE_SILU_MUL(silu_mul_f32, float, f32_load, f32_store, f32_round)
 
 /* The step's new keys and values into their cache slots: cache [kv_heads, slots, head_dim],
  * k/v rows [T, row_stride] (views into the fused qkv output). Whole head rows are copied,
- * so this is the same for every dtype of a given size. */
-int write_kv_u16(uint16_t *k_cache, uint16_t *v_cache, const uint16_t *k, const uint16_t *v, int64_t row_stride,
-                 const int64_t *slots, int kv_heads, int head_dim, int64_t num_slots, int begin, int end) {
-    for (int t = begin; t < end; t++)  /* checked first: nothing is written for a bad batch */
-        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
-    _Pragma("omp parallel for schedule(static) if (end - begin >= 64)")
-    for (int t = begin; t < end; t++) {
-        for (int h = 0; h < kv_heads; h++) {
-            const int64_t dst = ((int64_t)h * num_slots + slots[t]) * head_dim;
-            const int64_t src = (int64_t)t * row_stride + (int64_t)h * head_dim;
-            for (int i = 0; i < head_dim; i++) { k_cache[dst + i] = k[src + i]; v_cache[dst + i] = v[src + i]; }
-        }
-    }
-    return 0;
+ * so one version per element size serves every dtype of that size. */
+#define DEFINE_WRITE_KV(NAME, T)                                                                   \
+int NAME(T *k_cache, T *v_cache, const T *k, const T *v, int64_t row_stride, const int64_t *slots, \
+         int kv_heads, int head_dim, int64_t num_slots, int begin, int end) {                       \
+    for (int t = begin; t < end; t++)  /* checked first: nothing is written for a bad batch */     \
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;                                       \
+    _Pragma("omp parallel for schedule(static) if (end - begin >= 64)")                             \
+    for (int t = begin; t < end; t++) {                                                             \
+        for (int h = 0; h < kv_heads; h++) {                                                        \
+            const int64_t dst = ((int64_t)h * num_slots + slots[t]) * head_dim;                     \
+            const int64_t src = (int64_t)t * row_stride + (int64_t)h * head_dim;                    \
+            for (int i = 0; i < head_dim; i++) { k_cache[dst + i] = k[src + i]; v_cache[dst + i] = v[src + i]; } \
+        }                                                                                           \
+    }                                                                                               \
+    return 0;                                                                                       \
 }
 
-int write_kv_u32(uint32_t *k_cache, uint32_t *v_cache, const uint32_t *k, const uint32_t *v, int64_t row_stride,
-                 const int64_t *slots, int kv_heads, int head_dim, int64_t num_slots, int begin, int end) {
-    for (int t = begin; t < end; t++)
-        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
-    _Pragma("omp parallel for schedule(static) if (end - begin >= 64)")
-    for (int t = begin; t < end; t++) {
-        for (int h = 0; h < kv_heads; h++) {
-            const int64_t dst = ((int64_t)h * num_slots + slots[t]) * head_dim;
-            const int64_t src = (int64_t)t * row_stride + (int64_t)h * head_dim;
-            for (int i = 0; i < head_dim; i++) { k_cache[dst + i] = k[src + i]; v_cache[dst + i] = v[src + i]; }
-        }
-    }
-    return 0;
-}
+DEFINE_WRITE_KV(write_kv_u16, uint16_t)
+DEFINE_WRITE_KV(write_kv_u32, uint32_t)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from loraplex.engine.kernels import cpu_lora
-from loraplex.engine.lora import GROUPS, LoRABatch, pack_adapter
+from loraplex.engine.lora import GROUPS, LoRABatch, pack_adapter, segments_of
 from loraplex.engine.lora_batch import GROUPED_MAX_ROWS, GroupedLoRABatch, SlotStacks
 from tests.engine.kernels.kernel_cases import random_adapter
 
@@ -58,19 +58,6 @@ def _loaded(dtype, slot_of=None):
     return slots, stacks
 
 
-def _segments(seqs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(num tokens, slot) in batch order -> (start, end, slot) segments, as LoRAManager.batch."""
-    segments, row = [], 0
-    for n, slot in seqs:
-        if slot >= 0:
-            if segments and segments[-1][2] == slot and segments[-1][1] == row:
-                segments[-1] = (segments[-1][0], row + n, slot)
-            else:
-                segments.append((row, row + n, slot))
-        row += n
-    return segments
-
-
 def _batch(decode_slots: list[int], prefill: list[tuple[int, int]]) -> tuple[list, int]:
     """Decode rows first then prefill chunks, each sorted by slot (as the model runner orders them)."""
     seqs = [(1, s) for s in sorted(decode_slots)] + sorted(prefill, key=lambda p: p[1])
@@ -113,7 +100,7 @@ def _inputs(rows: int, dtype, seed: int = 0):
 def test_grouped_matches_per_segment_loop(dtype, case):
     slots, stacks = _loaded(dtype)
     seqs, rows = _batch(*CASES[case])
-    segments = _segments(seqs)
+    segments = segments_of(seqs)
     x, out = _inputs(rows, dtype)
     ref = _run(LoRABatch(slots, segments), x, out)
     got = _run(GroupedLoRABatch(stacks, slots, segments), x, out)
@@ -130,7 +117,7 @@ def test_random_batches_match(dtype):
         decodes = [rng.choice(loaded) for _ in range(rng.randrange(0, 20))]
         prefill = [(rng.choice([1, 2, 5, 16, 17, 33]), rng.choice(loaded)) for _ in range(rng.randrange(0, 4))]
         seqs, rows = _batch(decodes, prefill)
-        segments = _segments(seqs)
+        segments = segments_of(seqs)
         if not segments:
             continue
         x, out = _inputs(rows, dtype, seed=trial)
@@ -145,7 +132,7 @@ def test_base_rows_untouched(case):
     """Base rows keep their exact bits (a +0.0 on a -0.0 would flip the sign), however large x is."""
     slots, stacks = _loaded(torch.float32)
     seqs, rows = _batch(*CASES[case])
-    segments = _segments(seqs)
+    segments = segments_of(seqs)
     base = [r for r, slot in enumerate(s for n, s in seqs for _ in range(n)) if slot < 0]
     x, out = _inputs(rows, torch.float32)
     for g in GROUPS:
@@ -164,7 +151,7 @@ def test_reload_replaces_weights_and_cached_gathers():
     dtype = torch.float32
     slots, stacks = _loaded(dtype)
     seqs, rows = _batch([0, 7, 7], [])  # sparse: the gathered path, cached across steps
-    segments = _segments(seqs)
+    segments = segments_of(seqs)
     x, out = _inputs(rows, dtype)
     _run(GroupedLoRABatch(stacks, slots, segments), x, out)  # fills the gather cache
     for slot, ranks in ((7, {"q_proj": 4}), (0, {m: 64 for m in ALL})):  # shrink, then grow the stacks
