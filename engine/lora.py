@@ -29,11 +29,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
-# Segments up to this many rows expand q/k/v (gate/up) in one block-diagonal matmul:
-# fewer calls beat the wasted zero blocks. The zeros at most triple a LoRA expand, which
-# is under 1% of the base projections' work even for a 1024-token chunk, while every
-# extra call costs tens of microseconds.
-FUSED_EXPAND_MAX_ROWS = 4096
 
 
 @dataclass
@@ -98,12 +93,10 @@ class LoRABatch:
             if packed is None:
                 continue
             s = x[start:end] @ packed.a.T  # shrink: [rows, sum of ranks]
-            # addmm_ adds in place: one op per expand instead of a matmul and an add.
-            if end - start <= FUSED_EXPAND_MAX_ROWS or len(packed.parts) == 1:
-                out[start:end].addmm_(s, packed.b_fused.T)
-            else:
-                for col, width, r0, r, b in packed.parts:
-                    out[start:end, col:col + width].addmm_(s[:, r0:r0 + r], b.T)
+            # One block-diagonal expand for q/k/v (gate/up), added in place: the zero blocks
+            # at most triple a LoRA expand (under 1% of the base projections' work even for
+            # a 1024-token chunk), while each extra call costs tens of microseconds.
+            out[start:end].addmm_(s, packed.b_fused.T)
 
 
 class LoRAManager:
@@ -124,8 +117,10 @@ class LoRAManager:
         # kernels.lora_kernels.StackedLoRAWeights: slots are mirrored into it, batches use it.
         self.kernel_weights = None
         # Otherwise (the torch path) slots are mirrored into lora_batch.SlotStacks, made on
-        # the first load, so a step's short segments run as a few grouped ops.
+        # the first load, so a step's short segments run as a few grouped ops; the runner
+        # sets cpu_kernels when the "cpu" backend runs them in C (kernels/cpu_lora.c).
         self.stacks = None
+        self.cpu_kernels = False
 
     def bind(self, arch, dtype: torch.dtype, device: torch.device) -> None:
         q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
@@ -236,7 +231,7 @@ class LoRAManager:
             return self.kernel_weights.batch(segments)
         from .lora_batch import GroupedLoRABatch
 
-        return GroupedLoRABatch(self._stacks(), self.slots, segments)
+        return GroupedLoRABatch(self._stacks(), self.slots, segments, c_kernel=self.cpu_kernels)
 
     def tiers(self) -> dict[str, list[str]]:
         """Where each adapter is now: device slots, CPU tier (digests)."""

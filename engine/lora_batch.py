@@ -185,15 +185,16 @@ def _plan(segments: list[tuple[int, int, int]], dtype: torch.dtype, device: torc
 class GroupedLoRABatch:
     """One step's adapter segments; `apply` adds the deltas in place (as `LoRABatch.apply`)."""
 
-    def __init__(self, stacks: SlotStacks, slots: list, segments: list[tuple[int, int, int]]) -> None:
+    def __init__(self, stacks: SlotStacks, slots: list, segments: list[tuple[int, int, int]],
+                 c_kernel: bool = False) -> None:
+        """`c_kernel`: short segments through kernels/cpu_lora.c (the "cpu" backend)."""
         self.stacks = stacks
         self.segments = segments  # (start row, end row, slot), slot >= 0 only
         short = [s for s in segments if s[1] - s[0] <= GROUPED_MAX_ROWS]
         long = [s for s in segments if s[1] - s[0] > GROUPED_MAX_ROWS]
         self.long = LoRABatch(slots, long) if long else None
         # The C kernel takes short segments as they are (no padding, no gather).
-        self.c_segments = (torch.tensor(short, dtype=torch.int32)
-                           if short and cpu_lora.supported(stacks.dtype, stacks.device) else None)
+        self.c_segments = torch.tensor(short, dtype=torch.int32) if short and c_kernel else None
         self.plan = _plan(short, stacks.dtype, stacks.device) if short and self.c_segments is None else None
         # Per (layer, group): each module's largest rank over the grouped slots.
         self._ranks: dict[tuple[int, str], tuple[int, ...]] = {}

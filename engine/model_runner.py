@@ -35,7 +35,7 @@ class ModelRunner:
         self.device = torch.device(config.model.device)
         keep_freed_memory_in_heap()
         # "triton", "cpu" or "torch" for attention, KV writes and LoRA (EngineConfig.kernels).
-        self.kernels = select_backend(config.kernels, self.device)
+        self.kernels = select_backend(config.kernels, self.device, self.dtype)
         self.block_size = config.cache.block_size
         with torch.device("meta"):
             model = LlamaModel(arch)
@@ -55,11 +55,12 @@ class ModelRunner:
         self.lora = lora_manager
         if self.kernels != "torch":
             self.model.set_attention_ops(*attention_ops(self.kernels))
-        if self.kernels == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
-            from .kernels.cpu_fused import CLayerOps, load_library
+        if self.kernels == "cpu":
+            from .kernels.cpu_fused import CLayerOps
 
-            if load_library() is not None:
-                self.model.set_layer_ops(CLayerOps(self.dtype))
+            self.model.set_layer_ops(CLayerOps(self.dtype))
+            if lora_manager is not None:
+                lora_manager.cpu_kernels = True
         if self.kernels == "triton":
             from .kernels.lora_kernels import StackedLoRAWeights
 

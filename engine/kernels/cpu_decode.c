@@ -24,7 +24,7 @@
 /* One (sequence, KV head) item; always inlined so a constant head_dim unrolls the loops. */
 #define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                        \
 static inline __attribute__((always_inline)) void NAME##_item(                                     \
-        const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *block_tables,       \
+        const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, T *out, const int32_t *block_tables,       \
         const int32_t *seq_lens, int max_blocks, int num_heads, int num_kv_heads, const int D,      \
         int block_size, int64_t num_slots, float scale, int w, float *scores) {                     \
     const int G = num_heads / num_kv_heads;                                                         \
@@ -35,7 +35,7 @@ static inline __attribute__((always_inline)) void NAME##_item(                  
         const int32_t *table = block_tables + (int64_t)s * max_blocks;                              \
         const T *kh = k_cache + (int64_t)h * num_slots * D, *vh = v_cache + (int64_t)h * num_slots * D; \
         for (int g = 0; g < G; g++) {                                                               \
-            const T *qrow = q + ((int64_t)s * num_heads + h * G + g) * D;                           \
+            const T *qrow = q + (int64_t)s * q_stride + (int64_t)(h * G + g) * D;                           \
             for (int i = 0; i < D; i++) qf[g][i] = LOAD(qrow[i]) * scale;                           \
         }                                                                                           \
         for (int t0 = 0; t0 < ctx; t0 += block_size) {  /* scores: K read once per block */         \
@@ -76,7 +76,7 @@ static inline __attribute__((always_inline)) void NAME##_item(                  
     }                                                                                               \
 }                                                                                                   \
                                                                                                     \
-int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *block_tables,      \
+int NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, T *out, const int32_t *block_tables,      \
          const int32_t *seq_lens, int max_blocks, int num_heads, int num_kv_heads, int head_dim,    \
          int block_size, int64_t num_slots, float scale, int w_begin, int w_end) {                  \
     if (num_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM) return -1;                 \
@@ -92,13 +92,13 @@ int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *
         for (int w = w_begin; w < w_end; w++) {                                                     \
             if (!scores) continue;                                                                  \
             if (head_dim == 64)                                                                     \
-                NAME##_item(q, k_cache, v_cache, out, block_tables, seq_lens, max_blocks, num_heads,\
+                NAME##_item(q, q_stride, k_cache, v_cache, out, block_tables, seq_lens, max_blocks, num_heads,\
                             num_kv_heads, 64, block_size, num_slots, scale, w, scores);             \
             else if (head_dim == 128)                                                               \
-                NAME##_item(q, k_cache, v_cache, out, block_tables, seq_lens, max_blocks, num_heads,\
+                NAME##_item(q, q_stride, k_cache, v_cache, out, block_tables, seq_lens, max_blocks, num_heads,\
                             num_kv_heads, 128, block_size, num_slots, scale, w, scores);            \
             else                                                                                    \
-                NAME##_item(q, k_cache, v_cache, out, block_tables, seq_lens, max_blocks, num_heads,\
+                NAME##_item(q, q_stride, k_cache, v_cache, out, block_tables, seq_lens, max_blocks, num_heads,\
                             num_kv_heads, head_dim, block_size, num_slots, scale, w, scores);       \
         }                                                                                           \
         free(scores);                                                                               \

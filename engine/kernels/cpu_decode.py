@@ -12,7 +12,8 @@ import torch
 from ..attention import AttentionMetadata, prefill_attention
 from . import cpu_build
 
-_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+_ARGTYPES = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
+             + [ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int])
 
 
 def load_library() -> ctypes.CDLL | None:
@@ -30,12 +31,13 @@ def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     KVH, slots = k_cache.shape[0], k_cache.shape[1]
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype and q.dtype in (torch.bfloat16, torch.float32)
     assert k_cache.shape == v_cache.shape and k_cache.shape[2] == Dh and H % KVH == 0, (q.shape, k_cache.shape)
-    assert q.is_contiguous() and out.is_contiguous() and out.shape == q.shape
+    # q may be a view of the fused qkv rows: heads contiguous, rows any distance apart.
+    assert q.stride(2) == 1 and q.stride(1) == Dh and out.is_contiguous() and out.shape == q.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and slots % block_size == 0
     assert block_tables.dtype == seq_lens.dtype == torch.int32 and block_tables.is_contiguous()
     assert block_tables.shape[0] >= D and seq_lens.shape[0] >= D and seq_lens.is_contiguous()
     fn = lib.paged_decode_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode_f32
-    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
+    args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
             seq_lens.data_ptr(), block_tables.shape[1], H, KVH, Dh, block_size, slots, scale)
     cpu_build.run(fn, args, D * KVH)
 
@@ -43,12 +45,11 @@ def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """engine.attention.paged_attention's contract: decodes through the C kernel, prefill
-    chunks through the torch path's SDPA."""
-    out = torch.empty_like(q)
+    chunks through the torch path's SDPA. q may be a view of the fused qkv rows."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     D = meta.num_decodes
     if D:
         assert meta.block_tables is not None and meta.seq_lens is not None, "metadata lacks the ragged form"
-        q = q.contiguous()
         cpu_decode_attention(q[:D], k_cache, v_cache, out[:D], meta.block_tables, meta.seq_lens,
                              meta.block_size, scale)
     prefill_attention(q, k_cache, v_cache, meta, scale, out)

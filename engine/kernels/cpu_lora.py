@@ -21,10 +21,6 @@ def load_library() -> ctypes.CDLL | None:
     return cpu_build.load("cpu_lora.c", {f"lora_short_{t}": _ARGTYPES for t in _SUFFIX.values()})
 
 
-def supported(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype in _SUFFIX and load_library() is not None
-
-
 def cpu_lora_short(x: torch.Tensor, out: torch.Tensor, segments: torch.Tensor, a: torch.Tensor,
                    mods: torch.Tensor, ranks: torch.Tensor, layer: int) -> None:
     """out[rows] += LoRA delta of each segment (start, end, slot) over a group's modules.

@@ -25,11 +25,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def select_backend(kernels: str, device: torch.device | str) -> str:
+# The dtypes the C kernels are built for (cpu_*.c): bf16 and fp32.
+CPU_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def select_backend(kernels: str, device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
     """`EngineConfig.kernels` ("auto" | "triton" | "cpu" | "torch") and the model's device -> backend.
 
     "auto" is Triton on CUDA (when Triton is installed); on a CPU it is "cpu" (the C
-    decode-attention kernel, cpu_decode.py) where a C compiler can build it, else torch.
+    kernels, cpu_*.py: attention, fused layer steps, short-segment LoRA) where a C
+    compiler can build them and `dtype` is one they take, else torch.
     "triton"
     forced on a CPU device runs Triton's interpreter, which must have been switched on
     with TRITON_INTERPRET=1 before the kernel modules were imported: that is for tests.
@@ -40,7 +45,7 @@ def select_backend(kernels: str, device: torch.device | str) -> str:
     if kernels == "torch":
         return "torch"
     if kernels == "cpu" or (kernels == "auto" and device.type == "cpu"):
-        return _cpu_backend(kernels == "cpu", device)
+        return _cpu_backend(kernels == "cpu", device, dtype)
     if kernels == "auto":
         if device.type != "cuda":
             return "torch"
@@ -56,15 +61,19 @@ def select_backend(kernels: str, device: torch.device | str) -> str:
     return "triton"
 
 
-def _cpu_backend(forced: bool, device: torch.device) -> str:
-    from .cpu_decode import load_library
+def _cpu_backend(forced: bool, device: torch.device, dtype: torch.dtype) -> str:
+    from . import cpu_decode, cpu_fused, cpu_lora
 
     if device.type != "cpu":
         raise RuntimeError(f"kernels='cpu' runs on a CPU device, not {device.type!r}")
-    if load_library() is not None:
+    if dtype not in CPU_KERNEL_DTYPES:
+        if forced:
+            raise RuntimeError(f"kernels='cpu' takes bfloat16 or float32, not {dtype}")
+        return "torch"
+    if all(lib.load_library() is not None for lib in (cpu_decode, cpu_fused, cpu_lora)):
         return "cpu"
     if forced:
-        raise RuntimeError("kernels='cpu' but the C decode kernel could not be built (see the log)")
+        raise RuntimeError("kernels='cpu' but the C kernels could not be built (see the log)")
     return "torch"
 
 
@@ -75,11 +84,10 @@ def attention_ops(backend: str) -> tuple[Callable, Callable]:
 
         return write_kv, paged_attention
     if backend == "cpu":
-        from ..attention import write_kv
         from .cpu_decode import cpu_paged_attention
-        from .cpu_fused import cpu_write_kv, load_library
+        from .cpu_fused import cpu_write_kv
 
-        return (write_kv if load_library() is None else cpu_write_kv), cpu_paged_attention
+        return cpu_write_kv, cpu_paged_attention
     if backend == "triton":
         from .kv_write import triton_write_kv
         from .paged_attention import triton_paged_attention

@@ -9,14 +9,10 @@ import torch
 from loraplex.engine.kernels import cpu_lora
 from loraplex.engine.lora import GROUPS, LoRABatch, pack_adapter, segments_of
 from loraplex.engine.lora_batch import GROUPED_MAX_ROWS, GroupedLoRABatch, SlotStacks
-from tests.engine.kernels.kernel_cases import random_adapter
+from tests.engine.kernels.kernel_cases import llama_shapes, random_adapter
 
 HIDDEN, Q, KV, INTER, LAYERS = 48, 48, 16, 80, 2
-OUT = {"q_proj": Q, "k_proj": KV, "v_proj": KV, "o_proj": HIDDEN, "gate_proj": INTER, "up_proj": INTER,
-       "down_proj": HIDDEN}
-IN = {"q_proj": HIDDEN, "k_proj": HIDDEN, "v_proj": HIDDEN, "o_proj": Q, "gate_proj": HIDDEN, "up_proj": HIDDEN,
-      "down_proj": INTER}
-GROUP_IN = {"qkv": HIDDEN, "o": Q, "gate_up": HIDDEN, "down": INTER}
+OUT, IN, GROUP_IN = llama_shapes(HIDDEN, Q, KV, INTER)
 GROUP_OUT = {g: sum(OUT[m] for m in mods) for g, mods in GROUPS.items()}
 ALL = tuple(OUT)
 # Ranks 4..64, per-module ranks, partial targets: slot 2 has no qkv, slot 4 no gate_up/down.
@@ -34,16 +30,13 @@ NUM_SLOTS = 12  # more slots than adapters: idle slots inside and past the activ
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
 
 
-@pytest.fixture(autouse=True, params=["c_kernel", "grouped_bmm"])
-def short_segment_path(request, monkeypatch):
-    """Every test runs both ways short segments are computed: the C kernel where it
-    builds, and the grouped torch bmm (what runs without a compiler)."""
-    if request.param == "c_kernel":
-        if cpu_lora.load_library() is None:
-            pytest.skip("no C compiler to build the CPU LoRA kernel")
-    else:
-        monkeypatch.setattr(cpu_lora, "supported", lambda dtype, device: False)
-    return request.param
+@pytest.fixture(params=["c_kernel", "grouped_bmm"])
+def c_kernel(request) -> bool:
+    """Every test runs both ways short segments are computed: the C kernel (the "cpu"
+    backend) where it builds, and the grouped torch bmm (what runs without it)."""
+    if request.param == "c_kernel" and cpu_lora.load_library() is None:
+        pytest.skip("no C compiler to build the CPU LoRA kernel")
+    return request.param == "c_kernel"
 
 
 def _loaded(dtype, slot_of=None):
@@ -97,19 +90,22 @@ def _inputs(rows: int, dtype, seed: int = 0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_grouped_matches_per_segment_loop(dtype, case):
+def test_grouped_matches_per_segment_loop(dtype, case, c_kernel):
     slots, stacks = _loaded(dtype)
     seqs, rows = _batch(*CASES[case])
     segments = segments_of(seqs)
     x, out = _inputs(rows, dtype)
     ref = _run(LoRABatch(slots, segments), x, out)
-    got = _run(GroupedLoRABatch(stacks, slots, segments), x, out)
+    batch = GroupedLoRABatch(stacks, slots, segments, c_kernel=c_kernel)
+    if any(e - s <= GROUPED_MAX_ROWS for s, e, _ in segments):  # the path under test is the one taken
+        assert (batch.c_segments is not None) == c_kernel and (batch.plan is None) == c_kernel
+    got = _run(batch, x, out)
     for key in ref:
         torch.testing.assert_close(got[key], ref[key], **TOL[dtype], msg=lambda m: f"{case} {key}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_random_batches_match(dtype):
+def test_random_batches_match(dtype, c_kernel):
     rng = random.Random(5)
     slots, stacks = _loaded(dtype, slot_of=[0, 2, 3, 5, 6, 9, 10, 11])
     loaded = [-1, 0, 2, 3, 5, 6, 9, 10, 11]
@@ -122,13 +118,13 @@ def test_random_batches_match(dtype):
             continue
         x, out = _inputs(rows, dtype, seed=trial)
         ref = _run(LoRABatch(slots, segments), x, out)
-        got = _run(GroupedLoRABatch(stacks, slots, segments), x, out)
+        got = _run(GroupedLoRABatch(stacks, slots, segments, c_kernel=c_kernel), x, out)
         for key in ref:
             torch.testing.assert_close(got[key], ref[key], **TOL[dtype], msg=lambda m: f"{seqs} {key}: {m}")
 
 
 @pytest.mark.parametrize("case", ["decode-mixed", "decode-sparse", "mixed", "base-only"])
-def test_base_rows_untouched(case):
+def test_base_rows_untouched(case, c_kernel):
     """Base rows keep their exact bits (a +0.0 on a -0.0 would flip the sign), however large x is."""
     slots, stacks = _loaded(torch.float32)
     seqs, rows = _batch(*CASES[case])
@@ -138,7 +134,7 @@ def test_base_rows_untouched(case):
     for g in GROUPS:
         x[g][base] = 1e4
         out[g][base] = -0.0
-    got = _run(GroupedLoRABatch(stacks, slots, segments), x, out)
+    got = _run(GroupedLoRABatch(stacks, slots, segments, c_kernel=c_kernel), x, out)
     changed = False
     for (layer, g), o in got.items():
         assert torch.equal(o[base].view(torch.int32), out[g][base].view(torch.int32)), (layer, g)
@@ -146,19 +142,19 @@ def test_base_rows_untouched(case):
     assert changed == (len(base) < rows)  # not vacuous: adapter rows did get deltas
 
 
-def test_reload_replaces_weights_and_cached_gathers():
+def test_reload_replaces_weights_and_cached_gathers(c_kernel):
     """A slot reloaded with a smaller adapter leaves nothing of the old one; gathered copies refresh."""
     dtype = torch.float32
     slots, stacks = _loaded(dtype)
     seqs, rows = _batch([0, 7, 7], [])  # sparse: the gathered path, cached across steps
     segments = segments_of(seqs)
     x, out = _inputs(rows, dtype)
-    _run(GroupedLoRABatch(stacks, slots, segments), x, out)  # fills the gather cache
+    _run(GroupedLoRABatch(stacks, slots, segments, c_kernel=c_kernel), x, out)  # fills the gather cache
     for slot, ranks in ((7, {"q_proj": 4}), (0, {m: 64 for m in ALL})):  # shrink, then grow the stacks
         slots[slot] = pack_adapter(random_adapter(ranks, IN, OUT, LAYERS, seed=99 + slot), OUT, LAYERS, dtype,
                                    torch.device("cpu"))
         stacks.set_slot(slot, slots[slot])
         ref = _run(LoRABatch(slots, segments), x, out)
-        got = _run(GroupedLoRABatch(stacks, slots, segments), x, out)
+        got = _run(GroupedLoRABatch(stacks, slots, segments, c_kernel=c_kernel), x, out)
         for key in ref:
             torch.testing.assert_close(got[key], ref[key], **TOL[dtype])

@@ -47,14 +47,15 @@ def lora_setup(tmp_path_factory, tiny_llama_dir):
     return dirs, prompts, assign, ref
 
 
-def _engine(model_dir, store_root, dirs, *, max_loras=8, max_cpu_loras=8, **sched):
+def _engine(model_dir, store_root, dirs, *, max_loras=8, max_cpu_loras=8, kernels="auto", **sched):
     store = AdapterStore(store_root, BaseShapes.from_model_dir(model_dir))
     for name, path in dirs.items():
         store.add(name, path)
     cache = CacheConfig(block_size=sched.pop("block_size", 8), num_blocks=sched.pop("num_blocks", 256))
     cfg = EngineConfig(model=ModelConfig(model=str(model_dir), dtype="float32"), cache=cache,
                        scheduler=SchedulerConfig(**sched),
-                       lora=LoRAConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=64))
+                       lora=LoRAConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=64),
+                       kernels=kernels)
     return LLMEngine(cfg, LoRAManager(store, cfg.lora)), store
 
 
@@ -66,10 +67,12 @@ def _run(engine, prompts, assign) -> list[list[int]]:
     dict(),  # all adapters and base requests in one batch
     dict(max_loras=3, max_cpu_loras=2),  # working set exceeds both tiers
     dict(max_loras=4, num_blocks=30, max_num_batched_tokens=24),  # preemption + chunked prefill
+    dict(kernels="torch"),  # the pure torch path: grouped bmm for short segments, no C kernel
 ])
 def test_mixed_adapters_match_peft(tiny_llama_dir, tmp_path, lora_setup, setup):
     dirs, prompts, assign, ref = lora_setup
     engine, _ = _engine(tiny_llama_dir, tmp_path / "store", dirs, **setup)
+    assert engine.lora.cpu_kernels == (engine.runner.kernels == "cpu")
     assert _run(engine, prompts, assign) == ref
     if "num_blocks" in setup:
         assert engine.scheduler.num_preemptions > 0

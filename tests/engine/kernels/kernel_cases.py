@@ -35,6 +35,15 @@ def paged_batch(lens: list[tuple[int, int]], block_size: int, num_heads: int, nu
     return q, k_cache, v_cache, meta, seqs
 
 
+def llama_shapes(hidden: int, q: int, kv: int, inter: int) -> tuple[dict, dict, dict]:
+    """(out features per module, in features per module, input width per LoRA group)."""
+    out = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": hidden, "gate_proj": inter, "up_proj": inter,
+           "down_proj": hidden}
+    inp = {"q_proj": hidden, "k_proj": hidden, "v_proj": hidden, "o_proj": q, "gate_proj": hidden,
+           "up_proj": hidden, "down_proj": inter}
+    return out, inp, {"qkv": hidden, "o": q, "gate_up": hidden, "down": inter}
+
+
 def random_adapter(ranks: dict[str, int], in_sizes: dict[str, int], out_sizes: dict[str, int], num_layers: int,
                    seed: int, scale: float = 0.5):
     """An object shaped like loraplex.adapters' LoRAAdapter, as `pack_adapter` reads it:

@@ -40,6 +40,18 @@ def test_decodes_then_prefill_chunks():
     _check(DECODES + [(0, 13), (21, 9), (0, 1)], 16, 6, 2, 32, torch.float32)
 
 
+def test_q_read_in_place_from_the_fused_qkv_rows():
+    # The model hands attention q as a view into its q/k/v projection output (rows further
+    # apart than heads x head_dim); the kernel reads it there without a copy.
+    q, kc, vc, meta, seqs = paged_batch(DECODES + [(0, 9)], 16, 6, 2, 32, torch.float32, seed=4)
+    qkv = torch.cat([q.flatten(1), torch.randn(q.shape[0], 2 * 2 * 32)], dim=1)
+    view = qkv[:, :6 * 32].view(q.shape)
+    assert not view.is_contiguous()
+    oracle = reference_attention(q, kc, vc, seqs, 16, 32 ** -0.5)
+    torch.testing.assert_close(cpu_paged_attention(view, kc, vc, meta, 32 ** -0.5), oracle, **{
+        "atol": TOL[torch.float32], "rtol": TOL[torch.float32]})
+
+
 def test_work_split_over_threads_gives_the_same_rows():
     lens = [(i * 7 % 300, 1) for i in range(64)]
     q, kc, vc, meta, seqs = paged_batch(lens, 16, 8, 4, 32, torch.bfloat16, seed=5)

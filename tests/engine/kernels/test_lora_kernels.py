@@ -16,16 +16,12 @@ from loraplex.engine.kernels.lora_kernels import (  # noqa: E402
     row_tiles,
 )
 from loraplex.engine.lora import GROUPS, LoRABatch, pack_adapter  # noqa: E402
-from tests.engine.kernels.kernel_cases import random_adapter  # noqa: E402
+from tests.engine.kernels.kernel_cases import llama_shapes, random_adapter  # noqa: E402
 
 # A small Llama: hidden 64, 4 heads x 16, 2 KV heads, intermediate 96 (not a multiple of
 # the 64-column expand tile), 2 layers.
 HIDDEN, Q, KV, INTER, LAYERS = 64, 64, 32, 96, 2
-OUT = {"q_proj": Q, "k_proj": KV, "v_proj": KV, "o_proj": HIDDEN, "gate_proj": INTER, "up_proj": INTER,
-       "down_proj": HIDDEN}
-IN = {"q_proj": HIDDEN, "k_proj": HIDDEN, "v_proj": HIDDEN, "o_proj": Q, "gate_proj": HIDDEN, "up_proj": HIDDEN,
-      "down_proj": INTER}
-GROUP_IN = {"qkv": HIDDEN, "o": Q, "gate_up": HIDDEN, "down": INTER}
+OUT, IN, GROUP_IN = llama_shapes(HIDDEN, Q, KV, INTER)
 ALL = tuple(OUT)
 # Heterogeneous ranks 1..64 with partial targets and per-module ranks (as rank_pattern gives).
 ADAPTERS = [

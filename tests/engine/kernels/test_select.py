@@ -22,6 +22,18 @@ def test_auto_on_cpu_is_the_c_kernel_where_it_builds(monkeypatch):
         select_backend("cpu", "cuda")
 
 
+def test_cpu_kernels_take_bf16_and_fp32_only():
+    from loraplex.engine.kernels import cpu_decode
+
+    if cpu_decode.load_library() is None:
+        pytest.skip("no C compiler")
+    for dtype in (torch.bfloat16, torch.float32):
+        assert select_backend("auto", "cpu", dtype) == "cpu"
+    assert select_backend("auto", "cpu", torch.float16) == "torch"
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        select_backend("cpu", "cpu", torch.float16)
+
+
 def test_auto_on_cuda(monkeypatch):
     pytest.importorskip("triton")
     assert select_backend("auto", torch.device("cuda", 0)) == "triton"
