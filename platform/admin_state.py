@@ -18,7 +18,6 @@ from . import audit
 from .adapter_registry import open_store
 from .admin_auth import Admin, AdminAuth
 from .db import Database
-from .errors import NotFoundError
 from .gateway import Gateway
 from .settings import Settings
 
@@ -85,7 +84,3 @@ def _clean_stale_uploads(folder: Path, max_age: float = 3600.0) -> None:
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(obj, option=orjson.OPT_UTC_Z), status_code=status, media_type="application/json",
                     headers={"Cache-Control": "no-store", **(headers or {})})
-
-
-class FeatureUnavailableError(NotFoundError):
-    """A section of the admin API whose module this build lacks."""

@@ -10,7 +10,8 @@ from starlette.responses import Response
 
 from .admin_auth import COOKIE_PATH, CSRF_COOKIE, SESSION_COOKIE, SESSION_SECONDS, Admin
 from .admin_schema import parse_datetime
-from .admin_state import AdminState, FeatureUnavailableError, _json
+from . import quotas
+from .admin_state import AdminState, _json
 from .errors import BadRequestError
 from .models import utcnow
 from .tenants import (
@@ -32,9 +33,9 @@ QUOTA_FIELDS = ("rpm", "tpm", "max_concurrency", "token_budget", "budget_period"
 
 # -- serializers ---------------------------------------------------------------------------
 
-def _tenant_json(t: TenantInfo, quotas: dict | None = None) -> dict:
+def _tenant_json(t: TenantInfo, limits: dict | None = None) -> dict:
     return {"name": t.name, "default_lane": t.default_lane, "allowed_lanes": list(t.allowed_lanes),
-            "enabled": t.enabled, "num_keys": t.num_keys, "quotas": quotas}
+            "enabled": t.enabled, "num_keys": t.num_keys, "quotas": limits}
 
 
 def _key_json(k, secret: str | None = None) -> dict:
@@ -46,35 +47,20 @@ def _key_json(k, secret: str | None = None) -> dict:
     return d
 
 
-# -- quotas (issue 5: quotas.py) --------------------------------------------------------------
-# Imported lazily: the admin API works (without those sections) in a build without them.
+# -- quotas ------------------------------------------------------------------------------------
 
-def _quotas_module():
-    try:
-        from . import quotas
-    except ImportError:
-        return None
-    return quotas if hasattr(quotas, "set_quota") and hasattr(quotas, "quota_status") else None
-
-
-def _get_quotas(st: AdminState, tenant: str) -> dict | None:
-    """The tenant's limits and where it stands against them now (None: no quotas module)."""
-    q = _quotas_module()
-    if q is None:
-        return None
-    d = q.quota_status(st.db, tenant).as_dict()
+def _get_quotas(st: AdminState, tenant: str) -> dict:
+    """The tenant's limits and where it stands against them now."""
+    d = quotas.quota_status(st.db, tenant).as_dict()
     d.pop("tenant", None)
     d.pop("key_prefix", None)
     return d
 
 
 def _set_quotas(st: AdminState, tenant: str, values: dict | None) -> None:
-    q = _quotas_module()
-    if q is None:
-        raise FeatureUnavailableError("quotas are not available in this build")
     if values is None:  # null: clear every limit
         values = {f: None for f in QUOTA_FIELDS}
-    q.set_quota(st.db, tenant, **values)
+    quotas.set_quota(st.db, tenant, **values)
 
 
 def _quotas_changed(st: AdminState, request: Request) -> None:
@@ -140,27 +126,21 @@ async def get_tenant_(request: Request, st: AdminState, admin: Admin, query: dic
 
 
 async def create_tenant_(request: Request, st: AdminState, admin: Admin, query: dict, body: dict) -> Any:
-    if body.get("quotas") and _quotas_module() is None:
-        raise FeatureUnavailableError("quotas are not available in this build")
-
     def make():
         t = create_tenant(st.db, body["name"], body.get("default_lane", "standard"), body.get("allowed_lanes"))
         if body.get("quotas"):
             _set_quotas(st, t.name, body["quotas"])
         return t, _get_quotas(st, t.name)
 
-    t, quotas = await asyncio.to_thread(make)
+    t, limits = await asyncio.to_thread(make)
     _quotas_changed(st, request)
     await st.audit(admin, "tenant.create", f"tenant:{t.name}", default_lane=t.default_lane,
                    allowed_lanes=list(t.allowed_lanes), **({"quotas": body["quotas"]} if body.get("quotas") else {}))
-    return _tenant_json(t, quotas)
+    return _tenant_json(t, limits)
 
 
 async def update_tenant_(request: Request, st: AdminState, admin: Admin, query: dict, body: dict,
                          name: str) -> Any:
-    if "quotas" in body and _quotas_module() is None:
-        raise FeatureUnavailableError("quotas are not available in this build")
-
     def change():
         before = tenant_info(st.db, name)
         t = update_tenant(st.db, name, lane=body.get("default_lane"), allowed=body.get("allowed_lanes"),
@@ -169,7 +149,7 @@ async def update_tenant_(request: Request, st: AdminState, admin: Admin, query: 
             _set_quotas(st, name, body["quotas"])
         return before, t, _get_quotas(st, name)
 
-    before, t, quotas = await asyncio.to_thread(change)
+    before, t, limits = await asyncio.to_thread(change)
     st.access_changed()
     _quotas_changed(st, request)
     changes: dict[str, Any] = {}
@@ -183,7 +163,7 @@ async def update_tenant_(request: Request, st: AdminState, admin: Admin, query: 
     action = ("tenant.disable" if changes.get("enabled") is False else
               "tenant.enable" if changes.get("enabled") is True and len(changes) == 1 else "tenant.update")
     await st.audit(admin, action, f"tenant:{name}", **changes)
-    return _tenant_json(t, quotas)
+    return _tenant_json(t, limits)
 
 
 # -- handlers: keys --------------------------------------------------------------------------

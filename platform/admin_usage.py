@@ -10,25 +10,14 @@ from starlette.responses import Response
 
 from loraplex.adapters import AdapterNotFoundError
 
-from . import audit
+from . import audit, usage
 from .admin_adapters import _residency
 from .admin_auth import Admin
-from .admin_state import AdminState, FeatureUnavailableError
+from .admin_state import AdminState
 from .errors import BadRequestError
 from .models import LANES, utcnow
 
 BASE_MODEL_KEY = "(base model)"
-
-
-# -- usage (issue 5: usage.py) ---------------------------------------------------------------
-# Imported lazily: the admin API works (without those sections) in a build without them.
-
-def _usage_module():
-    try:
-        from . import usage
-    except ImportError:
-        return None
-    return usage if hasattr(usage, "usage_summary") and hasattr(usage, "export_usage") else None
 
 
 # -- handlers: engine, audit, usage -----------------------------------------------------
@@ -85,13 +74,12 @@ async def list_audit(request: Request, st: AdminState, admin: Admin, query: dict
 
 def _usage_range(query: dict, granularity: str) -> tuple[dt.datetime, dt.datetime]:
     """[from, to): defaults to the last 24 hours (hourly) or 30 days (daily), aligned."""
-    u = _usage_module()
     step = dt.timedelta(days=1) if granularity == "day" else dt.timedelta(hours=1)
     now = utcnow()
     floor = (now.replace(hour=0, minute=0, second=0, microsecond=0) if granularity == "day"
              else now.replace(minute=0, second=0, microsecond=0))
-    end = u.parse_time(query["to"], "to") if query.get("to") else floor + step
-    start = u.parse_time(query["from"], "from") if query.get("from") else end - step * (30 if step.days else 24)
+    end = usage.parse_time(query["to"], "to") if query.get("to") else floor + step
+    start = usage.parse_time(query["from"], "from") if query.get("from") else end - step * (30 if step.days else 24)
     if end <= start:
         raise BadRequestError("to: must be after from", "to")
     if (end - start) / step > 5000:
@@ -104,13 +92,10 @@ _SERIES_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "completion_toke
 
 
 async def usage_series(request: Request, st: AdminState, admin: Admin, query: dict) -> Any:
-    u = _usage_module()
-    if u is None:
-        raise FeatureUnavailableError("usage metering is not available in this build")
     granularity = query.get("granularity", "hour")
     group = query.get("group_by", "tenant")
     start, end = _usage_range(query, granularity)
-    rows = await asyncio.to_thread(u.usage_summary, st.db, start, end, tenant=query.get("tenant"),
+    rows = await asyncio.to_thread(usage.usage_summary, st.db, start, end, tenant=query.get("tenant"),
                                    adapter=query.get("adapter"), granularity=granularity,
                                    by_adapter=group == "adapter")
     series: dict[str, dict[dt.datetime, dict[str, int]]] = {}
@@ -133,13 +118,10 @@ _EXPORT_TYPES = {"csv": ("text/csv; charset=utf-8", "csv"), "jsonl": ("applicati
 async def usage_export(request: Request, st: AdminState, admin: Admin, query: dict) -> Response:
     from starlette.responses import StreamingResponse
 
-    u = _usage_module()
-    if u is None:
-        raise FeatureUnavailableError("usage metering is not available in this build")
     fmt = query.get("format", "csv")
     granularity = query.get("granularity", "event")
     start, end = _usage_range(query, "day" if granularity == "day" else "hour")
-    chunks = u.export_usage(st.db, start, end, fmt=fmt, granularity=granularity, tenant=query.get("tenant"))
+    chunks = usage.export_usage(st.db, start, end, fmt=fmt, granularity=granularity, tenant=query.get("tenant"))
     sentinel = object()
     first = await asyncio.to_thread(next, chunks, sentinel)  # argument errors raise here, before the 200
 

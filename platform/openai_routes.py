@@ -21,7 +21,6 @@ best_of > 1, suffix and tools are refused with a 400 naming the field.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson

@@ -310,19 +310,21 @@ def export_usage(db: Database, start: dt.datetime, end: dt.datetime, *, fmt: str
                    time.time() if now is None else now)
 
 
+def _encode(row, fmt: str, columns: tuple[str, ...], cloudevent) -> bytes:
+    """One exported record: a CSV line of `columns`, a JSON line, or `cloudevent()` as a JSON line."""
+    if fmt == "csv":
+        d = row.as_dict()
+        return _csv_line(d[c] for c in columns)
+    return orjson.dumps(row.as_dict() if fmt == "jsonl" else cloudevent()) + b"\n"
+
+
 def _export(db, start, end, fmt, granularity, tenant, source, include_open, stats, now) -> Iterator[bytes]:
     if granularity == "event":
         if fmt == "csv":
             yield _csv_line(EVENT_COLUMNS)
         for row in usage_events(db, start, end, tenant=tenant):
             stats.records += 1
-            if fmt == "csv":
-                d = row.as_dict()
-                yield _csv_line(d[c] for c in EVENT_COLUMNS)
-            elif fmt == "jsonl":
-                yield orjson.dumps(row.as_dict()) + b"\n"
-            else:
-                yield orjson.dumps(event_cloudevent(row, source)) + b"\n"
+            yield _encode(row, fmt, EVENT_COLUMNS, lambda: event_cloudevent(row, source))
         return
     if fmt == "csv":
         yield _csv_line(AGGREGATE_COLUMNS)
@@ -331,10 +333,4 @@ def _export(db, start, end, fmt, granularity, tenant, source, include_open, stat
             stats.skipped_open_periods += 1
             continue
         stats.records += 1
-        if fmt == "csv":
-            d = row.as_dict()
-            yield _csv_line(d[c] for c in AGGREGATE_COLUMNS)
-        elif fmt == "jsonl":
-            yield orjson.dumps(row.as_dict()) + b"\n"
-        else:
-            yield orjson.dumps(aggregate_cloudevent(granularity, row, source)) + b"\n"
+        yield _encode(row, fmt, AGGREGATE_COLUMNS, lambda: aggregate_cloudevent(granularity, row, source))
