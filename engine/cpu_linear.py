@@ -8,6 +8,7 @@ bit-identical results.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -21,8 +22,21 @@ _BATCH_HINT = 256
 
 
 def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and _cpu_can_pack(dtype)
+
+
+@functools.cache
+def _cpu_can_pack(dtype: torch.dtype) -> bool:
+    """oneDNN packs bf16/fp16 only on CPUs with the instructions for it (AVX-512 or
+    AVX-NE-CONVERT; an AVX2-only EPYC has neither): ask it once with a tiny weight."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), _BATCH_HINT)
+    except RuntimeError as exc:
+        log.info("oneDNN cannot pre-pack %s weights on this CPU (%s); using F.linear", dtype, exc)
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):

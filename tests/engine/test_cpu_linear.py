@@ -8,10 +8,21 @@ from torch import nn
 
 from loraplex.engine.cpu_linear import PackedLinear, pack_linears, packing_supported
 
-pytestmark = pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.bfloat16),
-                                reason="this torch build has no oneDNN")
+needs_packing = pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.bfloat16),
+                                   reason="oneDNN cannot pack bf16 weights on this CPU (no AVX-512)")
 
 
+def test_support_check_never_promises_what_onednn_refuses():
+    # An AVX2-only CPU (this fleet's EPYCs) has oneDNN but cannot pack bf16: the check
+    # must say so instead of letting the engine crash at load.
+    for dtype in (torch.bfloat16, torch.float16):
+        if packing_supported(torch.device("cpu"), dtype):
+            PackedLinear(torch.randn(32, 16).to(dtype), None)
+    assert not packing_supported(torch.device("cpu"), torch.float32)
+    assert not packing_supported(torch.device("meta"), torch.bfloat16)
+
+
+@needs_packing
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_equals_f_linear(rows, bias):
@@ -22,12 +33,14 @@ def test_packed_equals_f_linear(rows, bias):
     torch.testing.assert_close(PackedLinear(w, b)(x), F.linear(x, w, b), atol=0, rtol=0)
 
 
+@needs_packing
 def test_leading_dims_are_kept():
     w = torch.randn(8, 4).bfloat16()
     x = torch.randn(2, 3, 4).bfloat16()
     assert PackedLinear(w, None)(x).shape == (2, 3, 8)
 
 
+@needs_packing
 def test_pack_linears_replaces_nested_layers():
     model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 2, bias=False))).bfloat16()
     x = torch.randn(3, 4).bfloat16()

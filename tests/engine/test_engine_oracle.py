@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from loraplex.engine.engine import LLMEngine
@@ -137,6 +138,16 @@ def test_warm_up_changes_no_output_and_no_state(tiny_llama_dir):
     assert engine.kv.pool.num_free_blocks == free and not engine.has_unfinished_requests()
     fresh = _engine(tiny_llama_dir, max_num_seqs=4)
     assert _run(engine, _prompts(), MAX_TOKENS) == _run(fresh, _prompts(), MAX_TOKENS)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, kernels):
+    # bf16 is the default; its kernels (oneDNN packing, C kernels) depend on the CPU's
+    # instruction set, and an unsupported one must fall back instead of failing at load.
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir)), kernels=kernels))
+    assert engine.runner.dtype is torch.bfloat16
+    outs = _run(engine, _prompts(), MAX_TOKENS)
+    assert [len(o) for o in outs] == list(MAX_TOKENS)
 
 
 def test_onednn_primitive_cache_is_sized_for_many_shapes():
