@@ -55,13 +55,14 @@ class PackedLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear under `module` by a PackedLinear; returns how many."""
+def pack_linears(module: nn.Module, make=PackedLinear) -> int:
+    """Replace every nn.Linear under `module` by make(weight, bias) (PackedLinear, or
+    kernels.cpu_gemm.Bf16Linear); returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child.weight, child.bias))
+            setattr(module, name, make(child.weight, child.bias))
             count += 1
         else:
-            count += pack_linears(child)
+            count += pack_linears(child, make)
     return count

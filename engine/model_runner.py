@@ -9,6 +9,7 @@ from .attention import build_metadata
 from .config import EngineConfig
 from .cpu_linear import packing_supported
 from .cpu_tuning import keep_freed_memory_in_heap
+from .kernels import cpu_gemm
 from .kernels.select import attention_ops, select_backend
 from .loader import ModelArch, load_state_dict
 from .models.llama import LlamaModel
@@ -44,6 +45,9 @@ class ModelRunner:
         self.model = model.eval()
         if packing_supported(self.device, self.dtype):
             self.model.pack_weights()
+        elif self.kernels == "cpu" and self.dtype == torch.bfloat16 and cpu_gemm.load_library() is not None:
+            # oneDNN has no fast bf16 path on this CPU (AVX2 only): the C GEMM instead.
+            self.model.pack_weights(cpu_gemm.Bf16Linear)
         self.num_blocks = self._num_blocks()
         slots = self.num_blocks * self.block_size
         self.kv_caches = [

@@ -118,14 +118,15 @@ class LlamaModel(nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         # Not a buffer: it must stay fp32 when the model is cast to bf16, as in transformers.
         self.inv_freq: torch.Tensor | None = None
-        self.packed_head: PackedLinear | None = None
+        self.packed_head: nn.Module | None = None
         self.final_ops = TorchLayerOps
 
-    def pack_weights(self) -> None:
-        """Pre-pack every projection and the LM head for oneDNN (engine/cpu_linear.py)."""
-        pack_linears(self.layers)
+    def pack_weights(self, make=PackedLinear) -> None:
+        """Pre-pack every projection and the LM head: make(weight, bias) is PackedLinear
+        (oneDNN, engine/cpu_linear.py) or Bf16Linear (C, engine/kernels/cpu_gemm.py)."""
+        pack_linears(self.layers, make)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.packed_head = PackedLinear(w, None)
+        self.packed_head = make(w, None)
 
     def set_attention_ops(self, write_kv_fn, attention_fn) -> None:
         """Use these (engine/kernels/select.py `attention_ops`) for KV writes and attention."""
