@@ -13,6 +13,11 @@
  * y[M, N] = x[M, K] W[N, K]^T (+ bias[N]). Work items are panels, shared out by OpenMP
  * (torch's own runtime).
  */
+/* GCC kept three of the micro-kernel's twelve accumulators on the stack, each k step
+ * waiting on a store and reload (36 against 66 GFLOP/s per core); weighing register
+ * pressure per loop keeps them all in registers. */
+#pragma GCC optimize("ira-loop-pressure")
+
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +31,7 @@
 #define NR 2               /* vectors of output columns per panel (micro() is written for 2) */
 #define PANEL (NR * LANES) /* 16 output columns */
 #define MR 6               /* input rows per micro-kernel call (micro() is written for 6) */
+#define M_CHUNK 252        /* input rows per pass of the panels: a multiple of MR */
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
@@ -36,6 +42,10 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 #else
 #define FMA(a, b, c) ((c) + (a) * (b))
 #endif
+
+static inline void store8(float *p, v8f v) {
+    for (int i = 0; i < LANES; i++) p[i] = v[i];
+}
 
 static inline v8f widen8(const uint16_t *p) {
 #ifdef __AVX2__
@@ -62,8 +72,8 @@ static inline v8f widen8(const uint16_t *p) {
     }
 #define STORE_ROW(i)                                                                     \
     if (rows > i) {                                                                      \
-        memcpy(&out[i][0], &a##i##0, sizeof(v8f));                                       \
-        memcpy(&out[i][LANES], &a##i##1, sizeof(v8f));                                   \
+        store8(&out[i][0], a##i##0);                                                     \
+        store8(&out[i][LANES], a##i##1);                                                 \
     }
 
 static inline __attribute__((always_inline)) void micro(const float *xf, int64_t kp, const uint16_t *panel,
@@ -99,18 +109,23 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint
     #pragma omp parallel for schedule(static) if (M * (int64_t)K >= 65536)
     for (int m = 0; m < M; m++)
         for (int k = 0; k < K; k++) xf[m * kp + k] = bf16_load(x[m * ldx + k]);
-    #pragma omp parallel for schedule(static)
-    for (int b = begin; b < end; b++) {
-        const uint16_t *panel = packed + (int64_t)b * K * PANEL;
-        const int n0 = b * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
-        float out[MR][PANEL];
-        for (int m0 = 0; m0 < M; m0 += MR) {
-            const int rows = M - m0 < MR ? M - m0 : MR;
-            micro_rows(xf + m0 * kp, kp, panel, K, rows, out);
-            for (int i = 0; i < rows; i++) {
-                uint16_t *yr = y + (int64_t)(m0 + i) * ldy + n0;
-                for (int j = 0; j < cols; j++)
-                    yr[j] = bf16_store(out[i][j] + (bias ? bf16_load(bias[n0 + j]) : 0.f));
+    /* Rows in chunks whose fp32 copy stays in L2 while every panel passes over it
+     * (at 1024 rows unchunked: 96 against 153 GFLOP/s at 256). */
+    for (int c0 = 0; c0 < M; c0 += M_CHUNK) {
+        const int c1 = c0 + M_CHUNK < M ? c0 + M_CHUNK : M;
+        #pragma omp parallel for schedule(static)
+        for (int b = begin; b < end; b++) {
+            const uint16_t *panel = packed + (int64_t)b * K * PANEL;
+            const int n0 = b * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+            float out[MR][PANEL];
+            for (int m0 = c0; m0 < c1; m0 += MR) {
+                const int rows = c1 - m0 < MR ? c1 - m0 : MR;
+                micro_rows(xf + m0 * kp, kp, panel, K, rows, out);
+                for (int i = 0; i < rows; i++) {
+                    uint16_t *yr = y + (int64_t)(m0 + i) * ldy + n0;
+                    for (int j = 0; j < cols; j++)
+                        yr[j] = bf16_store(out[i][j] + (bias ? bf16_load(bias[n0 + j]) : 0.f));
+                }
             }
         }
     }

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_build
@@ -52,15 +51,10 @@ def cpu_gemm_bf16(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
 class Bf16Linear(nn.Module):
     """`y = x W^T + b` in bf16 on a CPU without oneDNN bf16 support (inference only).
 
-    Up to `c_max_rows` rows (decode steps, short chunks) run the C kernel, which reads
-    the packed bf16 weight once (measured 4.9x faster than torch's bf16 matmul at 16
-    rows on an AVX2 EPYC, 2 threads). Longer inputs (prefill) are compute-bound, and
-    there oneDNN's fp32 GEMM on the widened weight is faster (107 against 73 GFLOP/s at
-    1024 rows); widening is a copy of the weight, small next to the matmul. Both
-    accumulate in fp32 and round once to bf16.
+    On an AVX2 EPYC with 2 threads the C kernel measured 85 GFLOP/s at 16 rows and 150 at
+    256, against 15 for torch's bf16 matmul and 35-90 for fp32 oneDNN on the widened
+    weight (benchmarks/bench_kernels_cpu.py). It reads the packed weight once per call.
     """
-
-    c_max_rows = 128
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -72,12 +66,5 @@ class Bf16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] <= self.c_max_rows:
-            y = cpu_gemm_bf16(x2 if x2.stride(1) == 1 else x2.contiguous(), self.packed, self.out_features, self.bias)
-        else:
-            wt = self.packed.float().permute(1, 0, 2).reshape(self.in_features, -1)[:, : self.out_features]
-            y = x2.float() @ wt
-            if self.bias is not None:
-                y += self.bias.float()
-            y = y.to(torch.bfloat16)
+        y = cpu_gemm_bf16(x2 if x2.stride(1) == 1 else x2.contiguous(), self.packed, self.out_features, self.bias)
         return y.view(*lead, self.out_features)

@@ -20,7 +20,7 @@ def _reference(x, w, b=None):
     return F.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 128])  # every micro-kernel row count and tails
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64, 300])  # every micro-kernel row count, tails, two row chunks
 @pytest.mark.parametrize("n, k", [(96, 64), (37, 40), (16, 3), (1, 129)])  # partial panels, odd K
 def test_matches_f_linear(rows, n, k):
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
@@ -40,7 +40,7 @@ def test_reads_rows_with_a_stride():
     torch.testing.assert_close(cpu_gemm.cpu_gemm_bf16(x, cpu_gemm.pack_weight(w), 20), _reference(x, w), **BF16_STEP)
 
 
-@pytest.mark.parametrize("rows", [3, 200])  # the C kernel and the widened fp32 path
+@pytest.mark.parametrize("rows", [3, 200])
 def test_linear_module_keeps_leading_dims_and_bias(rows):
     lin = torch.nn.Linear(48, 40).bfloat16()
     mod = cpu_gemm.Bf16Linear(lin.weight, lin.bias)

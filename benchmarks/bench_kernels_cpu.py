@@ -1,0 +1,63 @@
+"""The C bf16 GEMM (engine/kernels/cpu_gemm.c) against torch on SmolLM2's projection shapes.
+
+One run, same threads, same weights: for each row count (decode widths to prefill
+chunks) it times torch's bf16 `F.linear`, fp32 `F.linear` on the widened weight (what
+a bf16 model could fall back to), and the C kernel on the packed weight, over enough
+distinct weights that they stream from memory as in a real step. Prints each
+GFLOP/s and the C kernel's ratio to each.
+
+On CPUs where oneDNN runs bf16 natively (AVX-512, AMX) the engine uses its pre-packed
+weights instead (engine/cpu_linear.py); this benchmark is for the others (AVX2).
+
+    python benchmarks/bench_kernels_cpu.py               # 2 threads
+    python benchmarks/bench_kernels_cpu.py --threads 1 --rows 1,16
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.engine.kernels import cpu_gemm
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+
+
+def _time(fn, count: int, reps: int) -> float:
+    for i in range(count):  # warm: oneDNN primitives, packed copies
+        fn(i)
+    start = time.perf_counter()
+    for _ in range(reps):
+        for i in range(count):
+            fn(i)
+    return (time.perf_counter() - start) / (reps * count)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="1,4,16,64,256,1024")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if cpu_gemm.load_library() is None:
+        raise SystemExit("the C kernel could not be built (no C compiler?)")
+    # 30 layers' worth of one projection: more than the L3 cache holds.
+    for name, (n, k) in SHAPES.items():
+        ws = [torch.randn(n, k).bfloat16() for _ in range(30)]
+        packed = [cpu_gemm.pack_weight(w) for w in ws]
+        for rows in map(int, args.rows.split(",")):
+            x = torch.randn(rows, k).bfloat16()
+            flop = 2 * rows * n * k
+            t_c = _time(lambda i: cpu_gemm.cpu_gemm_bf16(x, packed[i], n), len(ws), args.reps)
+            t_bf16 = _time(lambda i: F.linear(x, ws[i]), len(ws), 1 if rows > 64 else args.reps)
+            t_f32 = _time(lambda i: F.linear(x.float(), ws[i].float()).bfloat16(), len(ws), args.reps)
+            print(f"{name:>8} {n:>5}x{k:<5} rows {rows:>5}: C {flop / t_c / 1e9:6.1f} GFLOP/s | torch bf16 "
+                  f"{flop / t_bf16 / 1e9:6.1f} ({t_bf16 / t_c:5.2f}x) | torch fp32 widened {flop / t_f32 / 1e9:6.1f} "
+                  f"({t_f32 / t_c:5.2f}x)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
