@@ -77,6 +77,15 @@ def run_hf(model_dir: Path, wl: Workload, dtype: torch.dtype, batch: int) -> dic
     return {"tok_s": n_tokens / elapsed, "elapsed": elapsed, "waste": 1 - real_slots / padded_slots}
 
 
+def schedule_bound(wl: Workload, width: int) -> tuple[int, int]:
+    """Decode steps each policy needs at the least: static runs each batch of `width` to
+    its longest output; continuous needs the longest output, and one step per `width`
+    output tokens. Both pay the same prefill, so their ratio bounds a/b from above."""
+    outs = wl.max_tokens
+    static = sum(max(outs[i:i + width]) for i in range(0, len(outs), width))
+    return static, max(max(outs), -(-sum(outs) // width))
+
+
 def print_latency(name: str, res: dict) -> None:
     for lo, hi in BUCKETS:
         rows = [(t, p) for n, t, p in res["lat"] if lo <= n < hi]
@@ -128,6 +137,9 @@ def main() -> None:
         c = run_hf(model_dir, wl, getattr(torch, args.dtype), args.hf_batch)
         print(f"(c) transformers generate, batch {args.hf_batch}: {c['tok_s']:7.1f} output tok/s ({c['elapsed']:.1f} s, "
               f"padded KV slots wasted {c['waste']:.1%})")
+    steps_b, steps_a = schedule_bound(wl, args.max_num_seqs)
+    print(f"decode steps the schedules need at least: static {steps_b}, continuous {steps_a} "
+          f"(with free prefill a/b could reach at most {steps_b / steps_a:.2f}x on this workload)")
     print(f"a/b = {a['tok_s'] / b['tok_s']:.2f}x" + ("" if args.skip_hf else
           f"   a/c = {a['tok_s'] / c['tok_s']:.2f}x   a+/c = {full['tok_s'] / c['tok_s']:.2f}x"))
     print_latency("continuous", a)
