@@ -13,9 +13,9 @@
  * y[M, N] = x[M, K] W[N, K]^T (+ bias[N]). Work items are panels, shared out by OpenMP
  * (torch's own runtime).
  */
-/* GCC kept three of the micro-kernel's twelve accumulators on the stack, each k step
- * waiting on a store and reload (36 against 66 GFLOP/s per core); weighing register
- * pressure per loop keeps them all in registers. */
+/* GCC kept three of the micro-kernel's twelve accumulators on the stack (as an array or
+ * as named variables alike), each k step waiting on a store and reload (36 against 66
+ * GFLOP/s per core); weighing register pressure per loop keeps them all in registers. */
 #pragma GCC optimize("ira-loop-pressure")
 
 #include <stdint.h>
@@ -23,7 +23,7 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
-#if defined(__AVX2__) || defined(__FMA__)
+#ifdef __AVX2__
 #include <immintrin.h>
 #endif
 
@@ -37,12 +37,6 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
-#ifdef __FMA__
-#define FMA(a, b, c) ((v8f)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c)))
-#else
-#define FMA(a, b, c) ((c) + (a) * (b))
-#endif
-
 static inline void store8(float *p, v8f v) {
     for (int i = 0; i < LANES; i++) p[i] = v[i];
 }
@@ -51,24 +45,24 @@ static inline v8f widen8(const uint16_t *p) {
 #ifdef __AVX2__
     /* One vpmovzxwd from memory and a shift; the generic form below compiles to five ops. */
     return (v8f)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-#endif
+#else
     v8h h;
     memcpy(&h, p, sizeof h);
     const v8u u = __builtin_convertvector(h, v8u) << 16;
     v8f f;
     memcpy(&f, &u, sizeof f);
     return f;
+#endif
 }
 
 /* rows x PANEL block of y from `rows` (<= MR) fp32 input rows of length K and one panel.
- * Accumulators are named variables, not an array: with an array GCC spilled three of
- * the twelve to the stack inside the k loop, which cost a third of the speed. */
+ * -ffast-math contracts each `+= x * w` into one FMA. */
 #define FMA_ROW(i)                                                                       \
     if (rows > i) {                                                                      \
-        const float xv = xf[i * kp + k];                                                 \
+        const float xv = xf[(int64_t)i * K + k];                                                 \
         const v8f xb = {xv, xv, xv, xv, xv, xv, xv, xv};                                 \
-        a##i##0 = FMA(xb, w0, a##i##0);                                                  \
-        a##i##1 = FMA(xb, w1, a##i##1);                                                  \
+        a##i##0 += xb * w0;                                                              \
+        a##i##1 += xb * w1;                                                              \
     }
 #define STORE_ROW(i)                                                                     \
     if (rows > i) {                                                                      \
@@ -76,8 +70,8 @@ static inline v8f widen8(const uint16_t *p) {
         store8(&out[i][LANES], a##i##1);                                                 \
     }
 
-static inline __attribute__((always_inline)) void micro(const float *xf, int64_t kp, const uint16_t *panel,
-                                                        int K, int rows, float out[MR][PANEL]) {
+static inline __attribute__((always_inline)) void micro(const float *xf, const uint16_t *panel, int K,
+                                                        int rows, float out[MR][PANEL]) {
     v8f a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0};
     v8f a30 = {0}, a31 = {0}, a40 = {0}, a41 = {0}, a50 = {0}, a51 = {0};
     for (int k = 0; k < K; k++) {
@@ -89,26 +83,25 @@ static inline __attribute__((always_inline)) void micro(const float *xf, int64_t
 }
 
 /* One specialised copy per row count, so the accumulators stay in registers. */
-static void micro_rows(const float *xf, int64_t kp, const uint16_t *panel, int K, int rows, float out[MR][PANEL]) {
+static void micro_rows(const float *xf, const uint16_t *panel, int K, int rows, float out[MR][PANEL]) {
     switch (rows) {
-    case 6: micro(xf, kp, panel, K, 6, out); break;
-    case 5: micro(xf, kp, panel, K, 5, out); break;
-    case 4: micro(xf, kp, panel, K, 4, out); break;
-    case 3: micro(xf, kp, panel, K, 3, out); break;
-    case 2: micro(xf, kp, panel, K, 2, out); break;
-    default: micro(xf, kp, panel, K, 1, out); break;
+    case 6: micro(xf, panel, K, 6, out); break;
+    case 5: micro(xf, panel, K, 5, out); break;
+    case 4: micro(xf, panel, K, 4, out); break;
+    case 3: micro(xf, panel, K, 3, out); break;
+    case 2: micro(xf, panel, K, 2, out); break;
+    default: micro(xf, panel, K, 1, out); break;
     }
 }
 
 int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint16_t *bias,
               uint16_t *y, int64_t ldy, int M, int N, int K, int begin, int end) {
     if (M <= 0 || N <= 0 || K <= 0 || begin < 0 || end > (N + PANEL - 1) / PANEL) return 1;
-    const int64_t kp = K;
-    float *xf = malloc(sizeof(float) * (size_t)M * (size_t)kp);
+    float *xf = malloc(sizeof(float) * (size_t)M * (size_t)K);
     if (xf == NULL) return 2;
     #pragma omp parallel for schedule(static) if (M * (int64_t)K >= 65536)
     for (int m = 0; m < M; m++)
-        for (int k = 0; k < K; k++) xf[m * kp + k] = bf16_load(x[m * ldx + k]);
+        for (int k = 0; k < K; k++) xf[(int64_t)m * K + k] = bf16_load(x[m * ldx + k]);
     /* Rows in chunks whose fp32 copy stays in L2 while every panel passes over it
      * (at 1024 rows unchunked: 96 against 153 GFLOP/s at 256). */
     for (int c0 = 0; c0 < M; c0 += M_CHUNK) {
@@ -120,7 +113,7 @@ int gemm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *packed, const uint
             float out[MR][PANEL];
             for (int m0 = c0; m0 < c1; m0 += MR) {
                 const int rows = c1 - m0 < MR ? c1 - m0 : MR;
-                micro_rows(xf + m0 * kp, kp, panel, K, rows, out);
+                micro_rows(xf + (int64_t)m0 * K, panel, K, rows, out);
                 for (int i = 0; i < rows; i++) {
                     uint16_t *yr = y + (int64_t)(m0 + i) * ldy + n0;
                     for (int j = 0; j < cols; j++)

@@ -51,8 +51,8 @@ def cpu_gemm_bf16(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
 class Bf16Linear(nn.Module):
     """`y = x W^T + b` in bf16 on a CPU without oneDNN bf16 support (inference only).
 
-    On an AVX2 EPYC with 2 threads the C kernel measured 85 GFLOP/s at 16 rows and 150 at
-    256, against 15 for torch's bf16 matmul and 35-90 for fp32 oneDNN on the widened
+    On an AVX2 EPYC with 2 threads the C kernel measured 4-8x torch's bf16 matmul (which
+    runs ~15 GFLOP/s there) from 16 to 256 rows, and 1-3x fp32 oneDNN on the widened
     weight (benchmarks/bench_kernels_cpu.py). It reads the packed weight once per call.
     """
 

@@ -141,11 +141,27 @@ def test_warm_up_changes_no_output_and_no_state(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
-def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, kernels):
+def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
     # bf16 is the default; its kernels (oneDNN packing, C kernels) depend on the CPU's
     # instruction set, and an unsupported one must fall back instead of failing at load.
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir)), kernels=kernels))
+    from loraplex.adapters import AdapterStore, BaseShapes
+    from loraplex.engine.cpu_linear import PackedLinear, packing_supported
+    from loraplex.engine.kernels import cpu_gemm
+    from loraplex.engine.lora import LoRAManager
+
+    lora = LoRAManager(AdapterStore(tmp_path, BaseShapes.from_model_dir(tiny_llama_dir)))
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir)), kernels=kernels), lora)
     assert engine.runner.dtype is torch.bfloat16
+    # The fastest bf16 linear this CPU has: oneDNN's packed weights where it runs bf16
+    # natively, else the C GEMM (with adapters packed for it too) on the "cpu" backend.
+    proj = type(engine.runner.model.layers[0].qkv_proj)
+    if packing_supported(torch.device("cpu"), torch.bfloat16):
+        assert proj is PackedLinear and not lora.cpu_gemm
+    elif engine.runner.kernels == "cpu" and cpu_gemm.load_library() is not None:
+        assert proj is cpu_gemm.Bf16Linear and lora.cpu_gemm
+        assert type(engine.runner.model.packed_head) is cpu_gemm.Bf16Linear
+    else:
+        assert proj is torch.nn.Linear and not lora.cpu_gemm
     outs = _run(engine, _prompts(), MAX_TOKENS)
     assert [len(o) for o in outs] == list(MAX_TOKENS)
 
