@@ -18,7 +18,6 @@ import torch
 
 from .config import LoRAConfig
 from .errors import InvalidRequestError, UnknownAdapterError
-from .kernels import cpu_gemm as cpu_gemm_mod
 from .request import AdapterRef
 
 log = logging.getLogger(__name__)
@@ -38,16 +37,11 @@ class PackedGroup:
     b_fused: torch.Tensor  # [sum of out features, sum of ranks] block-diagonal, scale folded in
     # Per module: (output column offset, output width, rank offset, rank, B*scale [out, r]).
     parts: list[tuple[int, int, int, int, torch.Tensor]]
-    # a and b_fused packed for kernels/cpu_gemm.c, where the base model runs on it (bf16 on
-    # a CPU without oneDNN bf16: there torch's bf16 matmuls measured 15x slower for LoRA).
-    c_a: torch.Tensor | None = None
-    c_b: torch.Tensor | None = None
 
 
 def pack_adapter(adapter, out_sizes: dict[str, int], num_layers: int, dtype: torch.dtype,
-                 device: torch.device, cpu_gemm: bool = False) -> list[dict[str, PackedGroup]]:
-    """Per layer, per group: the adapter's weights in the layout `LoRABatch` computes with
-    (`cpu_gemm`: also packed for kernels/cpu_gemm.c)."""
+                 device: torch.device) -> list[dict[str, PackedGroup]]:
+    """Per layer, per group: the adapter's weights in the layout `LoRABatch` computes with."""
     layers: list[dict[str, PackedGroup]] = []
     for layer in range(num_layers):
         groups = {}
@@ -66,9 +60,7 @@ def pack_adapter(adapter, out_sizes: dict[str, int], num_layers: int, dtype: tor
             fused = torch.zeros(col, roff, dtype=dtype, device=device)
             for c, width, r0, r, b in parts:
                 fused[c:c + width, r0:r0 + r] = b
-            group = groups[g] = PackedGroup(torch.cat(a_parts).contiguous(), fused, parts)
-            if cpu_gemm:
-                group.c_a, group.c_b = cpu_gemm_mod.pack_weight(group.a), cpu_gemm_mod.pack_weight(fused)
+            groups[g] = PackedGroup(torch.cat(a_parts).contiguous(), fused, parts)
         layers.append(groups)
     return layers
 
@@ -100,10 +92,6 @@ class LoRABatch:
             packed = self.slots[slot][layer].get(group)
             if packed is None:
                 continue
-            if packed.c_a is not None:
-                s = cpu_gemm_mod.cpu_gemm_bf16(x[start:end], packed.c_a, packed.a.shape[0])
-                out[start:end] += cpu_gemm_mod.cpu_gemm_bf16(s, packed.c_b, packed.b_fused.shape[0])
-                continue
             s = x[start:end] @ packed.a.T  # shrink: [rows, sum of ranks]
             # One block-diagonal expand for q/k/v (gate/up), added in place: the zero blocks
             # at most triple a LoRA expand (under 1% of the base projections' work even for
@@ -133,9 +121,6 @@ class LoRAManager:
         # sets cpu_kernels when the "cpu" backend runs them in C (kernels/cpu_lora.c).
         self.stacks = None
         self.cpu_kernels = False
-        # Set by the runner where the base model's linears run kernels/cpu_gemm.c: long
-        # segments then run on it too.
-        self.cpu_gemm = False
 
     def bind(self, arch, dtype: torch.dtype, device: torch.device) -> None:
         q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
@@ -222,8 +207,7 @@ class LoRAManager:
                     self._cpu.move_to_end(ref.digest)
             if adapter is None:  # not prefetched (e.g. evicted meanwhile): load inline
                 adapter = self.store.load(ref.digest, dtype=self.dtype)
-            self.slots[slot] = pack_adapter(adapter, self.out_sizes, self.num_layers, self.dtype, self.device,
-                                            cpu_gemm=self.cpu_gemm)
+            self.slots[slot] = pack_adapter(adapter, self.out_sizes, self.num_layers, self.dtype, self.device)
             self.slot_refs[slot] = ref
             if self.kernel_weights is not None:
                 self.kernel_weights.set_slot(slot, self.slots[slot])

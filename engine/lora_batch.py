@@ -9,7 +9,10 @@ short prefill chunks) are grouped by slot into one padded batch [E slots, P rows
     out  += bmm(s [E, P, R], Bᵀ [E, R, out])          expand (scale folded, block-diagonal)
 
 so the op count per layer and group does not grow with the number of adapters. Long
-segments keep the per-segment matmuls, which are efficient there.
+segments keep the per-segment matmuls, which are efficient there. On the "cpu" backend
+every segment, long ones included, goes to the C kernel (kernels/cpu_lora.c) instead:
+one call per layer and group, and no oneDNN primitive to build for each new segment
+length (~1 ms each: prefill chunks rarely repeat one).
 
 The weights live in `SlotStacks`: per group one tensor over layers and slots, rank padded
 with zeros to the largest loaded rank (zeros keep it exact: padded rank columns of `s` are
@@ -187,15 +190,16 @@ class GroupedLoRABatch:
 
     def __init__(self, stacks: SlotStacks, slots: list, segments: list[tuple[int, int, int]],
                  c_kernel: bool = False) -> None:
-        """`c_kernel`: short segments through kernels/cpu_lora.c (the "cpu" backend)."""
+        """`c_kernel`: every segment through kernels/cpu_lora.c (the "cpu" backend)."""
         self.stacks = stacks
         self.segments = segments  # (start row, end row, slot), slot >= 0 only
-        short = [s for s in segments if s[1] - s[0] <= GROUPED_MAX_ROWS]
-        long = [s for s in segments if s[1] - s[0] > GROUPED_MAX_ROWS]
+        # The C kernel takes every segment as it is (no padding, no gather), long ones cut
+        # into pieces: one call per layer and group, whatever the segments' lengths.
+        self.c_segments = cpu_lora.pieces(segments) if c_kernel else None
+        short = [s for s in segments if s[1] - s[0] <= GROUPED_MAX_ROWS and not c_kernel]
+        long = [s for s in segments if s[1] - s[0] > GROUPED_MAX_ROWS and not c_kernel]
         self.long = LoRABatch(slots, long) if long else None
-        # The C kernel takes short segments as they are (no padding, no gather).
-        self.c_segments = torch.tensor(short, dtype=torch.int32) if short and c_kernel else None
-        self.plan = _plan(short, stacks.dtype, stacks.device) if short and self.c_segments is None else None
+        self.plan = _plan(short, stacks.dtype, stacks.device) if short else None
         # Per (layer, group): each module's largest rank over the grouped slots.
         self._ranks: dict[tuple[int, str], tuple[int, ...]] = {}
 
@@ -211,7 +215,7 @@ class GroupedLoRABatch:
             self.long.apply(layer, group, x, out)
         if self.c_segments is not None:
             s = self.stacks
-            cpu_lora.cpu_lora_short(x, out, self.c_segments, s.a[group], s.c_modules(group), s.ranks_t[group], layer)
+            cpu_lora.cpu_lora_segments(x, out, self.c_segments, s.a[group], s.c_modules(group), s.ranks_t[group], layer)
             return
         if self.plan is None:
             return

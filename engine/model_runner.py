@@ -48,8 +48,6 @@ class ModelRunner:
         elif self.kernels == "cpu" and self.dtype == torch.bfloat16 and cpu_gemm.load_library() is not None:
             # oneDNN has no fast bf16 path on this CPU (AVX2 only): the C GEMM instead.
             self.model.pack_weights(cpu_gemm.Bf16Linear)
-            if lora_manager is not None:
-                lora_manager.cpu_gemm = True
         self.num_blocks = self._num_blocks()
         slots = self.num_blocks * self.block_size
         self.kv_caches = [

@@ -1,4 +1,5 @@
-"""The C multi-LoRA kernel for short segments (cpu_lora.c), over lora_batch.SlotStacks.
+"""The C multi-LoRA kernel (cpu_lora.c) over lora_batch.SlotStacks: every adapter segment
+of a step, decode rows and prefill chunks, in one call per layer and group.
 
 Its reference is the per-segment torch loop (engine/lora.py `LoRABatch`), which the
 tests compare it with; without a C compiler the grouped torch path runs instead.
@@ -14,16 +15,26 @@ from . import cpu_build
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _ARGTYPES = [_P, _L, _P, _L, _P, _P, _L, _L, _I, _I, _P, _P, _I, _I, _I]
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-MAX_ROWS = 64  # the kernel's per-segment row limit (cpu_lora.c MAX_ROWS)
+MAX_ROWS = 64  # the kernel's per-piece row limit (cpu_lora.c MAX_ROWS)
+# Rows per work item: long segments are cut into pieces of this size so both threads
+# share a prefill chunk, while each piece still reuses the adapter's weights 32 times.
+PIECE_ROWS = 32
 
 
 def load_library() -> ctypes.CDLL | None:
-    return cpu_build.load("cpu_lora.c", {f"lora_short_{t}": _ARGTYPES for t in _SUFFIX.values()})
+    return cpu_build.load("cpu_lora.c", {f"lora_segments_{t}": _ARGTYPES for t in _SUFFIX.values()})
 
 
-def cpu_lora_short(x: torch.Tensor, out: torch.Tensor, segments: torch.Tensor, a: torch.Tensor,
-                   mods: torch.Tensor, ranks: torch.Tensor, layer: int) -> None:
-    """out[rows] += LoRA delta of each segment (start, end, slot) over a group's modules.
+def pieces(segments: list[tuple[int, int, int]], rows: int = PIECE_ROWS) -> torch.Tensor:
+    """(start, end, slot) segments -> int32 [pieces, 3], each at most `rows` rows."""
+    assert 0 < rows <= MAX_ROWS
+    out = [(s, min(s + rows, end), slot) for start, end, slot in segments for s in range(start, end, rows)]
+    return torch.tensor(out, dtype=torch.int32).view(-1, 3)
+
+
+def cpu_lora_segments(x: torch.Tensor, out: torch.Tensor, segments: torch.Tensor, a: torch.Tensor,
+                      mods: torch.Tensor, ranks: torch.Tensor, layer: int) -> None:
+    """out[rows] += LoRA delta of each piece (start, end, slot) over a group's modules.
 
     a: [layers, slots, RA, in] stacked A; mods: int64 [modules, 6] (A row offset, r_alloc,
     output column, out width, B^T base address, B^T layer stride); ranks: int32
@@ -36,7 +47,7 @@ def cpu_lora_short(x: torch.Tensor, out: torch.Tensor, segments: torch.Tensor, a
     assert mods.dtype == torch.int64 and mods.shape[1] == 6 and mods.is_contiguous()
     assert ranks.dtype == torch.int32 and ranks.is_contiguous() and ranks.shape == (a.shape[0], a.shape[1], mods.shape[0])
     assert 0 <= layer < a.shape[0]
-    fn = getattr(lib, f"lora_short_{_SUFFIX[x.dtype]}")
+    fn = getattr(lib, f"lora_segments_{_SUFFIX[x.dtype]}")
     args = (x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), segments.data_ptr(), a.data_ptr(),
             a.stride(0), a.stride(1), a.shape[3], mods.shape[0], mods.data_ptr(), ranks[layer].data_ptr(), layer)
     cpu_build.run(fn, args, segments.shape[0])

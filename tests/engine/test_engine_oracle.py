@@ -153,15 +153,17 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir)), kernels=kernels), lora)
     assert engine.runner.dtype is torch.bfloat16
     # The fastest bf16 linear this CPU has: oneDNN's packed weights where it runs bf16
-    # natively, else the C GEMM (with adapters packed for it too) on the "cpu" backend.
+    # natively, else the C GEMM on the "cpu" backend; adapters run on the C LoRA kernel
+    # wherever the "cpu" backend does.
     proj = type(engine.runner.model.layers[0].qkv_proj)
     if packing_supported(torch.device("cpu"), torch.bfloat16):
-        assert proj is PackedLinear and not lora.cpu_gemm
+        assert proj is PackedLinear
     elif engine.runner.kernels == "cpu" and cpu_gemm.load_library() is not None:
-        assert proj is cpu_gemm.Bf16Linear and lora.cpu_gemm
+        assert proj is cpu_gemm.Bf16Linear
         assert type(engine.runner.model.packed_head) is cpu_gemm.Bf16Linear
     else:
-        assert proj is torch.nn.Linear and not lora.cpu_gemm
+        assert proj is torch.nn.Linear
+    assert lora.cpu_kernels == (engine.runner.kernels == "cpu")
     outs = _run(engine, _prompts(), MAX_TOKENS)
     assert [len(o) for o in outs] == list(MAX_TOKENS)
 

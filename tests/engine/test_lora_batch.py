@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from loraplex.engine.kernels import cpu_gemm, cpu_lora
+from loraplex.engine.kernels import cpu_lora
 from loraplex.engine.lora import GROUPS, LoRABatch, pack_adapter, segments_of
 from loraplex.engine.lora_batch import GROUPED_MAX_ROWS, GroupedLoRABatch, SlotStacks
 from tests.engine.kernels.kernel_cases import llama_shapes, random_adapter
@@ -97,8 +97,11 @@ def test_grouped_matches_per_segment_loop(dtype, case, c_kernel):
     x, out = _inputs(rows, dtype)
     ref = _run(LoRABatch(slots, segments), x, out)
     batch = GroupedLoRABatch(stacks, slots, segments, c_kernel=c_kernel)
-    if any(e - s <= GROUPED_MAX_ROWS for s, e, _ in segments):  # the path under test is the one taken
-        assert (batch.c_segments is not None) == c_kernel and (batch.plan is None) == c_kernel
+    # the path under test is the one taken: the C kernel takes every segment, long ones too
+    if c_kernel:
+        assert batch.c_segments is not None and batch.plan is None and batch.long is None
+    elif any(e - s <= GROUPED_MAX_ROWS for s, e, _ in segments):
+        assert batch.c_segments is None and batch.plan is not None
     got = _run(batch, x, out)
     for key in ref:
         torch.testing.assert_close(got[key], ref[key], **TOL[dtype], msg=lambda m: f"{case} {key}: {m}")
@@ -158,28 +161,3 @@ def test_reload_replaces_weights_and_cached_gathers(c_kernel):
         got = _run(GroupedLoRABatch(stacks, slots, segments, c_kernel=c_kernel), x, out)
         for key in ref:
             torch.testing.assert_close(got[key], ref[key], **TOL[dtype])
-
-
-@pytest.mark.skipif(cpu_gemm.load_library() is None, reason="no C compiler to build the CPU GEMM")
-@pytest.mark.parametrize("case", ["mixed", "prefill-only"])
-def test_long_segments_on_the_c_gemm_match_torch(case, monkeypatch):
-    # Where the base model runs on kernels/cpu_gemm.c (bf16 without oneDNN bf16), adapters
-    # are packed for it too and long segments run there: same deltas as torch's matmuls.
-    dtype, cpu = torch.bfloat16, torch.device("cpu")
-    slots, _ = _loaded(dtype)
-    c_slots = [None if s is None else pack_adapter(random_adapter(ADAPTERS[i], IN, OUT, LAYERS, seed=i + 1), OUT,
-                                                   LAYERS, dtype, cpu, cpu_gemm=True)
-               for i, s in enumerate(slots)]
-    assert all(g.c_a is not None for layer in c_slots[0] for g in layer.values())
-    seqs, rows = _batch(*CASES[case])
-    segments = [s for s in segments_of(seqs) if s[1] - s[0] > GROUPED_MAX_ROWS]
-    assert segments, "the case must have long segments"
-    x, out = _inputs(rows, dtype)
-    ref = _run(LoRABatch(slots, segments), x, out)
-    calls = []
-    gemm = cpu_gemm.cpu_gemm_bf16
-    monkeypatch.setattr(cpu_gemm, "cpu_gemm_bf16", lambda *a: calls.append(1) or gemm(*a))
-    got = _run(LoRABatch(c_slots, segments), x, out)
-    assert calls, "the packed adapters did not run on the C GEMM"
-    for key in ref:
-        torch.testing.assert_close(got[key], ref[key], **TOL[dtype], msg=lambda m: f"{case} {key}: {m}")
