@@ -2,6 +2,10 @@
 #ifndef LORAPLEX_CPU_BF16_H
 #define LORAPLEX_CPU_BF16_H
 #include <stdint.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 static inline float bf16_load(uint16_t v) {
     union { uint32_t u; float f; } x;
@@ -19,6 +23,25 @@ static inline uint16_t bf16_store(float f) {
 
 /* Rounding a value to bf16 and back: what a bf16 tensor op does to each result. */
 static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
+
+/* Eight bf16 widened to an fp32 vector (the C GEMM's and the LoRA kernel's loads). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline v8f bf16_widen8(const uint16_t *p) {
+#ifdef __AVX2__
+    /* One vpmovzxwd from memory and a shift; the generic form below compiles to five ops. */
+    return (v8f)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#else
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    const v8u u = __builtin_convertvector(h, v8u) << 16;
+    v8f f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+#endif
+}
 
 static inline float f32_load(float v) { return v; }
 static inline float f32_store(float f) { return f; }

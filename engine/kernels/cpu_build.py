@@ -46,27 +46,35 @@ def _cpu_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:12]
 
 
-def _compile(source: Path, target: Path) -> None:
+def _flags(march: str) -> list[str]:
+    return [f"-march={march}" if f == "-march=native" else f for f in FLAGS]
+
+
+def _compile(source: Path, target: Path, flags: list[str]) -> None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *FLAGS, str(source), "-o", str(out), "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *flags, str(source), "-o", str(out), "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[:500]}")
         os.replace(out, target)
 
 
-def load(source_name: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
+def load(source_name: str, signatures: dict[str, list], march: str = "native") -> ctypes.CDLL | None:
     """The compiled library of `source_name` with `signatures` (function -> argtypes,
-    all returning int) set, or None (reason logged once) where it cannot be built."""
+    all returning int) set, or None (reason logged once) where it cannot be built.
+    `march`: another target than this CPU's own (the tests run each code path of a
+    kernel, e.g. AVX2's on an AVX-512 machine; it must be one this CPU can run)."""
+    key = source_name if march == "native" else f"{source_name}:{march}"
     with _lock:
-        if source_name in _libs:
-            return _libs[source_name]
+        if key in _libs:
+            return _libs[key]
         source = Path(__file__).with_name(source_name)
+        flags = _flags(march)
         headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-        digest = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode()).hexdigest()[:16]
+        digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:16]
         folder = default_cache_dir() / "kernels"
         target = folder / f"{source.stem}-{digest}-{_cpu_tag()}.so"
         lib = None
@@ -74,7 +82,7 @@ def load(source_name: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
             folder.mkdir(parents=True, exist_ok=True)
             with file_lock(folder / f".{source.stem}.lock"):
                 if not target.exists():
-                    _compile(source, target)
+                    _compile(source, target, flags)
             lib = ctypes.CDLL(str(target))
             for name, argtypes in signatures.items():
                 fn = getattr(lib, name)
@@ -82,7 +90,7 @@ def load(source_name: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
         except (OSError, RuntimeError, AttributeError) as exc:
             lib = None
             log.warning("C kernel %s unavailable, using the torch path: %s", source_name, exc)
-        _libs[source_name] = lib
+        _libs[key] = lib
         return lib
 
 

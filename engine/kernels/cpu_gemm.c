@@ -23,9 +23,6 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
 
 #define LANES 8
 #define NR 2               /* vectors of output columns per panel (micro() is written for 2) */
@@ -33,26 +30,8 @@
 #define MR 6               /* input rows per micro-kernel call (micro() is written for 6) */
 #define M_CHUNK 252        /* input rows per pass of the panels: a multiple of MR */
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-
 static inline void store8(float *p, v8f v) {
     for (int i = 0; i < LANES; i++) p[i] = v[i];
-}
-
-static inline v8f widen8(const uint16_t *p) {
-#ifdef __AVX2__
-    /* One vpmovzxwd from memory and a shift; the generic form below compiles to five ops. */
-    return (v8f)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-#else
-    v8h h;
-    memcpy(&h, p, sizeof h);
-    const v8u u = __builtin_convertvector(h, v8u) << 16;
-    v8f f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-#endif
 }
 
 /* rows x PANEL block of y from `rows` (<= MR) fp32 input rows of length K and one panel.
@@ -76,7 +55,7 @@ static inline __attribute__((always_inline)) void micro(const float *xf, const u
     v8f a30 = {0}, a31 = {0}, a40 = {0}, a41 = {0}, a50 = {0}, a51 = {0};
     for (int k = 0; k < K; k++) {
         const uint16_t *p = panel + (int64_t)k * PANEL;
-        const v8f w0 = widen8(p), w1 = widen8(p + LANES);
+        const v8f w0 = bf16_widen8(p), w1 = bf16_widen8(p + LANES);
         FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5)
     }
     STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5)

@@ -26,9 +26,6 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #define MAX_RANK 256
 #define MAX_ROWS 64
@@ -48,8 +45,6 @@
 #endif
 
 typedef float vf __attribute__((vector_size(VL * 4)));
-typedef uint16_t vh __attribute__((vector_size(VL * 2)));
-typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 
 static inline vf vload_f32(const float *p) {
     vf v;
@@ -58,17 +53,10 @@ static inline vf vload_f32(const float *p) {
 }
 
 static inline vf vload_bf16(const uint16_t *p) {
-#if defined(__AVX512F__)
+#ifdef __AVX512F__
     return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-#elif defined(__AVX2__)
-    return (vf)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 #else
-    vh h;
-    memcpy(&h, p, sizeof h);
-    const vu u = __builtin_convertvector(h, vu) << 16;
-    vf f;
-    memcpy(&f, &u, sizeof f);
-    return f;
+    return bf16_widen8(p);
 #endif
 }
 

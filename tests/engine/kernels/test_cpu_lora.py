@@ -8,9 +8,37 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.kernels import cpu_lora
+import platform
+from pathlib import Path
+
+from loraplex.engine.kernels import cpu_build, cpu_lora
 
 pytestmark = pytest.mark.skipif(cpu_lora.load_library() is None, reason="no C compiler to build the CPU kernels")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        return set(next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return set()
+
+
+@pytest.fixture(params=["native", "x86-64-v3", "x86-64"])
+def code_path(request, monkeypatch) -> str:
+    """The kernel built for this CPU, and where this CPU can run them, its AVX2 and its
+    plain x86-64 builds: each has its own code path (vdpbf16ps / 16 lanes, 8 lanes with
+    vpmovzxwd, generic vectors), and a machine only ever builds one of them."""
+    march = request.param
+    if march != "native":
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip("x86-64 targets")
+        if march == "x86-64-v3" and not {"avx2", "fma", "bmi2"} <= _cpu_flags():
+            pytest.skip("this CPU has no AVX2")
+        lib = cpu_build.load("cpu_lora.c", {f"lora_segments_{t}": cpu_lora._ARGTYPES for t in ("bf16", "f32")},
+                             march=march)
+        assert lib is not None
+        monkeypatch.setattr(cpu_lora, "load_library", lambda: lib)
+    return march
 
 
 def _args(rows=4, dtype=torch.float32, k=8, r=3, w=6, seed=0):
@@ -47,7 +75,7 @@ SHAPES = [(1, 32, 1, 16), (3, 48, 5, 70), (4, 64, 8, 64), (7, 576, 8, 192), (33,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows,k,r,w", SHAPES)
-def test_blocks_and_tails_match_fp32(dtype, rows, k, r, w):
+def test_blocks_and_tails_match_fp32(dtype, rows, k, r, w, code_path):
     x, out, segs, a, mods, ranks, bt = _args(rows, dtype, k, r, w, seed=rows + k)
     expected = _expected(x, out, a, bt)
     cpu_lora.cpu_lora_segments(x, out, segs, a, mods, ranks, 0)
@@ -55,7 +83,7 @@ def test_blocks_and_tails_match_fp32(dtype, rows, k, r, w):
     torch.testing.assert_close(out, expected, **tol)
 
 
-def test_long_segment_in_pieces_equals_one_pass():
+def test_long_segment_in_pieces_equals_one_pass(code_path):
     """A 150-row prefill segment cut into pieces gives what 64-row pieces of it give,
     rows of other slots (slot 0 here: rank 0) are untouched."""
     x, out, _, a, mods, ranks, bt = _args(rows=160, k=64, r=8, w=64)
