@@ -28,9 +28,9 @@ import torch
 from .kernels import cpu_lora
 from .lora import GROUPS, LoRABatch, PackedGroup
 
-# Segments up to this many rows join the grouped batch; longer ones run per segment,
-# where one [rows, in] x [in, r] matmul already amortises the call overhead.
-GROUPED_MAX_ROWS = 16  # at most kernels.cpu_lora.MAX_ROWS
+# On the torch path, segments up to this many rows join the grouped batch; longer ones
+# run per segment, where one [rows, in] x [in, r] matmul already amortises the call overhead.
+GROUPED_MAX_ROWS = 16
 # Read the weights as a view of slots lo..hi when the active slots are at least this
 # share of that range: cheaper than copying them out (and no cache to keep).
 RANGE_MIN_FILL = 0.5
@@ -193,13 +193,16 @@ class GroupedLoRABatch:
         """`c_kernel`: every segment through kernels/cpu_lora.c (the "cpu" backend)."""
         self.stacks = stacks
         self.segments = segments  # (start row, end row, slot), slot >= 0 only
-        # The C kernel takes every segment as it is (no padding, no gather), long ones cut
-        # into pieces: one call per layer and group, whatever the segments' lengths.
-        self.c_segments = cpu_lora.pieces(segments) if c_kernel else None
-        short = [s for s in segments if s[1] - s[0] <= GROUPED_MAX_ROWS and not c_kernel]
-        long = [s for s in segments if s[1] - s[0] > GROUPED_MAX_ROWS and not c_kernel]
-        self.long = LoRABatch(slots, long) if long else None
-        self.plan = _plan(short, stacks.dtype, stacks.device) if short else None
+        self.c_segments, self.long, self.plan = None, None, None
+        if c_kernel:
+            # The C kernel takes every segment as it is (no padding, no gather), long ones
+            # cut into pieces: one call per layer and group, whatever the segments' lengths.
+            self.c_segments = cpu_lora.pieces(segments)
+        else:
+            short = [s for s in segments if s[1] - s[0] <= GROUPED_MAX_ROWS]
+            long = [s for s in segments if s[1] - s[0] > GROUPED_MAX_ROWS]
+            self.long = LoRABatch(slots, long) if long else None
+            self.plan = _plan(short, stacks.dtype, stacks.device) if short else None
         # Per (layer, group): each module's largest rank over the grouped slots.
         self._ranks: dict[tuple[int, str], tuple[int, ...]] = {}
 
