@@ -10,7 +10,7 @@ import ctypes
 import torch
 
 from ..attention import AttentionMetadata, prefill_attention
-from . import cpu_build
+from . import cpu_build, cpu_prefill
 
 _ARGTYPES = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
              + [ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int])
@@ -45,12 +45,17 @@ def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """engine.attention.paged_attention's contract: decodes through the C kernel, prefill
-    chunks through the torch path's SDPA. q may be a view of the fused qkv rows."""
+    chunks through the C prefill kernel (kernels/cpu_prefill.c) where it is built, else
+    the torch path's SDPA. q may be a view of the fused qkv rows."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     D = meta.num_decodes
     if D:
         assert meta.block_tables is not None and meta.seq_lens is not None, "metadata lacks the ragged form"
         cpu_decode_attention(q[:D], k_cache, v_cache, out[:D], meta.block_tables, meta.seq_lens,
                              meta.block_size, scale)
-    prefill_attention(q, k_cache, v_cache, meta, scale, out)
+    if meta.prefills:
+        if cpu_prefill.load_library() is not None and cpu_prefill.supports(q, k_cache):
+            cpu_prefill.cpu_prefill_attention(q, k_cache, v_cache, meta, scale, out)
+        else:
+            prefill_attention(q, k_cache, v_cache, meta, scale, out)
     return out
