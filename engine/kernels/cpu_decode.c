@@ -88,7 +88,7 @@ int NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, T *ou
     {                                                                                               \
         float *scores = (float *)malloc(sizeof(float) * (size_t)(num_heads / num_kv_heads) * (size_t)max_ctx); \
         if (!scores) rc |= 2;                                                                       \
-        _Pragma("omp for schedule(static)")                                                          \
+        _Pragma("omp for schedule(dynamic, 2)")                                                    \
         for (int w = w_begin; w < w_end; w++) {                                                     \
             if (!scores) continue;                                                                  \
             if (head_dim == 64)                                                                     \
