@@ -1,9 +1,12 @@
 """Shared builders for the kernel tests: ragged paged batches and random adapters."""
 from __future__ import annotations
 
+import platform
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from loraplex.engine.attention import build_metadata
@@ -56,3 +59,32 @@ def random_adapter(ranks: dict[str, int], in_sizes: dict[str, int], out_sizes: d
             b = torch.randn(out_sizes[module], r, generator=gen) / r ** 0.5
             weights[(layer, module)] = SimpleNamespace(a=a, b=b, scale=scale, rank=r)
     return SimpleNamespace(weights=weights)
+
+
+# Targets a C kernel is built for besides this CPU's own: each has its own code path
+# (AVX-512 with 16 lanes and AVX512-BF16, AVX2 with 8, generic vectors), and a machine
+# only ever builds its own; these let one machine test them all.
+MARCHES = ["native", "x86-64-v3", "x86-64"]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        return set(next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return set()
+
+
+def use_build(monkeypatch, module, source: str, signatures: dict, march: str) -> None:
+    """Make `module.load_library()` return `source` built for `march` (skip where this
+    CPU cannot run that target)."""
+    from loraplex.engine.kernels import cpu_build
+
+    if march == "native":
+        return
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 targets")
+    if march == "x86-64-v3" and not {"avx2", "fma", "bmi2"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    lib = cpu_build.load(source, signatures, march=march)
+    assert lib is not None
+    monkeypatch.setattr(module, "load_library", lambda: lib)

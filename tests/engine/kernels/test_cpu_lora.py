@@ -8,37 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-import platform
-from pathlib import Path
-
-from loraplex.engine.kernels import cpu_build, cpu_lora
+from loraplex.engine.kernels import cpu_lora
+from tests.engine.kernels.kernel_cases import MARCHES, use_build
 
 pytestmark = pytest.mark.skipif(cpu_lora.load_library() is None, reason="no C compiler to build the CPU kernels")
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        return set(next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")).split())
-    except (OSError, StopIteration):
-        return set()
-
-
-@pytest.fixture(params=["native", "x86-64-v3", "x86-64"])
+@pytest.fixture(params=MARCHES)
 def code_path(request, monkeypatch) -> str:
-    """The kernel built for this CPU, and where this CPU can run them, its AVX2 and its
-    plain x86-64 builds: each has its own code path (vdpbf16ps / 16 lanes, 8 lanes with
-    vpmovzxwd, generic vectors), and a machine only ever builds one of them."""
-    march = request.param
-    if march != "native":
-        if platform.machine() not in ("x86_64", "AMD64"):
-            pytest.skip("x86-64 targets")
-        if march == "x86-64-v3" and not {"avx2", "fma", "bmi2"} <= _cpu_flags():
-            pytest.skip("this CPU has no AVX2")
-        lib = cpu_build.load("cpu_lora.c", {f"lora_segments_{t}": cpu_lora._ARGTYPES for t in ("bf16", "f32")},
-                             march=march)
-        assert lib is not None
-        monkeypatch.setattr(cpu_lora, "load_library", lambda: lib)
-    return march
+    """The kernel built for this CPU, and its AVX2 and plain x86-64 builds where this CPU
+    runs them (vdpbf16ps / 16 lanes, 8 lanes with vpmovzxwd, generic vectors)."""
+    use_build(monkeypatch, cpu_lora, "cpu_lora.c", {f"lora_segments_{t}": cpu_lora._ARGTYPES for t in ("bf16", "f32")},
+              request.param)
+    return request.param
 
 
 def _args(rows=4, dtype=torch.float32, k=8, r=3, w=6, seed=0):

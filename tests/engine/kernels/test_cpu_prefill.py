@@ -6,9 +6,18 @@ import torch
 
 from loraplex.engine.attention import prefill_attention, reference_attention
 from loraplex.engine.kernels import cpu_decode, cpu_prefill
-from tests.engine.kernels.kernel_cases import paged_batch
+from tests.engine.kernels.kernel_cases import MARCHES, paged_batch, use_build
 
 pytestmark = pytest.mark.skipif(cpu_prefill.load_library() is None, reason="no C compiler to build the CPU kernel")
+
+
+@pytest.fixture(params=MARCHES)
+def code_path(request, monkeypatch) -> str:
+    """The kernel built for this CPU, and its AVX2 and plain x86-64 builds where this CPU
+    runs them (16 lanes, 8 lanes): a machine only ever builds one of them."""
+    use_build(monkeypatch, cpu_prefill, "cpu_prefill.c", {n: cpu_prefill._ARGTYPES for n in
+                                                          ("paged_prefill_bf16", "paged_prefill_f32")}, request.param)
+    return request.param
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
 # Fresh prompts and continued chunks (a cached prefix: chunked prefill, prefix-cache
@@ -28,13 +37,13 @@ def _check(lens, block_size, heads, kv_heads, head_dim, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads", GQA)
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
-def test_chunks(block_size, heads, kv_heads, dtype):
+def test_chunks(block_size, heads, kv_heads, dtype, code_path):
     _check(CHUNKS, block_size, heads, kv_heads, 32, dtype)
 
 
 # 64 and 128 fill the P V register tiles; 48 and 80 also take the plain loop for the rest.
 @pytest.mark.parametrize("head_dim", [64, 128, 48, 80])
-def test_head_dims(head_dim):
+def test_head_dims(head_dim, code_path):
     _check(CHUNKS, 16, 9, 3, head_dim, torch.bfloat16, seed=head_dim)
 
 
