@@ -88,3 +88,17 @@ def use_build(monkeypatch, module, source: str, signatures: dict, march: str) ->
     lib = cpu_build.load(source, signatures, march=march)
     assert lib is not None
     monkeypatch.setattr(module, "load_library", lambda: lib)
+
+
+def same_on_one_and_four_threads(fn) -> None:
+    """fn() gives bit-identical results on 1 and 4 threads: work items, however they are
+    shared out, each compute their own rows."""
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            outs.append(fn())
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)

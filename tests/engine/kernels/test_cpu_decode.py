@@ -6,7 +6,7 @@ import torch
 
 from loraplex.engine.attention import paged_attention, reference_attention
 from loraplex.engine.kernels.cpu_decode import cpu_decode_attention, cpu_paged_attention, load_library
-from tests.engine.kernels.kernel_cases import paged_batch
+from tests.engine.kernels.kernel_cases import paged_batch, same_on_one_and_four_threads
 
 pytestmark = pytest.mark.skipif(load_library() is None, reason="no C compiler to build the CPU kernel")
 
@@ -55,15 +55,7 @@ def test_q_read_in_place_from_the_fused_qkv_rows():
 def test_work_split_over_threads_gives_the_same_rows():
     lens = [(i * 7 % 300, 1) for i in range(64)]
     q, kc, vc, meta, seqs = paged_batch(lens, 16, 8, 4, 32, torch.bfloat16, seed=5)
-    threads = torch.get_num_threads()
-    outs = []
-    try:
-        for n in (1, 4):  # 4 threads: 256 items split four ways
-            torch.set_num_threads(n)
-            outs.append(cpu_paged_attention(q, kc, vc, meta, 0.2))
-    finally:
-        torch.set_num_threads(threads)
-    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    same_on_one_and_four_threads(lambda: cpu_paged_attention(q, kc, vc, meta, 0.2))  # 256 items
 
 
 def test_more_accurate_than_the_torch_path_in_bf16():

@@ -6,7 +6,7 @@ import torch
 
 from loraplex.engine.attention import prefill_attention, reference_attention
 from loraplex.engine.kernels import cpu_decode, cpu_prefill
-from tests.engine.kernels.kernel_cases import MARCHES, paged_batch, use_build
+from tests.engine.kernels.kernel_cases import MARCHES, paged_batch, same_on_one_and_four_threads, use_build
 
 pytestmark = pytest.mark.skipif(cpu_prefill.load_library() is None, reason="no C compiler to build the CPU kernel")
 
@@ -71,15 +71,7 @@ def test_q_read_in_place_from_the_fused_qkv_rows():
 
 def test_work_split_over_threads_gives_the_same_rows():
     q, kc, vc, meta, _ = paged_batch([(0, 200), (50, 61), (0, 5)], 16, 8, 4, 32, torch.bfloat16, seed=5)
-    threads = torch.get_num_threads()
-    outs = []
-    try:
-        for n in (1, 4):
-            torch.set_num_threads(n)
-            outs.append(cpu_decode.cpu_paged_attention(q, kc, vc, meta, 0.2))
-    finally:
-        torch.set_num_threads(threads)
-    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    same_on_one_and_four_threads(lambda: cpu_decode.cpu_paged_attention(q, kc, vc, meta, 0.2))
 
 
 def test_as_accurate_as_sdpa_in_bf16():
