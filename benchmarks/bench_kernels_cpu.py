@@ -1,4 +1,4 @@
-"""The C bf16 GEMM (engine/kernels/cpu_gemm.c) against torch on SmolLM2's projection shapes.
+"""The C bf16 GEMMs (engine/kernels/cpu_gemm.c, cpu_dpbf16.c) against torch on SmolLM2's projection shapes.
 
 One run, same threads, same weights: for each row count (decode widths to prefill
 chunks) it times torch's bf16 `F.linear`, fp32 `F.linear` on the widened weight (what
@@ -6,8 +6,8 @@ a bf16 model could fall back to), and the C kernel on the packed weight, over en
 distinct weights that they stream from memory as in a real step. Prints each
 GFLOP/s and the C kernel's ratio to each.
 
-On CPUs where oneDNN runs bf16 natively (AVX-512, AMX) the engine uses its pre-packed
-weights instead (engine/cpu_linear.py); this benchmark is for the others (AVX2).
+On CPUs with AVX512-BF16 it also times the vdpbf16ps kernel (cpu_dpbf16.c, what the
+engine runs there) against oneDNN's pre-packed bf16 weights (engine/cpu_linear.py).
 
     python benchmarks/bench_kernels_cpu.py               # 2 threads
     python benchmarks/bench_kernels_cpu.py --threads 1 --rows 1,16
@@ -20,7 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from loraplex.engine.kernels import cpu_gemm
+from loraplex.engine.cpu_linear import PackedLinear, packing_supported
+from loraplex.engine.kernels import cpu_dpbf16, cpu_gemm
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
@@ -48,6 +49,9 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         ws = [torch.randn(n, k).bfloat16() for _ in range(30)]
         packed = [cpu_gemm.pack_weight(w) for w in ws]
+        dp = [cpu_dpbf16.pack_weight(w) for w in ws] if cpu_dpbf16.supported() else None
+        onednn = [PackedLinear(w, None) for w in ws] if dp and packing_supported(torch.device("cpu"), torch.bfloat16) else None
+        dp = dp if onednn else None
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, k).bfloat16()
             flop = 2 * rows * n * k
@@ -57,6 +61,12 @@ def main() -> None:
             print(f"{name:>8} {n:>5}x{k:<5} rows {rows:>5}: C {flop / t_c / 1e9:6.1f} GFLOP/s | torch bf16 "
                   f"{flop / t_bf16 / 1e9:6.1f} ({t_bf16 / t_c:5.2f}x) | torch fp32 widened {flop / t_f32 / 1e9:6.1f} "
                   f"({t_f32 / t_c:5.2f}x)", flush=True)
+            if dp is not None:
+                t_dp = _time(lambda i: cpu_dpbf16.dpbf16_linear(x, dp[i], n), len(ws), args.reps)
+                t_dnn = _time(lambda i: onednn[i](x), len(ws), args.reps)
+                print(f"{'':>8} {'':>11} {'':>10}  AVX512-BF16 C {flop / t_dp / 1e9:6.1f} GFLOP/s "
+                      f"({n * k * 2 / t_dp / 1e9:5.1f} GB/s of weights) | "
+                      f"oneDNN packed bf16 {flop / t_dnn / 1e9:6.1f} ({t_dnn / t_dp:5.2f}x)", flush=True)
 
 
 if __name__ == "__main__":

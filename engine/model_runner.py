@@ -9,7 +9,7 @@ from .attention import build_metadata
 from .config import EngineConfig
 from .cpu_linear import packing_supported
 from .cpu_tuning import keep_freed_memory_in_heap
-from .kernels import cpu_gemm
+from .kernels import cpu_dpbf16, cpu_gemm
 from .kernels.select import attention_ops, select_backend
 from .loader import ModelArch, load_state_dict
 from .models.llama import LlamaModel
@@ -43,9 +43,14 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(load_state_dict(model_dir, self.dtype))
         self.model = model.eval()
-        if packing_supported(self.device, self.dtype):
+        c_bf16 = self.kernels == "cpu" and self.dtype == torch.bfloat16
+        if c_bf16 and cpu_dpbf16.supported():
+            # AVX512-BF16: the C kernel streams decode steps faster than oneDNN (1.1-2.3x
+            # up to 32 rows) and matches it on prefill chunks.
+            self.model.pack_weights(cpu_dpbf16.Dpbf16Linear)
+        elif packing_supported(self.device, self.dtype):
             self.model.pack_weights()
-        elif self.kernels == "cpu" and self.dtype == torch.bfloat16 and cpu_gemm.load_library() is not None:
+        elif c_bf16 and cpu_gemm.load_library() is not None:
             # oneDNN has no fast bf16 path on this CPU (AVX2 only): the C GEMM instead.
             self.model.pack_weights(cpu_gemm.Bf16Linear)
         self.num_blocks = self._num_blocks()

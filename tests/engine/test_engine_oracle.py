@@ -146,19 +146,23 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
     # instruction set, and an unsupported one must fall back instead of failing at load.
     from loraplex.adapters import AdapterStore, BaseShapes
     from loraplex.engine.cpu_linear import PackedLinear, packing_supported
-    from loraplex.engine.kernels import cpu_gemm
+    from loraplex.engine.kernels import cpu_dpbf16, cpu_gemm
     from loraplex.engine.lora import LoRAManager
 
     lora = LoRAManager(AdapterStore(tmp_path, BaseShapes.from_model_dir(tiny_llama_dir)))
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir)), kernels=kernels), lora)
     assert engine.runner.dtype is torch.bfloat16
-    # The fastest bf16 linear this CPU has: oneDNN's packed weights where it runs bf16
-    # natively, else the C GEMM on the "cpu" backend; adapters run on the C LoRA kernel
-    # wherever the "cpu" backend does.
+    # The fastest bf16 linear this CPU has: on the "cpu" backend the AVX512-BF16 kernel
+    # where the CPU has it, then oneDNN's packed weights where it runs bf16 natively, else
+    # the C GEMM (AVX2); adapters run on the C LoRA kernel wherever the "cpu" backend does.
     proj = type(engine.runner.model.layers[0].qkv_proj)
-    if packing_supported(torch.device("cpu"), torch.bfloat16):
+    cpu_backend = engine.runner.kernels == "cpu"
+    if cpu_backend and cpu_dpbf16.supported():
+        assert proj is cpu_dpbf16.Dpbf16Linear
+        assert type(engine.runner.model.packed_head) is cpu_dpbf16.Dpbf16Linear
+    elif packing_supported(torch.device("cpu"), torch.bfloat16):
         assert proj is PackedLinear
-    elif engine.runner.kernels == "cpu" and cpu_gemm.load_library() is not None:
+    elif cpu_backend and cpu_gemm.load_library() is not None:
         assert proj is cpu_gemm.Bf16Linear
         assert type(engine.runner.model.packed_head) is cpu_gemm.Bf16Linear
     else:
