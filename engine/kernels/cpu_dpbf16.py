@@ -12,9 +12,8 @@ import ctypes
 import functools
 
 import torch
-from torch import nn
-
 from . import cpu_build
+from .cpu_gemm import Bf16Linear
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _ARGTYPES = [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I, _I]
@@ -61,18 +60,8 @@ def dpbf16_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
     return y
 
 
-class Dpbf16Linear(nn.Module):
+class Dpbf16Linear(Bf16Linear):
     """`y = x W^T + b` in bf16 with vdpbf16ps (inference only); one packed copy of W."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        assert weight.dtype == torch.bfloat16 and weight.device.type == "cpu", (weight.dtype, weight.device)
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = pack_weight(weight.detach())
-        self.bias = None if bias is None else bias.detach().contiguous()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        y = dpbf16_linear(x2 if x2.stride(1) == 1 else x2.contiguous(), self.packed, self.out_features, self.bias)
-        return y.view(*lead, self.out_features)
+    pack = staticmethod(pack_weight)
+    linear = staticmethod(dpbf16_linear)

@@ -56,15 +56,19 @@ class Bf16Linear(nn.Module):
     weight (benchmarks/bench_kernels_cpu.py). It reads the packed weight once per call.
     """
 
+    # The weight layout and the kernel (kernels/cpu_dpbf16.py `Dpbf16Linear` swaps both).
+    pack = staticmethod(pack_weight)
+    linear = staticmethod(cpu_gemm_bf16)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         assert weight.dtype == torch.bfloat16 and weight.device.type == "cpu", (weight.dtype, weight.device)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = pack_weight(weight.detach())
+        self.packed = self.pack(weight.detach())
         self.bias = None if bias is None else bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        y = cpu_gemm_bf16(x2 if x2.stride(1) == 1 else x2.contiguous(), self.packed, self.out_features, self.bias)
+        y = self.linear(x2 if x2.stride(1) == 1 else x2.contiguous(), self.packed, self.out_features, self.bias)
         return y.view(*lead, self.out_features)
