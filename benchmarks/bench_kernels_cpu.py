@@ -49,9 +49,9 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         ws = [torch.randn(n, k).bfloat16() for _ in range(30)]
         packed = [cpu_gemm.pack_weight(w) for w in ws]
-        dp = [cpu_dpbf16.pack_weight(w) for w in ws] if cpu_dpbf16.supported() else None
-        onednn = [PackedLinear(w, None) for w in ws] if dp and packing_supported(torch.device("cpu"), torch.bfloat16) else None
-        dp = dp if onednn else None
+        dp = onednn = None
+        if cpu_dpbf16.supported() and packing_supported(torch.device("cpu"), torch.bfloat16):
+            dp, onednn = [cpu_dpbf16.pack_weight(w) for w in ws], [PackedLinear(w, None) for w in ws]
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, k).bfloat16()
             flop = 2 * rows * n * k

@@ -72,6 +72,7 @@ class AttentionMetadata:
     decodes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
     device: torch.device | str = "cpu"
     _decode_groups: list[DecodeGroup] | None = None
+    _prefill_items: torch.Tensor | None = None  # kernels/cpu_prefill.py's work items, made on first use
     prefills: list[PrefillChunk] = field(default_factory=list)
     # The same batch in the generic ragged form GPU kernels take: per sequence, its
     # first query row, its context length after this step, and its block table.

@@ -45,8 +45,9 @@ def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """engine.attention.paged_attention's contract: decodes through the C kernel, prefill
-    chunks through the C prefill kernel (kernels/cpu_prefill.c) where it is built, else
-    the torch path's SDPA. q may be a view of the fused qkv rows."""
+    chunks through the C prefill kernel (kernels/cpu_prefill.c; the "cpu" backend is only
+    chosen where both build), or SDPA for shapes it does not take. q may be a view of the
+    fused qkv rows."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     D = meta.num_decodes
     if D:
@@ -54,7 +55,7 @@ def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         cpu_decode_attention(q[:D], k_cache, v_cache, out[:D], meta.block_tables, meta.seq_lens,
                              meta.block_size, scale)
     if meta.prefills:
-        if cpu_prefill.load_library() is not None and cpu_prefill.supports(q, k_cache):
+        if cpu_prefill.supports(q, k_cache):
             cpu_prefill.cpu_prefill_attention(q, k_cache, v_cache, meta, scale, out)
         else:
             prefill_attention(q, k_cache, v_cache, meta, scale, out)

@@ -12,6 +12,7 @@ import ctypes
 import functools
 
 import torch
+
 from . import cpu_build
 from .cpu_gemm import Bf16Linear
 

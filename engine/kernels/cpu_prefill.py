@@ -35,7 +35,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 def prefill_items(meta: AttentionMetadata, group: int) -> torch.Tensor:
     """int32 [items, 4]: (first batch row, rows, position of the first row, sequence index
     into meta.block_tables) per block of query rows of each chunk; made once per step."""
-    items = getattr(meta, "_prefill_items", None)
+    items = meta._prefill_items
     if items is None:
         rows = max(1, ITEM_QUERIES // group)
         flat = [(c.q_start + r, min(rows, c.q_len - r), c.start_pos + r, meta.num_decodes + i)

@@ -33,7 +33,7 @@ def select_backend(kernels: str, device: torch.device | str, dtype: torch.dtype 
     """`EngineConfig.kernels` ("auto" | "triton" | "cpu" | "torch") and the model's device -> backend.
 
     "auto" is Triton on CUDA (when Triton is installed); on a CPU it is "cpu" (the C
-    kernels, cpu_*.py: attention, fused layer steps, short-segment LoRA) where a C
+    kernels, cpu_*.py: decode and prefill attention, fused layer steps, multi-LoRA) where a C
     compiler can build them and `dtype` is one they take, else torch.
     "triton"
     forced on a CPU device runs Triton's interpreter, which must have been switched on
@@ -62,7 +62,7 @@ def select_backend(kernels: str, device: torch.device | str, dtype: torch.dtype 
 
 
 def _cpu_backend(forced: bool, device: torch.device, dtype: torch.dtype) -> str:
-    from . import cpu_decode, cpu_fused, cpu_lora
+    from . import cpu_decode, cpu_fused, cpu_lora, cpu_prefill
 
     if device.type != "cpu":
         raise RuntimeError(f"kernels='cpu' runs on a CPU device, not {device.type!r}")
@@ -70,7 +70,7 @@ def _cpu_backend(forced: bool, device: torch.device, dtype: torch.dtype) -> str:
         if forced:
             raise RuntimeError(f"kernels='cpu' takes bfloat16 or float32, not {dtype}")
         return "torch"
-    if all(lib.load_library() is not None for lib in (cpu_decode, cpu_fused, cpu_lora)):
+    if all(lib.load_library() is not None for lib in (cpu_decode, cpu_fused, cpu_lora, cpu_prefill)):
         return "cpu"
     if forced:
         raise RuntimeError("kernels='cpu' but the C kernels could not be built (see the log)")

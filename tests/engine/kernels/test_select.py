@@ -8,13 +8,16 @@ from loraplex.engine.attention import paged_attention, write_kv
 from loraplex.engine.kernels.select import attention_ops, select_backend
 
 
-def test_auto_on_cpu_is_the_c_kernel_where_it_builds(monkeypatch):
-    from loraplex.engine.kernels import cpu_decode
+@pytest.mark.parametrize("library", ["cpu_decode", "cpu_prefill", "cpu_fused", "cpu_lora"])
+def test_auto_on_cpu_is_the_c_kernel_where_it_builds(monkeypatch, library):
+    # The "cpu" backend calls each of these without another check: any one missing means torch.
+    import importlib
 
+    module = importlib.import_module(f"loraplex.engine.kernels.{library}")
     assert select_backend("torch", "cpu") == "torch"
-    built = cpu_decode.load_library() is not None
+    built = module.load_library() is not None
     assert select_backend("auto", "cpu") == ("cpu" if built else "torch")
-    monkeypatch.setattr(cpu_decode, "load_library", lambda: None)  # no compiler
+    monkeypatch.setattr(module, "load_library", lambda: None)  # no compiler
     assert select_backend("auto", "cpu") == "torch"
     with pytest.raises(RuntimeError, match="could not be built"):
         select_backend("cpu", "cpu")
