@@ -21,6 +21,18 @@
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 256
 
+/* Blocks sit wherever the pool put them, so the hardware prefetcher stalls at every jump
+ * of the block table. Each row of the current block asks for the same row of the next
+ * block (NEXT_BLOCK: NULL after the last), which is in cache when the walk gets there. */
+#define NEXT_BLOCK(head, table, t0, ctx, bs, D) \
+    ((t0) + (bs) < (ctx) ? (head) + (int64_t)(table)[(t0) / (bs) + 1] * (bs) * (D) : NULL)
+
+static inline void prefetch_row(const void *block, int j, int row_bytes) {
+    if (block == NULL) return;
+    const char *p = (const char *)block + (int64_t)j * row_bytes;
+    for (int off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
 /* One (sequence, KV head) item; always inlined so a constant head_dim unrolls the loops. */
 #define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                        \
 static inline __attribute__((always_inline)) void NAME##_item(                                     \
@@ -41,7 +53,9 @@ static inline __attribute__((always_inline)) void NAME##_item(                  
         for (int t0 = 0; t0 < ctx; t0 += block_size) {  /* scores: K read once per block */         \
             const int n = ctx - t0 < block_size ? ctx - t0 : block_size;                            \
             const T *kb = kh + (int64_t)table[t0 / block_size] * block_size * D;                    \
+            const T *kn = NEXT_BLOCK(kh, table, t0, ctx, block_size, D);                            \
             for (int j = 0; j < n; j++) {                                                           \
+                prefetch_row(kn, j, D * (int)sizeof(T));                                            \
                 for (int i = 0; i < D; i++) row[i] = LOAD(kb[(int64_t)j * D + i]);                  \
                 for (int g = 0; g < G; g++) {                                                       \
                     float d = 0.f;                                                                  \
@@ -60,7 +74,9 @@ static inline __attribute__((always_inline)) void NAME##_item(                  
         for (int t0 = 0; t0 < ctx; t0 += block_size) {  /* V read once per block */                 \
             const int n = ctx - t0 < block_size ? ctx - t0 : block_size;                            \
             const T *vb = vh + (int64_t)table[t0 / block_size] * block_size * D;                    \
+            const T *vn = NEXT_BLOCK(vh, table, t0, ctx, block_size, D);                            \
             for (int j = 0; j < n; j++) {                                                           \
+                prefetch_row(vn, j, D * (int)sizeof(T));                                            \
                 for (int i = 0; i < D; i++) row[i] = LOAD(vb[(int64_t)j * D + i]);                  \
                 for (int g = 0; g < G; g++) {                                                       \
                     const float p = scores[(int64_t)g * ctx + t0 + j];                              \
