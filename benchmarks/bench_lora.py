@@ -253,7 +253,9 @@ def main() -> None:
         hf = {"plain": run_hf(model_dir, hf_wl, [None] * hf_n, dtype, args.hf_batch, "")} if modes else {}
         report("base model", res, hf)
         for n in counts:
-            for pop in pops:
+            # With one adapter every popularity assigns it every request: one run, not two
+            # identical ones (whose difference would only be the machine's noise).
+            for pop in pops[:1] if n == 1 else pops:
                 idx = assign_adapters(len(wl.prompts), n, pop, args.zipf_s)
                 used = Counter(idx)
                 eng = engine(n)
