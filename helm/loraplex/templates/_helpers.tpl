@@ -1,0 +1,264 @@
+{{/*
+The loraplex CLI and HTTP contract the chart relies on: subcommands, routes and the
+environment variables the roles read. A rename in loraplex is one edit here.
+*/}}
+{{- define "loraplex.contract" -}}
+commands:
+  gateway: gateway
+  worker: worker
+  migrate: migrate
+routes:
+  liveness: /health
+  readiness: /ready
+  metrics: /metrics
+env:
+  adminToken: LORAPLEX_ADMIN_TOKEN
+  internalToken: LORAPLEX_INTERNAL_TOKEN
+  databaseUrl: LORAPLEX_DATABASE_URL
+  dataDir: LORAPLEX_DATA_DIR
+  cacheDir: LORAPLEX_CACHE_DIR
+{{- end }}
+
+{{- define "loraplex.c" -}}
+{{- include "loraplex.contract" . | fromYaml | toJson -}}
+{{- end }}
+
+{{- define "loraplex.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "loraplex.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Object names, one place each (the 15-character margin leaves room for suffixes). */}}
+{{- define "loraplex.gatewayName" -}}{{ include "loraplex.fullname" . | trunc 48 | trimSuffix "-" }}-gateway{{- end }}
+{{- define "loraplex.workerName" -}}{{ include "loraplex.fullname" . | trunc 48 | trimSuffix "-" }}-worker{{- end }}
+{{- define "loraplex.workerHeadlessName" -}}{{ include "loraplex.fullname" . | trunc 48 | trimSuffix "-" }}-workers{{- end }}
+{{- define "loraplex.migrateName" -}}{{ include "loraplex.fullname" . | trunc 48 | trimSuffix "-" }}-migrate{{- end }}
+{{- define "loraplex.postgresqlName" -}}{{ include "loraplex.fullname" . | trunc 48 | trimSuffix "-" }}-postgresql{{- end }}
+
+{{- define "loraplex.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "loraplex.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "loraplex.secretName" -}}
+{{- default (include "loraplex.fullname" .) .Values.secrets.existingSecret }}
+{{- end }}
+
+{{/* The workers' headless Service as the gateway's --workers-dns NAME:PORT. */}}
+{{- define "loraplex.workersDns" -}}
+{{- printf "%s.%s.svc.%s:%d" (include "loraplex.workerHeadlessName" .) .Release.Namespace .Values.clusterDomain (int .Values.worker.port) }}
+{{- end }}
+
+{{- define "loraplex.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "loraplex.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: loraplex
+{{- end }}
+
+{{- define "loraplex.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "loraplex.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Labels and selector labels of one component: (dict "ctx" $ "component" "gateway"). */}}
+{{- define "loraplex.componentLabels" -}}
+{{ include "loraplex.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "loraplex.componentSelector" -}}
+{{ include "loraplex.selectorLabels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "loraplex.cpuImage" -}}
+{{- printf "%s:%s" .Values.image.repository .Values.image.cpuTag }}
+{{- end }}
+
+{{- define "loraplex.workerImage" -}}
+{{- if .Values.cpuOnly }}
+{{- include "loraplex.cpuImage" . }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository .Values.image.cudaTag }}
+{{- end }}
+{{- end }}
+
+{{- define "loraplex.workerDevice" -}}
+{{- if .Values.cpuOnly }}cpu{{ else }}{{ .Values.worker.device }}{{ end }}
+{{- end }}
+
+{{/*
+Generated secrets: a value given in values wins, else the one already in the release's
+Secret (kept across upgrades), else a new random one. Memoised in the render so the
+Secret, the migration hook's Secret and the built-in PostgreSQL see the same value.
+(dict "ctx" $ "key" "admin-token" "value" "<from values>")
+*/}}
+{{- define "loraplex.generated" -}}
+{{- $ctx := .ctx }}
+{{- $memo := $ctx.Values._generated | default dict }}
+{{- if not (hasKey $memo .key) }}
+{{- $v := .value }}
+{{- if not $v }}
+{{- $existing := lookup "v1" "Secret" $ctx.Release.Namespace (include "loraplex.fullname" $ctx) }}
+{{- if and $existing (hasKey ($existing.data | default dict) .key) }}
+{{- $v = index $existing.data .key | b64dec }}
+{{- else }}
+{{- $v = randAlphaNum 40 }}
+{{- end }}
+{{- end }}
+{{- $_ := set $memo .key $v }}
+{{- $_ := set $ctx.Values "_generated" $memo }}
+{{- end }}
+{{- index $memo .key }}
+{{- end }}
+
+{{- define "loraplex.databaseUrl" -}}
+{{- if .Values.database.url }}
+{{- .Values.database.url }}
+{{- else if include "loraplex.builtinPostgres" . }}
+{{- $pw := include "loraplex.generated" (dict "ctx" . "key" "postgres-password" "value" .Values.postgresql.auth.password) }}
+{{- printf "postgresql+psycopg://%s:%s@%s.%s.svc.%s:5432/%s" .Values.postgresql.auth.username (urlquery $pw) (include "loraplex.postgresqlName" .) .Release.Namespace .Values.clusterDomain .Values.postgresql.auth.database }}
+{{- else }}
+{{- fail "loraplex needs a database: set database.url (an external PostgreSQL), secrets.existingSecret, or postgresql.enabled=true" }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when the chart runs its own PostgreSQL (no external URL, no existing Secret). */}}
+{{- define "loraplex.builtinPostgres" -}}
+{{- if and .Values.postgresql.enabled (not .Values.database.url) (not .Values.secrets.existingSecret) -}}
+true
+{{- end }}
+{{- end }}
+
+{{/* The migration runs before install when the database exists already, after it otherwise. */}}
+{{- define "loraplex.migrationHook" -}}
+{{- if include "loraplex.builtinPostgres" . -}}
+post-install,pre-upgrade
+{{- else -}}
+pre-install,pre-upgrade
+{{- end }}
+{{- end }}
+
+{{/* The env every loraplex role shares: secrets by reference, the S3 store's settings. */}}
+{{- define "loraplex.commonEnv" -}}
+{{- $c := include "loraplex.c" . | fromJson }}
+- name: {{ $c.env.databaseUrl }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "loraplex.secretName" . }}
+      key: {{ .Values.secrets.keys.databaseUrl }}
+{{- if eq .Values.adapterStore.type "s3" }}
+{{- with .Values.adapterStore.s3.endpointUrl }}
+- name: AWS_ENDPOINT_URL
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.adapterStore.s3.region }}
+- name: AWS_DEFAULT_REGION
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "loraplex.s3EnvFrom" -}}
+{{- if and (eq .Values.adapterStore.type "s3") .Values.adapterStore.s3.existingSecret }}
+- secretRef:
+    name: {{ .Values.adapterStore.s3.existingSecret }}
+{{- end }}
+{{- end }}
+
+{{- define "loraplex.adapterStoreUrl" -}}
+{{- if not .Values.adapterStore.s3.bucket }}
+{{- fail "adapterStore.type=s3 needs adapterStore.s3.bucket" }}
+{{- end }}
+{{- printf "s3://%s/%s" .Values.adapterStore.s3.bucket (trimPrefix "/" .Values.adapterStore.s3.prefix) | trimSuffix "/" }}
+{{- end }}
+
+{{/* `loraplex gateway ...` arguments. */}}
+{{- define "loraplex.gatewayArgs" -}}
+{{- $c := include "loraplex.c" . | fromJson }}
+- {{ $c.commands.gateway }}
+- --workers-dns
+- {{ include "loraplex.workersDns" . }}
+- --host
+- 0.0.0.0
+- --port
+- {{ .Values.gateway.port | quote }}
+- --data-dir
+- /var/lib/loraplex
+{{- if .Values.gateway.metricsPort }}
+- --metrics-port
+- {{ .Values.gateway.metricsPort | quote }}
+{{- end }}
+{{- if eq .Values.adapterStore.type "s3" }}
+- --adapter-store
+- {{ include "loraplex.adapterStoreUrl" . }}
+{{- end }}
+{{- range .Values.gateway.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/* `loraplex worker ...` arguments; a null engine knob leaves the engine's default. */}}
+{{- define "loraplex.workerArgs" -}}
+{{- $c := include "loraplex.c" . | fromJson }}
+{{- $e := .Values.worker.engine }}
+- {{ $c.commands.worker }}
+- --host
+- 0.0.0.0
+- --port
+- {{ .Values.worker.port | quote }}
+- --model
+- {{ .Values.model.path | quote }}
+- --device
+- {{ include "loraplex.workerDevice" . }}
+{{- if eq .Values.adapterStore.type "s3" }}
+- --adapter-store
+- {{ include "loraplex.adapterStoreUrl" . }}
+{{- else }}
+- --database-url
+- $({{ $c.env.databaseUrl }})
+{{- end }}
+{{- with $e.dtype }}
+- --dtype
+- {{ . }}
+{{- end }}
+{{- range $flag, $v := dict "--threads" $e.threads "--max-num-seqs" $e.maxNumSeqs "--max-num-batched-tokens" $e.maxNumBatchedTokens "--max-model-len" $e.maxModelLen "--max-loras" $e.maxLoras "--max-lora-rank" $e.maxLoraRank }}
+{{- if not (kindIs "invalid" $v) }}
+- {{ $flag }}
+- {{ $v | quote }}
+{{- end }}
+{{- end }}
+{{- if and (not $.Values.cpuOnly) (ne (include "loraplex.workerDevice" $) "cpu") (not (kindIs "invalid" $e.gpuMemoryUtilization)) }}
+- --gpu-memory-utilization
+- {{ $e.gpuMemoryUtilization | quote }}
+{{- end }}
+{{- range .Values.worker.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "loraplex.httpProbe" -}}
+httpGet:
+  path: {{ .path }}
+  port: http
+{{- with .probe }}
+{{- toYaml . | nindent 0 }}
+{{- end }}
+{{- end }}
