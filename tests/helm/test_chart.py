@@ -1,0 +1,186 @@
+"""The chart lints, and each documented deployment renders to valid manifests that do what
+helm/README.md says (every render is validated in conftest.render)."""
+from __future__ import annotations
+
+import base64
+
+import helm_python as helm
+
+from tests.helm.conftest import CHART, NAMESPACE, RELEASE
+
+GPU = "nvidia.com/gpu"
+
+
+def _container(doc: dict) -> dict:
+    (container,) = doc["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def _env(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def test_lint_is_clean():
+    report = helm.lint(str(CHART), strict=True, namespace=NAMESPACE, kube_version="v1.33.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert report["errors"] == [] and problems == [], report
+
+
+def test_defaults(render):
+    out = render()
+    assert out.kinds() == sorted([
+        "Deployment", "Job", "PodDisruptionBudget", "PodDisruptionBudget", "Secret", "Secret", "Service",
+        "Service", "Service", "ServiceAccount", "StatefulSet", "StatefulSet"])
+    gateway = out.one("Deployment", "gateway")
+    assert gateway["spec"]["replicas"] == 2
+    worker = out.one("StatefulSet", "worker")
+    c = _container(worker)
+    assert c["image"].endswith("-cuda") and _flag(c["args"], "--device") == "cuda"
+    assert c["resources"]["limits"][GPU] == 1 and c["resources"]["requests"][GPU] == 1
+    # The built-in PostgreSQL: the database URL in the Secret points at its Service.
+    secret = out.named("Secret", f"{RELEASE}-loraplex")
+    url = base64.b64decode(secret["data"]["database-url"]).decode()
+    pg = out.one("Service", "postgresql")
+    assert f"@{pg['metadata']['name']}.{NAMESPACE}.svc.cluster.local:5432/loraplex" in url
+    password = base64.b64decode(secret["data"]["postgres-password"]).decode()
+    assert f":{password}@" in url
+    # The model comes from the PVC, read-only; nothing in the pod downloads it.
+    volumes = {v["name"]: v for v in worker["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "loraplex-models", "readOnly": True}
+    assert _flag(c["args"], "--model") == "/models/model"
+    assert "is deployed" in out.notes
+
+
+def test_cpu_only(render):
+    out = render({"cpuOnly": True, "worker": {"engine": {"threads": 4}},
+                  "model": {"source": "image", "path": "default"}})
+    worker = out.one("StatefulSet", "worker")
+    c = _container(worker)
+    assert c["image"].endswith("-cpu")
+    assert _flag(c["args"], "--device") == "cpu" and _flag(c["args"], "--threads") == "4"
+    assert "--gpu-memory-utilization" not in c["args"]
+    assert not any(GPU in r for r in c["resources"].values())
+    spec = worker["spec"]["template"]["spec"]
+    assert "tolerations" not in spec
+    assert "model" not in {v["name"] for v in spec["volumes"]} and _flag(c["args"], "--model") == "default"
+    assert "CPU only" in out.notes
+
+
+def test_three_gateways_four_gpu_workers(render):
+    out = render({
+        "gateway": {"replicaCount": 3, "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 12}},
+        "worker": {"replicaCount": 4, "gpusPerWorker": 1, "nodeSelector": {"gpu": "h100"},
+                   "runtimeClassName": "nvidia",
+                   "engine": {"maxNumSeqs": 256, "maxNumBatchedTokens": 8192, "maxModelLen": 8192,
+                              "gpuMemoryUtilization": 0.85, "maxLoras": 16, "maxLoraRank": 32}},
+    })
+    worker = out.one("StatefulSet", "worker")
+    assert worker["spec"]["replicas"] == 4
+    spec = worker["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"gpu": "h100"} and spec["runtimeClassName"] == "nvidia"
+    assert spec["tolerations"] == [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
+    args = _container(worker)["args"]
+    assert {f: _flag(args, f) for f in ("--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+                                        "--gpu-memory-utilization", "--max-loras", "--max-lora-rank")} == {
+        "--max-num-seqs": "256", "--max-num-batched-tokens": "8192", "--max-model-len": "8192",
+        "--gpu-memory-utilization": "0.85", "--max-loras": "16", "--max-lora-rank": "32"}
+    # An autoscaled Deployment leaves replicas to the HPA.
+    assert "replicas" not in out.one("Deployment", "gateway")["spec"]
+    hpa = out.one("HorizontalPodAutoscaler")
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (3, 12)
+    assert hpa["spec"]["scaleTargetRef"]["name"] == out.one("Deployment", "gateway")["metadata"]["name"]
+    assert "4 x" in out.notes
+
+
+def test_external_postgresql_with_existing_secret(render):
+    out = render({"postgresql": {"enabled": False}, "secrets": {"existingSecret": "loraplex-prod"}})
+    assert out.all("Secret") == [] and out.all("StatefulSet") == [out.one("StatefulSet", "worker")]
+    for doc in (out.one("Deployment", "gateway"), out.one("StatefulSet", "worker"), out.one("Job")):
+        refs = {e["valueFrom"]["secretKeyRef"]["name"] for e in _container(doc)["env"] if "valueFrom" in e}
+        assert refs == {"loraplex-prod"}
+    # The database exists before the release: migrate before install as well as upgrade.
+    assert out.one("Job")["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+
+
+def test_external_postgresql_by_url(render):
+    url = "postgresql+psycopg://lpx:s3cret@db.internal:5432/loraplex"
+    out = render({"postgresql": {"enabled": False}, "database": {"url": url},
+                  "secrets": {"adminToken": "a" * 32, "internalToken": "i" * 32}})
+    main, migrate = out.named("Secret", f"{RELEASE}-loraplex"), out.named("Secret", f"{RELEASE}-loraplex-migrate")
+    decoded = {k: base64.b64decode(v).decode() for k, v in main["data"].items()}
+    assert decoded == {"admin-token": "a" * 32, "internal-token": "i" * 32, "database-url": url}
+    assert base64.b64decode(migrate["data"]["database-url"]).decode() == url
+    # The hook's Secret exists before the hook Job and is gone once it succeeded.
+    ann = migrate["metadata"]["annotations"]
+    assert ann["helm.sh/hook"] == "pre-install,pre-upgrade"
+    assert int(ann["helm.sh/hook-weight"]) < int(out.one("Job")["metadata"]["annotations"]["helm.sh/hook-weight"])
+    assert "hook-succeeded" in ann["helm.sh/hook-delete-policy"]
+    assert not any(d["metadata"]["labels"].get("app.kubernetes.io/component") == "postgresql" for d in out.docs)
+
+
+def test_s3_adapter_store(render):
+    out = render({"adapterStore": {"type": "s3", "s3": {
+        "bucket": "lpx-adapters", "prefix": "prod/", "endpointUrl": "http://minio.storage:9000",
+        "region": "us-east-1", "existingSecret": "s3-creds"}}})
+    for doc in (out.one("Deployment", "gateway"), out.one("StatefulSet", "worker")):
+        c = _container(doc)
+        assert _flag(c["args"], "--adapter-store") == "s3://lpx-adapters/prod"
+        env = _env(c)
+        assert env["AWS_ENDPOINT_URL"]["value"] == "http://minio.storage:9000"
+        assert env["AWS_DEFAULT_REGION"]["value"] == "us-east-1"
+        assert {"secretRef": {"name": "s3-creds"}} in c["envFrom"]
+    assert "--database-url" not in _container(out.one("StatefulSet", "worker"))["args"]
+
+
+def test_inference_pool(render):
+    out = render({"inferencePool": {"enabled": True, "endpointPicker": {"name": "lpx-epp"}}})
+    pool = out.one("InferencePool")
+    worker = out.one("StatefulSet", "worker")
+    pod_labels = worker["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert pool["spec"]["targetPorts"] == [{"number": _container(worker)["ports"][0]["containerPort"]}]
+    assert pool["spec"]["endpointPickerRef"] == {
+        "kind": "Service", "name": "lpx-epp", "port": {"number": 9002}, "failureMode": "FailClose"}
+
+
+def test_ingress_service_monitor_and_operator_knobs(render):
+    out = render({
+        "imagePullSecrets": [{"name": "regcred"}],
+        "gateway": {"metricsPort": 9090, "extraEnv": [{"name": "LORAPLEX_DEBUG", "value": "1"}],
+                    "service": {"type": "LoadBalancer", "annotations": {"lb.example.com/internal": "true"}},
+                    "ingress": {"enabled": True, "className": "nginx",
+                                "tls": [{"secretName": "lpx-tls", "hosts": ["loraplex.example.com"]}]}},
+        "worker": {"extraArgs": ["--max-cpu-loras", "64"]},
+        "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}},
+    })
+    svc = out.one("Service", "gateway")
+    assert svc["spec"]["type"] == "LoadBalancer"
+    assert svc["metadata"]["annotations"] == {"lb.example.com/internal": "true"}
+    ingress = out.one("Ingress")
+    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": svc["metadata"]["name"], "port": {"number": svc["spec"]["ports"][0]["port"]}}
+    gw = _container(out.one("Deployment", "gateway"))
+    assert _flag(gw["args"], "--metrics-port") == "9090" and _env(gw)["LORAPLEX_DEBUG"]["value"] == "1"
+    assert _container(out.one("StatefulSet", "worker"))["args"][-2:] == ["--max-cpu-loras", "64"]
+    for doc in out.all("Deployment") + out.all("StatefulSet") + out.all("Job"):
+        if doc["metadata"]["labels"]["app.kubernetes.io/component"] != "postgresql":
+            assert doc["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    monitors = {m["metadata"]["labels"]["app.kubernetes.io/component"]: m for m in out.all("ServiceMonitor")}
+    assert set(monitors) == {"gateway", "worker"}
+    assert monitors["gateway"]["spec"]["endpoints"][0]["port"] == "metrics"
+    assert monitors["worker"]["spec"]["endpoints"][0]["port"] == "http"
+    assert all(m["metadata"]["labels"]["release"] == "prometheus" for m in monitors.values())
+
+
+def test_pods_run_unprivileged(render):
+    out = render()
+    for doc in out.all("Deployment") + out.all("StatefulSet") + out.all("Job"):
+        spec = doc["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["automountServiceAccountToken"] is False
+        for c in spec["containers"]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
