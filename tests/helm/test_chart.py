@@ -184,3 +184,30 @@ def test_pods_run_unprivileged(render):
         assert spec["automountServiceAccountToken"] is False
         for c in spec["containers"]:
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def _readme_installs() -> list[tuple[str, str]]:
+    """(section, the --set expressions joined) of every `helm install` in helm/README.md."""
+    import re
+    import shlex
+
+    text = (CHART.parent / "README.md").read_text()
+    installs = []
+    for section, body in re.findall(r"^### (.+?)\n(.*?)(?=^##)", text, flags=re.S | re.M):
+        for block in re.findall(r"```bash\n(.*?)```", body, flags=re.S):
+            command = block.replace("\\\n", " ")
+            for line in command.splitlines():
+                if line.startswith("helm install"):
+                    words = shlex.split(line)
+                    sets = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+                    installs.append((section, ",".join(sets)))
+    return installs
+
+
+def test_every_readme_example_renders(render):
+    installs = _readme_installs()
+    assert {s for s, _ in installs} >= {"CPU only (a laptop cluster, kind, minikube)", "External PostgreSQL",
+                                         "One GPU per worker: 3 gateways x 4 workers", "S3 adapter store"}
+    for section, sets in installs:
+        out = render(helm.parse_set_string(sets))
+        assert out.one("StatefulSet", "worker"), section

@@ -38,6 +38,7 @@ def test_a_typo_in_a_value_name_is_rejected(chart, values, named):
 @pytest.mark.parametrize("values", [
     {"worker": {"device": "gpu"}},
     {"worker": {"engine": {"gpuMemoryUtilization": 1.5}}},
+    {"worker": {"engine": {"gpuMemoryUtilization": "1.5"}}},                # as `--set` passes it
     {"worker": {"engine": {"maxNumSeqs": "many"}}},
     {"adapterStore": {"type": "gcs"}},
     {"model": {"source": "huggingface"}},
