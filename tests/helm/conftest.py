@@ -4,6 +4,7 @@ validate every manifest: Kubernetes kinds strictly against the API schemas
 upstream CRDs (crd_schemas.py)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -66,13 +67,18 @@ def chart():
 
 @pytest.fixture(scope="session")
 def render(chart) -> Callable[..., Rendered]:
-    """Validate the values against values.schema.json, render, and validate every manifest."""
+    """Validate the values against values.schema.json, render, and validate every manifest.
+    Renders are shared by the tests asking for the same values (none modifies one)."""
+    done: dict[str, Rendered] = {}
 
     def _render(values: dict[str, Any] | None = None) -> Rendered:
-        chart.validate_schema(values or {})
-        out = Rendered(chart.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True))
-        for doc in out.docs:
-            validate_doc(doc)
-        return out
+        key = json.dumps(values or {}, sort_keys=True)
+        if key not in done:
+            chart.validate_schema(values or {})
+            out = Rendered(chart.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True))
+            for doc in out.docs:
+                validate_doc(doc)
+            done[key] = out
+        return done[key]
 
     return _render
