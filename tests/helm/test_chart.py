@@ -52,6 +52,9 @@ def test_defaults(render):
     volumes = {v["name"]: v for v in worker["spec"]["template"]["spec"]["volumes"]}
     assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "loraplex-models", "readOnly": True}
     assert _flag(c["args"], "--model") == "/models/model"
+    for doc in (gateway, worker):
+        env = _env(_container(doc))
+        assert env["HF_HUB_OFFLINE"]["value"] == "1" and env["TRANSFORMERS_OFFLINE"]["value"] == "1"
     assert "is deployed" in out.notes
 
 

@@ -164,6 +164,11 @@ pre-install,pre-upgrade
     secretKeyRef:
       name: {{ include "loraplex.secretName" . }}
       key: {{ .Values.secrets.keys.databaseUrl }}
+{{- /* Nothing is fetched from a model hub at run time, whatever a library would try. */}}
+- name: HF_HUB_OFFLINE
+  value: "1"
+- name: TRANSFORMERS_OFFLINE
+  value: "1"
 {{- if eq .Values.adapterStore.type "s3" }}
 {{- with .Values.adapterStore.s3.endpointUrl }}
 - name: AWS_ENDPOINT_URL
