@@ -33,8 +33,23 @@ from typing import Any
 import torch
 
 from .digest import DIGEST_PREFIX, digest_hex
-from .errors import AdapterError, AdapterNotFoundError, AdapterValidationError, InvalidAdapterNameError
-from .peft import CONFIG_NAME, DEFAULT_MAX_RANK, WEIGHTS_NAME, LoRAAdapter, find_adapter_files, load_peft_adapter
+from .errors import (
+    AdapterError,
+    AdapterNotFoundError,
+    AdapterTooLargeError,
+    AdapterValidationError,
+    InvalidAdapterNameError,
+)
+from .limits import MAX_CONFIG_BYTES, max_adapter_bytes
+from .peft import (
+    CONFIG_NAME,
+    DEFAULT_MAX_RANK,
+    WEIGHTS_NAME,
+    LoRAAdapter,
+    find_adapter_files,
+    load_peft_adapter,
+    write_resolved_targets,
+)
 from .shapes import BaseShapes
 from .zipsafe import extract_adapter_zip
 
@@ -81,13 +96,14 @@ class AdapterStore:
         *,
         max_rank: int = DEFAULT_MAX_RANK,
         keep_versions: int = 4,
-        max_file_bytes: int = 8 << 30,
+        max_file_bytes: int | None = None,
     ) -> None:
         self.root = Path(root)
         self.base = base
         self.max_rank = max_rank
         self.keep_versions = keep_versions  # older versions kept per name, beyond the current one
-        self.max_file_bytes = max_file_bytes
+        # The weights file's cap: by default, what an adapter for `base` at `max_rank` can weigh.
+        self.max_file_bytes = max_file_bytes if max_file_bytes is not None else max_adapter_bytes(base, max_rank)
         self._blobs = self.root / "blobs"
         self._tmp = self.root / "tmp"
         self._index_path = self.root / "index.json"
@@ -150,14 +166,19 @@ class AdapterStore:
         staging = Path(tempfile.mkdtemp(prefix="add-", dir=self._tmp))
         try:
             blob = self._stage(Path(source), staging)
-            adapter = load_peft_adapter(blob, self.base, max_rank=self.max_rank)
+            adapter = load_peft_adapter(
+                blob, self.base, max_rank=self.max_rank, max_weights_bytes=self.max_file_bytes
+            )
+            size = sum((blob / n).stat().st_size for n in (CONFIG_NAME, WEIGHTS_NAME))
+            write_resolved_targets(blob, adapter)
+            _fsync_dir(blob)
             record = AdapterRecord(
                 name=name,
                 digest=adapter.digest,
                 rank=adapter.rank,
                 target_modules=adapter.target_modules,
                 alpha=adapter.alpha,
-                size_bytes=sum(p.stat().st_size for p in blob.iterdir()),
+                size_bytes=size,
                 created_at=time.time(),
             )
             with self._locked():
@@ -206,27 +227,22 @@ class AdapterStore:
         return record
 
     def _stage(self, source: Path, staging: Path) -> Path:
-        """Copy the adapter's two files into staging/blob (fsync'd); return that folder."""
+        """Write the adapter's two files into staging/blob (fsync'd, size-capped); return it."""
+        blob = staging / "blob"
+        blob.mkdir()
         if source.is_dir():
-            folder = source
+            config, weights = find_adapter_files(source)
+            caps = ((config, CONFIG_NAME, MAX_CONFIG_BYTES), (weights, WEIGHTS_NAME, self.max_file_bytes))
+            for src, dst_name, cap in caps:
+                if (size := src.stat().st_size) > cap:
+                    raise AdapterTooLargeError(f"{dst_name} is {size} bytes, over the {cap} byte limit")
+                _copy_fsync(src, blob / dst_name)
         elif source.is_file() and zipfile.is_zipfile(source):
-            extracted = staging / "src"
-            extracted.mkdir()
-            folder = extract_adapter_zip(
-                source, extracted, max_member_bytes=self.max_file_bytes, max_total_bytes=2 * self.max_file_bytes
-            )
+            extract_adapter_zip(source, blob, max_weights_bytes=self.max_file_bytes)
         elif source.exists():
             raise AdapterValidationError(f"{source.name} is neither a PEFT adapter folder nor a .zip of one")
         else:
             raise AdapterValidationError(f"adapter source {source} does not exist")
-        config, weights = find_adapter_files(folder)
-        blob = staging / "blob"
-        blob.mkdir()
-        for src, dst_name in ((config, CONFIG_NAME), (weights, WEIGHTS_NAME)):
-            if src.stat().st_size > self.max_file_bytes:
-                raise AdapterValidationError(f"{dst_name} is over the {self.max_file_bytes} byte limit")
-            _copy_fsync(src, blob / dst_name)
-        _fsync_dir(blob)
         return blob
 
     def _publish_blob(self, blob: Path, digest: str) -> bool:
