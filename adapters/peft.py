@@ -34,6 +34,7 @@ __all__ = [
     "LoRAWeight",
     "find_adapter_files",
     "load_peft_adapter",
+    "normalized_tensor_name",
     "read_adapter_config",
     "write_resolved_targets",
 ]
@@ -225,6 +226,14 @@ def _pair_tensors(
                 raise AdapterValidationError(f"missing lora_{ab} for {module_key(layer, module)}")
         pairs[(layer, module)] = (found[(layer, module, "A")], found[(layer, module, "B")])
     return pairs
+
+
+def normalized_tensor_name(name: str) -> str:
+    """The PEFT file name of a tensor (`base_model.model.<module>.lora_A.weight`), as digested."""
+    m = _TENSOR_RE.fullmatch(name)
+    if m is None or MODULE_PARENT.get(m.group("module")) != m.group("parent"):
+        raise AdapterValidationError(_explain_unexpected(name))
+    return f"base_model.model.{module_key(int(m.group('layer')), m.group('module'))}.lora_{m.group('ab')}.weight"
 
 
 def _explain_unexpected(name: str) -> str:
