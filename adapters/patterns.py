@@ -8,6 +8,8 @@ finite, so resolving a config is a bounded amount of work or it is refused.
 """
 from __future__ import annotations
 
+import math
+import re
 import time
 
 import regex
@@ -15,6 +17,12 @@ import regex
 from .errors import AdapterPatternTimeoutError, AdapterValidationError
 
 PATTERN_BUDGET_S = 1.0
+# Compiling is not covered by the timeout, and `regex` expands counted repeats while
+# compiling: `(a{10000}){10000}` compiles for minutes. Module-name patterns are short and
+# rarely count, so both are capped before compiling.
+MAX_PATTERN_CHARS = 1024
+MAX_REPEAT_PRODUCT = 1000
+_COUNTED_REPEAT = re.compile(r"\{(\d*),?(\d*)\}")
 
 
 class PatternMatcher:
@@ -53,6 +61,7 @@ class PatternMatcher:
     def _compile(self, source: str, shown: str, field: str) -> regex.Pattern[str]:
         compiled = self._compiled.get(source)
         if compiled is None:
+            _check_size(shown, field)
             try:
                 compiled = regex.compile(source)
             except (regex.error, ValueError, OverflowError, RecursionError) as e:
@@ -61,3 +70,18 @@ class PatternMatcher:
                 ) from None
             self._compiled[source] = compiled
         return compiled
+
+
+def _check_size(pattern: str, field: str) -> None:
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise AdapterValidationError(
+            f"{field} pattern {pattern[:64]!r}... is {len(pattern)} characters long; at most "
+            f"{MAX_PATTERN_CHARS} are accepted"
+        )
+    # An over-estimate (sequential repeats multiply too), which no module-name pattern reaches.
+    counts = [max(int(a or 0), int(b or 0), 1) for a, b in _COUNTED_REPEAT.findall(pattern)]
+    if math.prod(counts) > MAX_REPEAT_PRODUCT:
+        raise AdapterValidationError(
+            f"{field} pattern {pattern!r} repeats too much (its counted repeats multiply to more than "
+            f"{MAX_REPEAT_PRODUCT}); list the module names instead"
+        )

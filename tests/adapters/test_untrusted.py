@@ -3,6 +3,7 @@ catastrophic regular expressions are refused with a typed error and leave nothin
 from __future__ import annotations
 
 import json
+import re
 import struct
 import zipfile
 import zlib
@@ -269,3 +270,20 @@ def test_resolved_targets_are_stored_and_loads_never_match_again(
         assert torch.equal(again.weights[key].a, w.a) and again.weights[key].scale == w.scale
     with pytest.raises(AssertionError, match="ran its config's patterns"):
         load_peft_adapter(lora, store.base)  # a folder that was never validated still resolves
+
+
+@pytest.mark.parametrize(
+    ("pattern", "message"),
+    [
+        (r"(a{10000}){10000}", "repeats too much"),  # compiling alone would take minutes
+        ("(" * 300 + "q_proj" + ")*" * 300, "not a valid regular expression"),  # nests past the stack
+        ("q_proj|" * 200, "characters long; at most 1024"),
+    ],
+)
+def test_patterns_too_costly_to_compile_are_refused(
+    lora_copy: Path, base: BaseShapes, files: Any, pattern: str, message: str
+) -> None:
+    files.write_config(lora_copy, target_modules=pattern)
+    with pytest.raises(AdapterValidationError, match=re.escape(message)) as info:
+        load_peft_adapter(lora_copy, base)
+    assert "target_modules pattern" in info.value.reason
