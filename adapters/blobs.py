@@ -23,11 +23,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from safetensors.torch import load_file
 
 from .digest import adapter_digest, digest_hex
 from .errors import AdapterCorruptedError, AdapterNotFoundError, BlobStoreError
-from .peft import CONFIG_NAME, TARGETS_NAME, WEIGHTS_NAME, normalized_tensor_name, read_adapter_config
+from .peft import (
+    CONFIG_NAME,
+    DEFAULT_MAX_RANK,
+    TARGETS_NAME,
+    WEIGHTS_NAME,
+    LoRAAdapter,
+    load_peft_adapter,
+    normalized_tensor_name,
+    read_adapter_config,
+)
+from .shapes import BaseShapes
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection, Engine
@@ -90,6 +101,17 @@ def open_blob_store(config: BlobStoreConfig, *, engine: Engine | None = None) ->
     if "://" in url and not url.startswith("file://"):
         raise BlobStoreError(f"unsupported adapter store URL {url!r}: use a folder, postgresql://, sqlite:/// or s3://")
     return LocalBlobStore(Path(url.removeprefix("file://")))
+
+
+def load_blob(
+    store: BlobStore, digest: str, base: BaseShapes, dtype: torch.dtype = torch.float32, *,
+    max_rank: int = DEFAULT_MAX_RANK,
+) -> LoRAAdapter:
+    """Fetch (on first use), verify and load one adapter version: what a worker calls per digest."""
+    adapter = load_peft_adapter(store.get(digest), base, dtype, max_rank=max_rank)
+    if adapter.digest != digest:
+        raise AdapterCorruptedError(f"stored adapter {digest} is corrupted: its content digests to {adapter.digest}")
+    return adapter
 
 
 def verify_blob(folder: Path, digest: str) -> None:

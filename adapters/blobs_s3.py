@@ -36,9 +36,8 @@ class S3BlobStore(CachedBlobStore):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         # Path-style addressing works with every S3-compatible server (MinIO, moto, Ceph).
-        self.client = client or boto3.client(
-            "s3", endpoint_url=endpoint_url, config=Config(s3={"addressing_style": "path"}, retries={"mode": "standard"})
-        )
+        config = Config(s3={"addressing_style": "path"}, retries={"mode": "standard"})
+        self.client = client or boto3.client("s3", endpoint_url=endpoint_url, config=config)
 
     def _key(self, digest: str, name: str) -> str:
         return "/".join(p for p in (self.prefix, blob_hex(digest), name) if p)

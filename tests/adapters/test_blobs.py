@@ -3,7 +3,6 @@ PostgreSQL at 127.0.0.1:5432 (and SQLite), and S3 as served by moto's standalone
 running as its own process on a loopback port."""
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -16,7 +15,14 @@ import pytest
 from sqlalchemy import create_engine, func, select, update
 
 from loraplex.adapters import AdapterStore, BaseShapes, load_peft_adapter
-from loraplex.adapters.blobs import BlobStore, BlobStoreConfig, CachedBlobStore, LocalBlobStore, open_blob_store
+from loraplex.adapters.blobs import (
+    BlobStore,
+    BlobStoreConfig,
+    CachedBlobStore,
+    LocalBlobStore,
+    load_blob,
+    open_blob_store,
+)
 from loraplex.adapters.blobs_s3 import S3BlobStore
 from loraplex.adapters.blobs_sql import ADAPTER_BLOBS, SqlBlobStore
 from loraplex.adapters.digest import digest_hex
@@ -103,7 +109,9 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def open_store(store_url: str, request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[str], BlobStore]:
+def open_store(
+    store_url: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[Callable[[str], BlobStore]]:
     """open_store(cache name) -> a store on the same backend, as another replica would open it."""
     engines = []
     endpoint = request.getfixturevalue("s3_endpoint") if store_url.startswith("s3://") else None
@@ -145,6 +153,27 @@ def corrupt(store: BlobStore, digest: str) -> None:
         store.client.put_object(Bucket=store.bucket, Key=key, Body=bytes(data))
 
 
+def all_at_once(
+    call: Callable[[BlobStore], object], stores: list[BlobStore]
+) -> tuple[list[object], list[BaseException]]:
+    """call(store) for every store, each in its own thread, released together."""
+    start, results, errors = threading.Barrier(len(stores)), [], []
+
+    def run(store: BlobStore) -> None:
+        start.wait()
+        try:
+            results.append(call(store))
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, errors
+
+
 # ---- the contract, on every backend -------------------------------------------------------------
 
 
@@ -162,6 +191,7 @@ def test_put_get_round_trip(open_store: Callable[..., BlobStore], validated: Ada
     folder = other.get(digest)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == {n: p.read_bytes() for n, p in files.items()}
     assert load_peft_adapter(folder, base).digest == digest
+    assert load_blob(other, digest, base).digest == digest  # a worker's first use, then its cache
 
 
 @parametrized
@@ -197,20 +227,7 @@ def test_concurrent_fetches_of_one_digest(
     digest, files = blob(validated, "v2")
     open_store("writer").put(digest, files)
     replicas = [open_store("shared-cache") for _ in range(6)]  # one cache folder, like one worker's
-    start, results, errors = threading.Barrier(len(replicas)), [], []
-
-    def fetch(store: BlobStore) -> None:
-        start.wait()
-        try:
-            results.append(store.get(digest))
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=fetch, args=(r,)) for r in replicas]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results, errors = all_at_once(lambda store: store.get(digest), replicas)
     assert errors == [] and len(set(results)) == 1
     assert load_peft_adapter(results[0], base).digest == digest
     if isinstance(replicas[0], CachedBlobStore):
@@ -273,20 +290,7 @@ def test_put_joins_the_callers_transaction(open_store: Callable[..., BlobStore],
 def test_concurrent_puts_of_one_digest(open_store: Callable[..., BlobStore], validated: AdapterStore) -> None:
     digest, files = blob(validated, "v1")
     replicas = [open_store(f"r{i}") for i in range(4)]
-    start, errors = threading.Barrier(len(replicas)), []
-
-    def put(store: BlobStore) -> None:
-        start.wait()
-        try:
-            store.put(digest, files)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=put, args=(r,)) for r in replicas]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _, errors = all_at_once(lambda store: store.put(digest, files), replicas)
     assert errors == []
     store = replicas[0]
     assert isinstance(store, SqlBlobStore)
