@@ -23,3 +23,31 @@ class AdapterNotFoundError(AdapterError, LookupError):
 
 class InvalidAdapterNameError(AdapterError, ValueError):
     """An adapter name breaks the naming rules (see `store.NAME_RE`)."""
+
+
+class AdapterTooLargeError(AdapterValidationError):
+    """An upload (or one of its files) is larger than any adapter for this base model can be."""
+
+
+class AdapterArchiveError(AdapterValidationError):
+    """An uploaded .zip is unsafe or malformed: escaping paths, links, encryption, a bomb."""
+
+
+class AdapterPatternTimeoutError(AdapterValidationError):
+    """A regular expression from adapter_config.json ran past its time bound."""
+
+    def __init__(self, pattern: str, field: str, seconds: float) -> None:
+        super().__init__(
+            f"{field} pattern {pattern!r} took more than {seconds:g}s to match the base model's "
+            "module names (catastrophic backtracking?); list the module names instead"
+        )
+        self.pattern = pattern
+        self.field = field
+
+
+class AdapterCorruptedError(AdapterError):
+    """Stored adapter bytes do not hash to the digest they are stored under."""
+
+
+class BlobStoreError(AdapterError):
+    """The shared adapter blob store is unreachable or misconfigured."""

@@ -1,5 +1,10 @@
 """Load a PEFT LoRA folder (`adapter_config.json` + `adapter_model.safetensors`), fully validated.
 
+The safetensors header is read and checked (names, dtypes, shapes, byte ranges) before any
+tensor is loaded, so a forged file costs a bounded read, not its declared size in memory.
+A folder validated once may hold `loraplex_targets.json`, the targets its config resolved
+to: later loads use it and never run the config's regular expressions again.
+
 Only safetensors is read. A folder holding a pickled checkpoint (`adapter_model.bin`, `.pt`,
 ...) *and* `adapter_model.safetensors` loads from the safetensors file and never opens the
 pickle, as PEFT itself prefers safetensors; a folder with only a pickle is refused.
@@ -7,6 +12,7 @@ pickle, as PEFT itself prefers safetensors; a folder with only a pickle is refus
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,8 +22,10 @@ import torch
 from safetensors.torch import load_file
 
 from .digest import adapter_digest
-from .errors import AdapterValidationError
-from .peft_config import LoraSpec, parse_lora_config
+from .errors import AdapterTooLargeError, AdapterValidationError
+from .limits import MAX_CONFIG_BYTES, max_header_bytes
+from .peft_config import LoraSpec, parse_lora_config, targets_to_json
+from .safetensors_header import FLOAT_DTYPES, TensorInfo, read_header
 from .shapes import LORA_MODULES, MODULE_PARENT, BaseShapes, module_key
 
 __all__ = [
@@ -26,14 +34,16 @@ __all__ = [
     "LoRAWeight",
     "find_adapter_files",
     "load_peft_adapter",
+    "normalized_tensor_name",
     "read_adapter_config",
+    "write_resolved_targets",
 ]
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+TARGETS_NAME = "loraplex_targets.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 DEFAULT_MAX_RANK = 256
-_MAX_CONFIG_BYTES = 1 << 20
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # PEFT saves `base_model.model.<module>.lora_A.weight`; checkpoints written from a live
@@ -69,6 +79,7 @@ class LoRAAdapter:
     use_rslora: bool
     size_bytes: int  # bytes of the loaded tensors (in the requested dtype)
     weights: dict[tuple[int, str], LoRAWeight] = field(repr=False)
+    resolved_targets: list[list[Any]] = field(repr=False, default_factory=list)  # see write_resolved_targets
 
 
 def load_peft_adapter(
@@ -77,13 +88,28 @@ def load_peft_adapter(
     dtype: torch.dtype = torch.float32,
     *,
     max_rank: int = DEFAULT_MAX_RANK,
+    max_weights_bytes: int | None = None,
 ) -> LoRAAdapter:
-    """Parse and validate a PEFT LoRA folder against `base`; raise AdapterValidationError."""
-    config_path, weights_path = find_adapter_files(Path(folder))
+    """Parse and validate a PEFT LoRA folder against `base`; raise AdapterValidationError.
+
+    `max_weights_bytes` caps the safetensors file (see `limits.max_adapter_bytes`).
+    """
+    folder = Path(folder)
+    config_path, weights_path = find_adapter_files(folder)
     raw = read_adapter_config(config_path)
-    spec = parse_lora_config(raw, base, max_rank)
+    spec = parse_lora_config(raw, base, max_rank, resolved=_read_resolved(folder))
+    if max_weights_bytes is not None and (size := os.path.getsize(weights_path)) > max_weights_bytes:
+        raise AdapterTooLargeError(
+            f"{WEIGHTS_NAME} is {size} bytes, over the {max_weights_bytes} byte limit for this base model"
+        )
+    header = read_header(weights_path, max_header_bytes(base))
+    pairs = _pair_tensors(header, base, spec)
+    for (layer, module), (a_name, b_name) in pairs.items():
+        rank = spec.targets[(layer, module)].rank
+        in_f, out_f = base.module_dims(module)
+        _check_declared(a_name, header[a_name], [rank, in_f])
+        _check_declared(b_name, header[b_name], [out_f, rank])
     tensors = _read_safetensors(weights_path)
-    pairs = _pair_tensors(tensors, base, spec)
     normalized: dict[str, torch.Tensor] = {}
     weights: dict[tuple[int, str], LoRAWeight] = {}
     for (layer, module), (a_name, b_name) in sorted(pairs.items()):
@@ -107,7 +133,30 @@ def load_peft_adapter(
         use_rslora=spec.use_rslora,
         size_bytes=sum(w.a.nbytes + w.b.nbytes for w in weights.values()),
         weights=weights,
+        resolved_targets=targets_to_json(spec),
     )
+
+
+def write_resolved_targets(folder: Path, adapter: LoRAAdapter) -> None:
+    """Store what the adapter's config resolved to next to it (fsync'd), for later loads."""
+    path = Path(folder) / TARGETS_NAME
+    with open(path, "w") as f:
+        json.dump({"format": 1, "targets": adapter.resolved_targets}, f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_resolved(folder: Path) -> list[Any] | None:
+    path = folder / TARGETS_NAME
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_bytes()[: MAX_CONFIG_BYTES + 1])
+    except ValueError as e:
+        raise AdapterValidationError(f"{TARGETS_NAME} is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or data.get("format") != 1:
+        raise AdapterValidationError(f"{TARGETS_NAME} is not a format-1 target list")
+    return data.get("targets")
 
 
 def find_adapter_files(folder: Path) -> tuple[Path, Path]:
@@ -127,9 +176,9 @@ def find_adapter_files(folder: Path) -> tuple[Path, Path]:
 
 def read_adapter_config(path: Path) -> dict[str, Any]:
     with open(path, "rb") as f:
-        data = f.read(_MAX_CONFIG_BYTES + 1)
-    if len(data) > _MAX_CONFIG_BYTES:
-        raise AdapterValidationError(f"{CONFIG_NAME} is larger than {_MAX_CONFIG_BYTES} bytes")
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise AdapterTooLargeError(f"{CONFIG_NAME} is larger than {MAX_CONFIG_BYTES} bytes")
     try:
         raw = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
@@ -147,7 +196,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _pair_tensors(
-    tensors: dict[str, torch.Tensor], base: BaseShapes, spec: LoraSpec
+    tensors: dict[str, TensorInfo], base: BaseShapes, spec: LoraSpec
 ) -> dict[tuple[int, str], tuple[str, str]]:
     """Map every tensor to its (layer, module) and A/B role; refuse extras, gaps and duplicates."""
     found: dict[tuple[int, str, str], str] = {}
@@ -179,6 +228,14 @@ def _pair_tensors(
     return pairs
 
 
+def normalized_tensor_name(name: str) -> str:
+    """The PEFT file name of a tensor (`base_model.model.<module>.lora_A.weight`), as digested."""
+    m = _TENSOR_RE.fullmatch(name)
+    if m is None or MODULE_PARENT.get(m.group("module")) != m.group("parent"):
+        raise AdapterValidationError(_explain_unexpected(name))
+    return f"base_model.model.{module_key(int(m.group('layer')), m.group('module'))}.lora_{m.group('ab')}.weight"
+
+
 def _explain_unexpected(name: str) -> str:
     if "lora_magnitude_vector" in name:
         return f"DoRA (use_dora=true) is not supported (found {name})"
@@ -189,6 +246,15 @@ def _explain_unexpected(name: str) -> str:
     if re.search(r"\.lora_B(\.[^.]+)?\.bias$", name):
         return f"lora_bias=true (a bias on lora_B) is not supported (found {name})"
     return f"unexpected tensor {name}"
+
+
+def _check_declared(name: str, info: TensorInfo, expected: list[int]) -> None:
+    if info.dtype not in FLOAT_DTYPES:
+        raise AdapterValidationError(
+            f"tensor {name} has dtype {info.dtype}; LoRA weights must be floating point"
+        )
+    if list(info.shape) != expected:
+        raise AdapterValidationError(f"tensor {name} has shape {list(info.shape)}, expected {expected}")
 
 
 def _check_tensor(name: str, t: torch.Tensor, expected: list[int]) -> None:

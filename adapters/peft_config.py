@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import AdapterValidationError
+from .patterns import PATTERN_BUDGET_S, PatternMatcher
 from .shapes import EMBEDDING_MODULES, LORA_MODULES, BaseShapes, base_module_names, module_key
 
 # PEFT's default target_modules for llama, mistral and qwen2 when the config leaves them null.
@@ -50,7 +51,19 @@ class LoraSpec:
     targets: dict[tuple[int, str], ModuleSpec]
 
 
-def parse_lora_config(raw: Any, base: BaseShapes, max_rank: int) -> LoraSpec:
+def parse_lora_config(
+    raw: Any,
+    base: BaseShapes,
+    max_rank: int,
+    *,
+    resolved: Any = None,
+    budget_s: float = PATTERN_BUDGET_S,
+) -> LoraSpec:
+    """The config's targets with their ranks and scales.
+
+    `resolved` is a previous result's `targets_to_json`: the patterns are then not run
+    again (they ran once, under `budget_s`, when the adapter was first validated).
+    """
     if not isinstance(raw, dict):
         raise AdapterValidationError("adapter_config.json must hold a JSON object")
     _check_kind(raw)
@@ -60,21 +73,50 @@ def parse_lora_config(raw: Any, base: BaseShapes, max_rank: int) -> LoraSpec:
     use_rslora = raw.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise AdapterValidationError(f"use_rslora must be true or false, not {use_rslora!r}")
-    rank_pattern = _pattern_dict(raw, "rank_pattern")
-    alpha_pattern = _pattern_dict(raw, "alpha_pattern")
+    if resolved is not None:
+        stored = _targets_from_json(resolved, base, max_rank, use_rslora)
+        return LoraSpec(r=r, alpha=alpha, use_rslora=use_rslora, targets=stored)
+    matcher = PatternMatcher(budget_s)
+    rank_pattern = _pattern_dict(raw, "rank_pattern", matcher)
+    alpha_pattern = _pattern_dict(raw, "alpha_pattern", matcher)
 
     targets: dict[tuple[int, str], ModuleSpec] = {}
-    for layer, module in _targeted_modules(raw, base):
+    for layer, module in _targeted_modules(raw, base, matcher):
         key = module_key(layer, module)
         mr = r
-        if (rk := _pattern_key(rank_pattern, key)) is not None:
+        if (rk := _pattern_key(rank_pattern, key, matcher, "rank_pattern")) is not None:
             mr = _rank(rank_pattern[rk], f"rank_pattern[{rk!r}] for {key}", max_rank)
         ma = alpha
-        if (ak := _pattern_key(alpha_pattern, key)) is not None:
+        if (ak := _pattern_key(alpha_pattern, key, matcher, "alpha_pattern")) is not None:
             ma = _alpha(alpha_pattern[ak], f"alpha_pattern[{ak!r}] for {key}")
-        scale = ma / math.sqrt(mr) if use_rslora else ma / mr
-        targets[(layer, module)] = ModuleSpec(rank=mr, alpha=ma, scale=scale)
+        targets[(layer, module)] = ModuleSpec(rank=mr, alpha=ma, scale=_scale(ma, mr, use_rslora))
     return LoraSpec(r=r, alpha=alpha, use_rslora=use_rslora, targets=targets)
+
+
+def targets_to_json(spec: LoraSpec) -> list[list[Any]]:
+    """The resolved targets as `[layer, module, rank, alpha]` rows, for `resolved=`."""
+    return [[layer, module, m.rank, m.alpha] for (layer, module), m in sorted(spec.targets.items())]
+
+
+def _targets_from_json(
+    data: Any, base: BaseShapes, max_rank: int, use_rslora: bool
+) -> dict[tuple[int, str], ModuleSpec]:
+    if not isinstance(data, list) or not data:
+        raise AdapterValidationError("the stored resolved target list is malformed")
+    targets: dict[tuple[int, str], ModuleSpec] = {}
+    for row in data:
+        if not (isinstance(row, list) and len(row) == 4 and isinstance(row[0], int) and row[1] in LORA_MODULES
+                and 0 <= row[0] < base.num_layers):
+            raise AdapterValidationError(f"the stored resolved target {row!r} is malformed")
+        layer, module = row[0], row[1]
+        rank = _rank(row[2], f"the stored rank of {module_key(layer, module)}", max_rank)
+        alpha = _alpha(row[3], f"the stored alpha of {module_key(layer, module)}")
+        targets[(layer, module)] = ModuleSpec(rank=rank, alpha=alpha, scale=_scale(alpha, rank, use_rslora))
+    return targets
+
+
+def _scale(alpha: float, rank: int, use_rslora: bool) -> float:
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
 
 def _check_kind(raw: dict[str, Any]) -> None:
@@ -131,34 +173,25 @@ def _alpha(value: Any, what: str) -> float:
     return float(value)
 
 
-def _pattern_dict(raw: dict[str, Any], name: str) -> dict[str, Any]:
+def _pattern_dict(raw: dict[str, Any], name: str, matcher: PatternMatcher) -> dict[str, Any]:
     value = raw.get(name) or {}
     if not isinstance(value, dict):
         raise AdapterValidationError(f"{name} must be a JSON object mapping patterns to values")
     for key in value:
-        _compile(key, name)
+        matcher.check(key, name)
     return value
 
 
-def _compile(pattern: Any, what: str) -> re.Pattern[str]:
-    if not isinstance(pattern, str):
-        raise AdapterValidationError(f"{what} entries must be strings, not {pattern!r}")
-    try:
-        return re.compile(pattern)
-    except re.error as e:
-        raise AdapterValidationError(f"{what} pattern {pattern!r} is not a valid regular expression: {e}") from None
-
-
-def _pattern_key(patterns: dict[str, Any], key: str) -> str | None:
+def _pattern_key(patterns: dict[str, Any], key: str, matcher: PatternMatcher, field: str) -> str | None:
     # peft.utils.other.get_pattern_key: the first pattern (in file order) that matches a
     # dotted suffix of the module name wins.
     for pattern in patterns:
-        if re.match(rf"(.*\.)?({pattern})$", key):
+        if matcher.match(rf"(.*\.)?({pattern})$", key, field, shown=pattern):
             return pattern
     return None
 
 
-def _targeted_modules(raw: dict[str, Any], base: BaseShapes) -> list[tuple[int, str]]:
+def _targeted_modules(raw: dict[str, Any], base: BaseShapes, matcher: PatternMatcher) -> list[tuple[int, str]]:
     """(layer, module) pairs the config targets; refuses configs that target anything else."""
     target = raw.get("target_modules")
     if target is None:
@@ -167,7 +200,7 @@ def _targeted_modules(raw: dict[str, Any], base: BaseShapes) -> list[tuple[int, 
         # PEFT expands all-linear to every nn.Linear except the output head.
         target = [module_key(i, m) for i in range(base.num_layers) for m in LORA_MODULES]
     elif isinstance(target, str):
-        _compile(target, "target_modules")
+        matcher.check(target, "target_modules")
         if raw.get("layers_to_transform") is not None or raw.get("layers_pattern") is not None:
             raise AdapterValidationError("layers_to_transform cannot be used when target_modules is a regex string")
     elif not isinstance(target, list) or not all(isinstance(t, str) for t in target):
@@ -175,11 +208,13 @@ def _targeted_modules(raw: dict[str, Any], base: BaseShapes) -> list[tuple[int, 
     else:
         _check_list_entries(target, base)
     layers = _layers_to_transform(raw, base)
-    _layers_pattern(raw)
-    exclude = _exclude_modules(raw)
+    _layers_pattern(raw, matcher)
+    exclude = _exclude_modules(raw, matcher)
     found: list[tuple[int, str]] = []
     for key in base_module_names(base.num_layers):
-        if _is_excluded(exclude, key) or not _is_targeted(target, layers, raw.get("layers_pattern"), key):
+        if _is_excluded(exclude, key, matcher) or not _is_targeted(
+            target, layers, raw.get("layers_pattern"), key, matcher
+        ):
             continue
         found.append(_supported_module(key, target))
     if not found:
@@ -228,36 +263,38 @@ def _layers_to_transform(raw: dict[str, Any], base: BaseShapes) -> list[int] | N
     return layers
 
 
-def _layers_pattern(raw: dict[str, Any]) -> None:
+def _layers_pattern(raw: dict[str, Any], matcher: PatternMatcher) -> None:
     value = raw.get("layers_pattern")
     patterns = [value] if isinstance(value, str) else value
     if patterns is not None and not isinstance(patterns, list):
         raise AdapterValidationError("layers_pattern must be a string or a list of strings")
     for pattern in patterns or []:
-        _compile(pattern, "layers_pattern")
+        matcher.check(pattern, "layers_pattern")
 
 
-def _exclude_modules(raw: dict[str, Any]) -> str | list[str] | None:
+def _exclude_modules(raw: dict[str, Any], matcher: PatternMatcher) -> str | list[str] | None:
     value = raw.get("exclude_modules")
     if value is None or isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
         if isinstance(value, str):
-            _compile(value, "exclude_modules")
+            matcher.check(value, "exclude_modules")
         return value
     raise AdapterValidationError("exclude_modules must be a list of module names or a regex string")
 
 
-def _is_excluded(exclude: str | list[str] | None, key: str) -> bool:
+def _is_excluded(exclude: str | list[str] | None, key: str, matcher: PatternMatcher) -> bool:
     if not exclude:
         return False
     if isinstance(exclude, str):
-        return re.fullmatch(exclude, key) is not None
+        return matcher.fullmatch(exclude, key, "exclude_modules")
     return key in exclude or any(key.endswith(f".{e}") for e in exclude)
 
 
-def _is_targeted(target: str | list[str], layers: list[int] | None, layers_pattern: Any, key: str) -> bool:
+def _is_targeted(
+    target: str | list[str], layers: list[int] | None, layers_pattern: Any, key: str, matcher: PatternMatcher
+) -> bool:
     # peft.tuners.tuners_utils.check_target_module_exists, minus the parts refused above.
     if isinstance(target, str):
-        return re.fullmatch(target, key) is not None
+        return matcher.fullmatch(target, key, "target_modules")
     if key in target:
         return True  # an exact name bypasses layers_to_transform, as in PEFT
     if not any(key.endswith(f".{t}") for t in target):
@@ -270,7 +307,7 @@ def _is_targeted(target: str | list[str], layers: list[int] | None, layers_patte
         patterns = [layers_pattern] if isinstance(layers_pattern, str) else list(layers_pattern)
         m = None
         for pattern in patterns:
-            m = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+            m = matcher.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key, "layers_pattern", shown=pattern)
             if m is not None:
                 break
     return m is not None and int(m.group("idx")) in layers

@@ -3,7 +3,8 @@
 Layout under `root`:
 
     index.json           name -> current record + older versions (the only mutable file)
-    blobs/<hex>/         adapter_config.json + adapter_model.safetensors, immutable
+    blobs/<hex>/         adapter_config.json + adapter_model.safetensors + the resolved
+                         targets, immutable (a `blobs.LocalBlobStore`)
     tmp/                 staging for adds and deletions in flight
     .lock                flock'd around every index change, so processes can share a root
 
@@ -32,9 +33,25 @@ from typing import Any
 
 import torch
 
+from .blobs import BLOB_FILES, LocalBlobStore, copy_fsync, fsync_dir
 from .digest import DIGEST_PREFIX, digest_hex
-from .errors import AdapterError, AdapterNotFoundError, AdapterValidationError, InvalidAdapterNameError
-from .peft import CONFIG_NAME, DEFAULT_MAX_RANK, WEIGHTS_NAME, LoRAAdapter, find_adapter_files, load_peft_adapter
+from .errors import (
+    AdapterError,
+    AdapterNotFoundError,
+    AdapterTooLargeError,
+    AdapterValidationError,
+    InvalidAdapterNameError,
+)
+from .limits import MAX_CONFIG_BYTES, max_adapter_bytes
+from .peft import (
+    CONFIG_NAME,
+    DEFAULT_MAX_RANK,
+    WEIGHTS_NAME,
+    LoRAAdapter,
+    find_adapter_files,
+    load_peft_adapter,
+    write_resolved_targets,
+)
 from .shapes import BaseShapes
 from .zipsafe import extract_adapter_zip
 
@@ -81,18 +98,18 @@ class AdapterStore:
         *,
         max_rank: int = DEFAULT_MAX_RANK,
         keep_versions: int = 4,
-        max_file_bytes: int = 8 << 30,
+        max_file_bytes: int | None = None,
     ) -> None:
         self.root = Path(root)
         self.base = base
         self.max_rank = max_rank
         self.keep_versions = keep_versions  # older versions kept per name, beyond the current one
-        self.max_file_bytes = max_file_bytes
-        self._blobs = self.root / "blobs"
-        self._tmp = self.root / "tmp"
+        # The weights file's cap: by default, what an adapter for `base` at `max_rank` can weigh.
+        self.max_file_bytes = max_file_bytes if max_file_bytes is not None else max_adapter_bytes(base, max_rank)
+        self.blobs = LocalBlobStore(self.root)
+        self._blobs = self.blobs.blobs
+        self._tmp = self.blobs.tmp
         self._index_path = self.root / "index.json"
-        self._blobs.mkdir(parents=True, exist_ok=True)
-        self._tmp.mkdir(exist_ok=True)
         self._thread_lock = threading.RLock()
 
     # ---- reads -------------------------------------------------------------------------
@@ -115,13 +132,15 @@ class AdapterStore:
         return [AdapterRecord.from_json(r) for r in [entry["current"], *entry["history"]]]
 
     def path_of(self, digest: str) -> Path:
-        try:
-            path = self._blobs / digest_hex(digest)
-        except ValueError as e:
-            raise AdapterNotFoundError(str(e)) from None
+        path = self.blobs.path(digest)
         if not path.is_dir():
             raise AdapterNotFoundError(f"no stored adapter with digest {digest}")
         return path
+
+    def blob_files(self, digest: str) -> dict[str, Path]:
+        """The stored files of a version, as `BlobStore.put` takes them (to share the blob)."""
+        path = self.path_of(digest)
+        return {n: path / n for n in BLOB_FILES if (path / n).is_file()}
 
     def load(self, name_or_digest: str, dtype: torch.dtype = torch.float32) -> LoRAAdapter:
         """Load by name (its current version) or by digest (any version still stored)."""
@@ -150,14 +169,19 @@ class AdapterStore:
         staging = Path(tempfile.mkdtemp(prefix="add-", dir=self._tmp))
         try:
             blob = self._stage(Path(source), staging)
-            adapter = load_peft_adapter(blob, self.base, max_rank=self.max_rank)
+            adapter = load_peft_adapter(
+                blob, self.base, max_rank=self.max_rank, max_weights_bytes=self.max_file_bytes
+            )
+            size = sum((blob / n).stat().st_size for n in (CONFIG_NAME, WEIGHTS_NAME))
+            write_resolved_targets(blob, adapter)
+            fsync_dir(blob)
             record = AdapterRecord(
                 name=name,
                 digest=adapter.digest,
                 rank=adapter.rank,
                 target_modules=adapter.target_modules,
                 alpha=adapter.alpha,
-                size_bytes=sum(p.stat().st_size for p in blob.iterdir()),
+                size_bytes=size,
                 created_at=time.time(),
             )
             with self._locked():
@@ -193,65 +217,48 @@ class AdapterStore:
             raise AdapterError(f"adapter {record.name!r} already exists (pass replace=True for a new version)")
         if entry is not None and entry["current"]["digest"] == record.digest:
             return AdapterRecord.from_json(entry["current"])  # same content: nothing to change
-        published = self._publish_blob(blob, record.digest)
+        published = self.blobs.adopt(record.digest, blob)
         history = [] if entry is None else [entry["current"], *entry["history"]][: self.keep_versions]
         index[record.name] = {"current": record.to_json(), "history": history}
         try:
             self._write_index(index)
         except BaseException:
             if published:
-                self._delete_blob(self._blobs / digest_hex(record.digest))
+                self.blobs.delete(record.digest)
             raise
         self._prune(index)
         return record
 
     def _stage(self, source: Path, staging: Path) -> Path:
-        """Copy the adapter's two files into staging/blob (fsync'd); return that folder."""
+        """Write the adapter's two files into staging/blob (fsync'd, size-capped); return it."""
+        blob = staging / "blob"
+        blob.mkdir()
         if source.is_dir():
-            folder = source
+            config, weights = find_adapter_files(source)
+            caps = ((config, CONFIG_NAME, MAX_CONFIG_BYTES), (weights, WEIGHTS_NAME, self.max_file_bytes))
+            for src, dst_name, cap in caps:
+                if (size := src.stat().st_size) > cap:
+                    raise AdapterTooLargeError(f"{dst_name} is {size} bytes, over the {cap} byte limit")
+                copy_fsync(src, blob / dst_name)
         elif source.is_file() and zipfile.is_zipfile(source):
-            extracted = staging / "src"
-            extracted.mkdir()
-            folder = extract_adapter_zip(
-                source, extracted, max_member_bytes=self.max_file_bytes, max_total_bytes=2 * self.max_file_bytes
-            )
+            extract_adapter_zip(source, blob, max_weights_bytes=self.max_file_bytes)
         elif source.exists():
             raise AdapterValidationError(f"{source.name} is neither a PEFT adapter folder nor a .zip of one")
         else:
             raise AdapterValidationError(f"adapter source {source} does not exist")
-        config, weights = find_adapter_files(folder)
-        blob = staging / "blob"
-        blob.mkdir()
-        for src, dst_name in ((config, CONFIG_NAME), (weights, WEIGHTS_NAME)):
-            if src.stat().st_size > self.max_file_bytes:
-                raise AdapterValidationError(f"{dst_name} is over the {self.max_file_bytes} byte limit")
-            _copy_fsync(src, blob / dst_name)
-        _fsync_dir(blob)
         return blob
-
-    def _publish_blob(self, blob: Path, digest: str) -> bool:
-        """Move a validated blob into place; False when identical content is already stored."""
-        dst = self._blobs / digest_hex(digest)
-        if dst.exists():
-            return False
-        os.rename(blob, dst)
-        _fsync_dir(self._blobs)
-        return True
 
     def _prune(self, index: dict[str, Any]) -> None:
         referenced = {
             digest_hex(r["digest"]) for e in index.values() for r in [e["current"], *e["history"]]
         }
         for blob in self._blobs.iterdir():
-            if blob.name not in referenced:
-                self._delete_blob(blob)
-
-    def _delete_blob(self, blob: Path) -> None:
-        # Rename first: the blob vanishes atomically, never half-deleted under its real name.
-        trash = Path(tempfile.mkdtemp(prefix="del-", dir=self._tmp))
-        os.rename(blob, trash / "blob")
-        _fsync_dir(self._blobs)
-        shutil.rmtree(trash, ignore_errors=True)
+            if blob.name in referenced:
+                continue
+            if _is_hex_name(blob.name):
+                self.blobs.delete(DIGEST_PREFIX + blob.name)
+            else:  # not a blob at all: nothing reads it
+                _remove_path(blob)
 
     def _read_index(self) -> dict[str, Any]:
         try:
@@ -277,7 +284,7 @@ class AdapterStore:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -289,23 +296,16 @@ class AdapterStore:
                 fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
-def _copy_fsync(src: Path, dst: Path) -> None:
-    with open(src, "rb") as fin, open(dst, "xb") as fout:
-        shutil.copyfileobj(fin, fout, 1 << 20)
-        fout.flush()
-        os.fsync(fout.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _remove_path(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def _is_hex_name(name: str) -> bool:
+    try:
+        digest_hex(DIGEST_PREFIX + name)
+        return True
+    except ValueError:
+        return False

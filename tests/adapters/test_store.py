@@ -71,8 +71,9 @@ def test_add_get_list_load(store: AdapterStore, lora_dir: Path, base: BaseShapes
     assert loaded.digest == record.digest
     assert torch.equal(loaded.weights[(1, "gate_proj")].a, direct.weights[(1, "gate_proj")].a)
     blob = store.path_of(record.digest)
-    # Only the two canonical files are kept (not PEFT's README.md).
-    assert sorted(p.name for p in blob.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    # Only the two canonical files are kept (not PEFT's README.md), with the resolved targets.
+    assert sorted(p.name for p in blob.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                      "loraplex_targets.json"]
 
 
 def test_another_store_on_the_same_root_sees_the_adapter(
