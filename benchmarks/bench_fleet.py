@@ -1,0 +1,217 @@
+"""Fleet simulation: the router against simulated workers (no model), affinity vs round-robin.
+
+The real `WorkerPool` places every request; the workers are a cost model:
+  - `max_loras` device slots (LRU) over a CPU tier of `cpu_loras` (LRU); an adapter
+    not in a device slot costs a load (from the CPU tier: `--cpu-load-s`, else from the
+    store: `--store-load-s`) before its request runs, and evicts the least recent one;
+  - a request's service time is prefill + decode per token (heavy-tailed lengths from
+    workload.py's shape), slowed in proportion once more than `--batch` run at once;
+  - each response carries the worker's stats (residency, running), as a real one does.
+Arrivals are Poisson at a rate that keeps `--inflight` requests per worker on average;
+adapters are Zipf-popular (exponent `--zipf`). The first `--warmup` of the requests
+fill the slots and are not counted.
+
+Prints, per (workers, adapters): adapter loads per 1,000 requests and load imbalance
+(max / mean in-flight over workers, sampled at arrivals: mean and p99) under both
+policies, with the ratios round-robin / affinity.
+
+    python benchmarks/bench_fleet.py            # 8-64 workers x 100-1,000 adapters
+    python benchmarks/bench_fleet.py --full     # 8-256 workers x 100-10,000 adapters
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import math
+import random
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from loraplex.platform.routing import RouteRequest, RouterConfig, WorkerPool, WorkerStats  # noqa: E402
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    workers: int
+    adapters: int
+    requests: int
+    max_loras: int = 8
+    cpu_loras: int = 32
+    inflight: float = 32.0  # mean requests in flight per worker
+    batch: int = 64
+    zipf: float = 1.0
+    store_load_s: float = 0.4
+    cpu_load_s: float = 0.05
+    prefill_s_per_token: float = 0.0002
+    decode_s_per_token: float = 0.02
+    warmup: float = 0.3
+    seed: int = 0
+
+
+class SimWorker:
+    def __init__(self, url: str, cfg: SimConfig) -> None:
+        self.url, self.cfg = url, cfg
+        self.device: OrderedDict[str, None] = OrderedDict()
+        self.cpu: OrderedDict[str, None] = OrderedDict()
+        self.running = 0
+        self.loads = 0  # into a device slot, from either tier
+        self.fetches = 0  # from the store: held in neither tier
+
+    def admit(self, adapter: str, prompt: int, out: int) -> float:
+        """Start a request; its service time."""
+        load_s = 0.0
+        if adapter in self.device:
+            self.device.move_to_end(adapter)
+        else:
+            self.loads += 1
+            if self.cpu.pop(adapter, 0) is None:
+                load_s = self.cfg.cpu_load_s
+            else:
+                self.fetches += 1
+                load_s = self.cfg.store_load_s
+            self.device[adapter] = None
+            if len(self.device) > self.cfg.max_loras:
+                evicted, _ = self.device.popitem(last=False)
+                self.cpu[evicted] = None
+                if len(self.cpu) > self.cfg.cpu_loras:
+                    self.cpu.popitem(last=False)
+        self.running += 1
+        slowdown = max(1.0, self.running / self.cfg.batch)
+        c = self.cfg
+        return load_s + (prompt * c.prefill_s_per_token + out * c.decode_s_per_token) * slowdown
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(running=self.running, device_adapters=frozenset(self.device),
+                           cpu_adapters=frozenset(self.cpu), max_loras=self.cfg.max_loras)
+
+
+def workload(cfg: SimConfig) -> list[tuple[float, str, int, int]]:
+    """(arrival time, adapter, prompt tokens, output tokens), seeded: both policies see the same."""
+    rng = random.Random(cfg.seed)
+    weights = list(itertools.accumulate(1.0 / (i + 1) ** cfg.zipf for i in range(cfg.adapters)))
+    names = [f"adapter-{i:05d}" for i in range(cfg.adapters)]
+    adapters = rng.choices(names, cum_weights=weights, k=cfg.requests)
+    sigma = 0.6
+    prompts = [max(4, min(2048, int(rng.lognormvariate(math.log(218) - sigma ** 2 / 2, sigma))))
+               for _ in range(cfg.requests)]
+    outs = [max(16, min(256, int(rng.lognormvariate(math.log(40), 1.0)))) for _ in range(cfg.requests)]
+    mean_service = sum(p * cfg.prefill_s_per_token + o * cfg.decode_s_per_token
+                       for p, o in zip(prompts, outs)) / cfg.requests
+    rate = cfg.inflight * cfg.workers / mean_service  # Little's law, before load costs
+    t, arrivals = 0.0, []
+    for a, p, o in zip(adapters, prompts, outs):
+        t += rng.expovariate(rate)
+        arrivals.append((t, a, p, o))
+    return arrivals
+
+
+@dataclass(frozen=True)
+class Result:
+    loads_per_1k: float
+    fetches_per_1k: float
+    imbalance_mean: float
+    imbalance_p99: float
+    latency_mean_s: float
+    route_us: float  # router time per request
+
+
+def simulate(cfg: SimConfig, router: RouterConfig, arrivals: list[tuple[float, str, int, int]]) -> Result:
+    pool = WorkerPool(router)
+    workers = {w.url: w for w in (SimWorker(f"http://10.0.{i // 250}.{i % 250 + 1}:8000", cfg)
+                                  for i in range(cfg.workers))}
+    pool.set_members(workers)
+    done: list[tuple[float, int, object, float]] = []  # (finish time, seq, lease, start)
+    warm = min(int(cfg.warmup * len(arrivals)), len(arrivals) - 1)
+    warm_t = arrivals[warm][0]
+    loads0 = fetches0 = 0
+    ratios: list[float] = []
+    latencies: list[float] = []
+    route_s = 0.0
+    sample_every = max(1, len(arrivals) // 4000)
+    for i, (t, adapter, prompt, out) in enumerate(arrivals):
+        while done and done[0][0] <= t:
+            finish, _, lease, start = heapq.heappop(done)
+            w = workers[lease.worker_id]
+            w.running -= 1
+            pool.release(lease, w.stats())
+            if start >= warm_t:
+                latencies.append(finish - start)
+        if i == warm:
+            loads0 = sum(w.loads for w in workers.values())
+            fetches0 = sum(w.fetches for w in workers.values())
+        t0 = time.perf_counter()
+        lease = pool.acquire(RouteRequest(adapter=adapter))
+        route_s += time.perf_counter() - t0
+        service = workers[lease.worker_id].admit(adapter, prompt, out)
+        heapq.heappush(done, (t + service, i, lease, t))
+        if i >= warm and i % sample_every == 0:
+            loads = [w.running for w in workers.values()]
+            mean = sum(loads) / len(loads)
+            if mean >= 1:
+                ratios.append(max(loads) / mean)
+    counted = len(arrivals) - warm
+    ratios.sort()
+    return Result(loads_per_1k=1000 * (sum(w.loads for w in workers.values()) - loads0) / counted,
+                  fetches_per_1k=1000 * (sum(w.fetches for w in workers.values()) - fetches0) / counted,
+                  imbalance_mean=sum(ratios) / len(ratios),
+                  imbalance_p99=ratios[min(len(ratios) - 1, int(0.99 * len(ratios)))],
+                  latency_mean_s=sum(latencies) / max(len(latencies), 1),
+                  route_us=1e6 * route_s / len(arrivals))
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:>5.1f}x" if b > 0 else "   inf" if a > 0 else "     -"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--full", action="store_true", help="8-256 workers x 100-10,000 adapters")
+    ap.add_argument("--workers", type=int, nargs="*", help="worker counts (overrides the sweep)")
+    ap.add_argument("--adapters", type=int, nargs="*", help="adapter counts (overrides the sweep)")
+    ap.add_argument("--requests-per-worker", type=int, default=200)
+    ap.add_argument("--min-requests", type=int, default=20000)
+    ap.add_argument("--max-loras", type=int, default=8)
+    ap.add_argument("--cpu-loras", type=int, default=32)
+    ap.add_argument("--inflight", type=float, default=32.0)
+    ap.add_argument("--zipf", type=float, default=1.0)
+    ap.add_argument("--store-load-s", type=float, default=0.4)
+    ap.add_argument("--cpu-load-s", type=float, default=0.05)
+    ap.add_argument("--epsilon", type=float, default=RouterConfig().epsilon, help="the router's load slack")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    worker_counts = args.workers or ([8, 32, 128, 256] if args.full else [8, 64])
+    adapter_counts = args.adapters or ([100, 1000, 10000] if args.full else [100, 1000])
+    print(f"max_loras {args.max_loras}, CPU tier {args.cpu_loras}, {args.inflight:g} in flight per worker, "
+          f"Zipf {args.zipf:g}, load {args.store_load_s:g} s from the store / {args.cpu_load_s:g} s from CPU; "
+          f"epsilon {args.epsilon:g}")
+    print("loads: adapters moved into a device slot (from the CPU tier or the store); fetches: from the store")
+    head = (f"{'workers':>7} {'adapters':>8} {'requests':>8} | {'loads/1k rr':>11} {'aff':>6} {'rr/aff':>6} | "
+            f"{'fetches/1k rr':>13} {'aff':>6} {'rr/aff':>6} | {'imbal rr':>8} {'aff':>5} {'p99 aff':>7} | "
+            f"{'latency rr/aff':>14} | {'route us':>8}")
+    print(head)
+    print("-" * len(head))
+    for n_workers in worker_counts:
+        for n_adapters in adapter_counts:
+            requests = max(args.min_requests, args.requests_per_worker * n_workers)
+            cfg = SimConfig(workers=n_workers, adapters=n_adapters, requests=requests,
+                            max_loras=args.max_loras, cpu_loras=args.cpu_loras, inflight=args.inflight,
+                            zipf=args.zipf, store_load_s=args.store_load_s, cpu_load_s=args.cpu_load_s,
+                            seed=args.seed)
+            arrivals = workload(cfg)
+            rr = simulate(cfg, RouterConfig(policy="round_robin", max_in_flight=10**6), arrivals)
+            aff = simulate(cfg, RouterConfig(epsilon=args.epsilon, max_in_flight=10**6), arrivals)
+            print(f"{n_workers:>7} {n_adapters:>8} {requests:>8} | {rr.loads_per_1k:>11.1f} "
+                  f"{aff.loads_per_1k:>6.1f} {_ratio(rr.loads_per_1k, aff.loads_per_1k)} | "
+                  f"{rr.fetches_per_1k:>13.1f} {aff.fetches_per_1k:>6.1f} "
+                  f"{_ratio(rr.fetches_per_1k, aff.fetches_per_1k)} | "
+                  f"{rr.imbalance_mean:>8.2f} {aff.imbalance_mean:>5.2f} {aff.imbalance_p99:>7.2f} | "
+                  f"{rr.latency_mean_s / aff.latency_mean_s:>13.2f}x | {aff.route_us:>8.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
