@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loraplex.platform.routing import RouteRequest, RouterConfig, WorkerPool, WorkerStats  # noqa: E402
+from loraplex.platform.routing.view import stable_hash  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -164,11 +165,46 @@ def simulate(cfg: SimConfig, router: RouterConfig, arrivals: list[tuple[float, s
                   route_us=1e6 * route_s / len(arrivals))
 
 
+def home_only_loads(cfg: SimConfig, arrivals: list[tuple[float, str, int, int]]) -> float:
+    """Device loads per 1,000 requests if every adapter ran only on its hashed home worker,
+    load ignored: the floor that `max_loras` LRU slots leave to any affinity router."""
+    slots = [OrderedDict() for _ in range(cfg.workers)]
+    warm = int(cfg.warmup * len(arrivals))
+    loads = 0
+    for i, (_, adapter, _, _) in enumerate(arrivals):
+        lru = slots[stable_hash(adapter) % cfg.workers]
+        if adapter in lru:
+            lru.move_to_end(adapter)
+            continue
+        loads += i >= warm
+        lru[adapter] = None
+        if len(lru) > cfg.max_loras:
+            lru.popitem(last=False)
+    return 1000 * loads / (len(arrivals) - warm)
+
+
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:>5.1f}x" if b > 0 else "   inf" if a > 0 else "     -"
 
 
-def main() -> None:
+HEAD = (f"{'workers':>7} {'adapters':>8} {'requests':>8} | {'loads/1k rr':>11} {'aff':>6} {'rr/aff':>6} "
+        f"{'home-only':>9} | {'fetches/1k rr':>13} {'aff':>6} {'rr/aff':>6} | "
+        f"{'imbal rr':>8} {'aff':>5} {'p99 aff':>7} | {'latency rr/aff':>14} | {'route us':>8}")
+
+
+def row(cfg: SimConfig, epsilon: float) -> str:
+    arrivals = workload(cfg)
+    rr = simulate(cfg, RouterConfig(policy="round_robin", max_in_flight=10**6), arrivals)
+    aff = simulate(cfg, RouterConfig(epsilon=epsilon, max_in_flight=10**6), arrivals)
+    return (f"{cfg.workers:>7} {cfg.adapters:>8} {cfg.requests:>8} | {rr.loads_per_1k:>11.1f} "
+            f"{aff.loads_per_1k:>6.1f} {_ratio(rr.loads_per_1k, aff.loads_per_1k)} "
+            f"{home_only_loads(cfg, arrivals):>9.1f} | {rr.fetches_per_1k:>13.1f} {aff.fetches_per_1k:>6.1f} "
+            f"{_ratio(rr.fetches_per_1k, aff.fetches_per_1k)} | {rr.imbalance_mean:>8.2f} "
+            f"{aff.imbalance_mean:>5.2f} {aff.imbalance_p99:>7.2f} | "
+            f"{rr.latency_mean_s / aff.latency_mean_s:>13.2f}x | {aff.route_us:>8.1f}")
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="8-256 workers x 100-10,000 adapters")
     ap.add_argument("--workers", type=int, nargs="*", help="worker counts (overrides the sweep)")
@@ -183,18 +219,20 @@ def main() -> None:
     ap.add_argument("--cpu-load-s", type=float, default=0.05)
     ap.add_argument("--epsilon", type=float, default=RouterConfig().epsilon, help="the router's load slack")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     worker_counts = args.workers or ([8, 32, 128, 256] if args.full else [8, 64])
     adapter_counts = args.adapters or ([100, 1000, 10000] if args.full else [100, 1000])
     print(f"max_loras {args.max_loras}, CPU tier {args.cpu_loras}, {args.inflight:g} in flight per worker, "
-          f"Zipf {args.zipf:g}, load {args.store_load_s:g} s from the store / {args.cpu_load_s:g} s from CPU; "
-          f"epsilon {args.epsilon:g}")
-    print("loads: adapters moved into a device slot (from the CPU tier or the store); fetches: from the store")
-    head = (f"{'workers':>7} {'adapters':>8} {'requests':>8} | {'loads/1k rr':>11} {'aff':>6} {'rr/aff':>6} | "
-            f"{'fetches/1k rr':>13} {'aff':>6} {'rr/aff':>6} | {'imbal rr':>8} {'aff':>5} {'p99 aff':>7} | "
-            f"{'latency rr/aff':>14} | {'route us':>8}")
-    print(head)
-    print("-" * len(head))
+          f"Zipf {args.zipf:g}, load {args.store_load_s:g} s from the store / {args.cpu_load_s:g} s "
+          f"from CPU; epsilon {args.epsilon:g}")
+    print("loads: adapters moved into a device slot (from the CPU tier or the store); fetches: from "
+          "the store;\nhome-only: loads if each adapter ran only on its home worker (the LRU floor)")
+    print(HEAD)
+    print("-" * len(HEAD))
     for n_workers in worker_counts:
         for n_adapters in adapter_counts:
             requests = max(args.min_requests, args.requests_per_worker * n_workers)
@@ -202,15 +240,7 @@ def main() -> None:
                             max_loras=args.max_loras, cpu_loras=args.cpu_loras, inflight=args.inflight,
                             zipf=args.zipf, store_load_s=args.store_load_s, cpu_load_s=args.cpu_load_s,
                             seed=args.seed)
-            arrivals = workload(cfg)
-            rr = simulate(cfg, RouterConfig(policy="round_robin", max_in_flight=10**6), arrivals)
-            aff = simulate(cfg, RouterConfig(epsilon=args.epsilon, max_in_flight=10**6), arrivals)
-            print(f"{n_workers:>7} {n_adapters:>8} {requests:>8} | {rr.loads_per_1k:>11.1f} "
-                  f"{aff.loads_per_1k:>6.1f} {_ratio(rr.loads_per_1k, aff.loads_per_1k)} | "
-                  f"{rr.fetches_per_1k:>13.1f} {aff.fetches_per_1k:>6.1f} "
-                  f"{_ratio(rr.fetches_per_1k, aff.fetches_per_1k)} | "
-                  f"{rr.imbalance_mean:>8.2f} {aff.imbalance_mean:>5.2f} {aff.imbalance_p99:>7.2f} | "
-                  f"{rr.latency_mean_s / aff.latency_mean_s:>13.2f}x | {aff.route_us:>8.1f}", flush=True)
+            print(row(cfg, args.epsilon), flush=True)
 
 
 if __name__ == "__main__":

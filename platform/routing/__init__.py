@@ -6,7 +6,13 @@ only part that awaits, and its transport (the stats probe) is injected.
 from __future__ import annotations
 
 from loraplex.platform.routing.config import RouterConfig
-from loraplex.platform.routing.discovery import Discovery, DnsDiscovery, StaticDiscovery, normalize_url
+from loraplex.platform.routing.discovery import (
+    Discovery,
+    DnsDiscovery,
+    StaticDiscovery,
+    discovery_for,
+    normalize_url,
+)
 from loraplex.platform.routing.errors import DiscoveryError, NoCapacityError, StatsError
 from loraplex.platform.routing.fleet import Fleet
 from loraplex.platform.routing.poller import HealthPoller
@@ -17,6 +23,6 @@ from loraplex.platform.routing.view import Residency, RouteRequest, WorkerStats,
 __all__ = [
     "AffinityPolicy", "Discovery", "DiscoveryError", "DnsDiscovery", "Fleet", "HealthPoller", "Lease",
     "NoCapacityError", "Residency", "RouteRequest", "RoundRobinPolicy", "RouterConfig", "RoutingPolicy",
-    "StaticDiscovery", "StatsError", "WorkerPool", "WorkerStats", "WorkerView", "make_policy",
+    "StaticDiscovery", "StatsError", "WorkerPool", "WorkerStats", "WorkerView", "discovery_for", "make_policy",
     "normalize_url", "prefix_key",
 ]

@@ -67,7 +67,8 @@ class DnsDiscovery(Discovery):
     def __init__(self, host: str, port: int, scheme: str = "http",
                  resolver: Resolver = socket.getaddrinfo) -> None:
         if not host or not 0 < port < 65536:
-            raise DiscoveryError(f"worker DNS name needs a host and a port in 1-65535, got {host!r}:{port}")
+            raise DiscoveryError(f"worker DNS name needs a host and a port in 1-65535, "
+                                 f"got {host!r}:{port}")
         self.host, self.port, self.scheme = host, port, scheme
         self._resolver = resolver
 
@@ -86,3 +87,10 @@ class DnsDiscovery(Discovery):
             raise DiscoveryError(f"cannot resolve worker DNS name {self.host!r}: {exc}") from exc
         addrs = {info[4][0] for info in infos if info[0] in (socket.AF_INET, socket.AF_INET6)}
         return sorted(f"{self.scheme}://{_host(a)}:{self.port}" for a in addrs)
+
+
+def discovery_for(workers: str | None = None, workers_dns: str | None = None) -> Discovery:
+    """The discovery `loraplex gateway --workers URL,... | --workers-dns NAME:PORT` asks for."""
+    if bool(workers) == bool(workers_dns):
+        raise DiscoveryError("give exactly one of --workers URL,... and --workers-dns NAME:PORT")
+    return StaticDiscovery(workers) if workers else DnsDiscovery.parse(workers_dns or "")

@@ -27,7 +27,9 @@ def _accepts(w: _Worker) -> bool:
 
 
 class Fleet:
-    """Workers keyed by id (their URL). `version` changes whenever membership does."""
+    """Workers keyed by id (their URL). `version` changes whenever membership does;
+    `n_accepting` and `accepting_in_flight` count the workers that may get new requests
+    and the requests in flight on them."""
 
     def __init__(self) -> None:
         self._workers: dict[str, _Worker] = {}
@@ -36,6 +38,7 @@ class Fleet:
         self.version = 0
         self.total_in_flight = 0
         self.n_accepting = 0
+        self.accepting_in_flight = 0
 
     # -- membership -----------------------------------------------------------------
     def set_members(self, urls: Iterable[str]) -> tuple[list[str], list[str]]:
@@ -46,11 +49,11 @@ class Fleet:
         removed = sorted(self._workers.keys() - wanted)
         for wid in removed:
             self._set_held(wid, {})
-            self.n_accepting -= _accepts(self._workers[wid])
+            self._count(self._workers[wid], -1)
             self.total_in_flight -= self._workers.pop(wid).in_flight
         for wid in added:
             self._workers[wid] = _Worker(url=wid)
-            self.n_accepting += 1
+            self._count(self._workers[wid], 1)
         if added or removed:
             self.members = tuple(sorted(self._workers))
             self.version += 1
@@ -64,9 +67,9 @@ class Fleet:
         w = self._workers.get(worker_id)
         if w is None:
             return  # a late report from a worker that left
-        before = _accepts(w)
+        self._count(w, -1)
         w.stats = stats
-        self.n_accepting += _accepts(w) - before
+        self._count(w, 1)
         held = {a: Residency.CPU for a in stats.cpu_adapters}
         held.update((a, Residency.DEVICE) for a in stats.device_adapters)
         self._set_held(worker_id, held)
@@ -77,28 +80,29 @@ class Fleet:
         w = self._workers.get(worker_id)
         if w is None:
             return
-        before = _accepts(w)
+        self._count(w, -1)
         if ok:
             w.failures, w.healthy = 0, True
         else:
             w.failures += 1
             if w.failures >= failure_threshold:
                 w.healthy = False
-        self.n_accepting += _accepts(w) - before
+        self._count(w, 1)
 
     def mark_down(self, worker_id: str) -> None:
         """A request found the worker dead: it leaves until a health check succeeds."""
         w = self._workers.get(worker_id)
         if w is not None:
-            self.n_accepting -= _accepts(w)
+            self._count(w, -1)
             w.healthy = False
-            self.n_accepting += _accepts(w)
+            self._count(w, 1)
 
     # -- dispatch bookkeeping -------------------------------------------------------
     def begin(self, worker_id: str, adapter: str | None) -> None:
         w = self._workers[worker_id]
         w.in_flight += 1
         self.total_in_flight += 1
+        self.accepting_in_flight += _accepts(w)
         if adapter is not None and w.held.get(adapter) != Residency.DEVICE:
             # The worker will load it for this request: count it as resident until its
             # next report says otherwise, so the next request for it goes there too.
@@ -112,6 +116,7 @@ class Fleet:
             assert w.in_flight > 0, f"in-flight count of {worker_id} went negative"
             w.in_flight -= 1
             self.total_in_flight -= 1
+            self.accepting_in_flight -= _accepts(w)
 
     # -- reads (policies) -----------------------------------------------------------
     def accepting(self, worker_id: str) -> bool:
@@ -139,6 +144,12 @@ class Fleet:
 
     def views(self) -> list[WorkerView]:
         return [self.view(wid) for wid in self.members]
+
+    def _count(self, w: _Worker, sign: int) -> None:
+        """Add (sign 1) or take out (sign -1) `w` from the accepting counts."""
+        if _accepts(w):
+            self.n_accepting += sign
+            self.accepting_in_flight += sign * w.in_flight
 
     def _set_held(self, worker_id: str, held: dict[str, Residency]) -> None:
         w = self._workers[worker_id]

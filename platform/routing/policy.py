@@ -70,8 +70,8 @@ class AffinityPolicy(RoutingPolicy):
     """Adapter affinity under consistent hashing with bounded loads (Mirrokni et al.).
 
     Admissible workers are those with room and below the bound
-    ceil((1 + epsilon) * (in-flight total + 1) / accepting workers), so no worker is
-    sent a request past it. Candidates: the worker that served the request's prefix,
+    ceil((1 + epsilon) * (in flight on accepting workers + 1) / accepting workers):
+    no worker is sent a request past it. Candidates: the worker that served the request's prefix,
     the workers holding its adapter, and the first `probe` admissible workers on the
     adapter's ring walk (its home, then spills). The best candidate has a prefix hit,
     then the highest residency (device slot > CPU tier > must load), then the shortest
@@ -87,8 +87,9 @@ class AffinityPolicy(RoutingPolicy):
         self._turn = 0
 
     def bound(self, fleet: Fleet) -> int:
-        """The in-flight count no worker may exceed after the next dispatch."""
-        mean = (fleet.total_in_flight + 1) / max(fleet.n_accepting, 1)
+        """The in-flight count no worker may exceed after the next dispatch: the mean over
+        accepting workers (counting the new request), times 1 + epsilon, rounded up."""
+        mean = (fleet.accepting_in_flight + 1) / max(fleet.n_accepting, 1)
         return math.ceil((1 + self.config.epsilon) * mean)
 
     def choose(self, request: RouteRequest, fleet: Fleet, exclude: frozenset[str] = frozenset()) -> str:

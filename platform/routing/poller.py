@@ -31,7 +31,8 @@ class HealthPoller:
         try:
             urls = await asyncio.to_thread(self.discovery.resolve)
         except DiscoveryError as exc:
-            log.warning("worker discovery failed, keeping %d workers: %s", len(self.pool.fleet.members), exc)
+            log.warning("worker discovery failed, keeping %d workers: %s",
+                        len(self.pool.fleet.members), exc)
             return
         finally:
             self._resolved_at = time.monotonic()
@@ -49,8 +50,8 @@ class HealthPoller:
 
     async def poll_once(self) -> None:
         """Re-resolve if `dns_interval_s` passed, then check every member concurrently."""
-        due = self._resolved_at is None or time.monotonic() - self._resolved_at >= self.pool.config.dns_interval_s
-        if due:
+        interval = self.pool.config.dns_interval_s
+        if self._resolved_at is None or time.monotonic() - self._resolved_at >= interval:
             await self.refresh_members()
         await asyncio.gather(*(self.check(url) for url in self.pool.fleet.members))
 

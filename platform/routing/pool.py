@@ -8,6 +8,9 @@
         pool.release(lease, stats)        # stats carried on the response, if any
 
 Every method is synchronous and does no I/O; call them from the event loop thread.
+A worker's id is its URL. In-flight counts are this gateway's own (what it sent and
+has not finished), so each gateway replica bounds its share; the workers' stats carry
+their whole queues, which break ties.
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from loraplex.platform.routing import (
     StaticDiscovery,
     WorkerPool,
     WorkerStats,
+    discovery_for,
 )
 
 
@@ -42,9 +43,17 @@ def test_a_dns_name_that_does_not_resolve_is_a_discovery_error():
         DnsDiscovery("no-such-worker.invalid", 8000).resolve()
 
 
-@pytest.mark.parametrize("spec", ["workers", "workers:", ":80", "workers:http"])
+def test_the_gateway_flags_pick_one_discovery():
+    assert discovery_for(workers="http://a:1").resolve() == ["http://a:1"]
+    assert isinstance(discovery_for(workers_dns="workers.ns.svc:8000"), DnsDiscovery)
+    for both_or_none in ({}, {"workers": "http://a:1", "workers_dns": "w:1"}):
+        with pytest.raises(DiscoveryError, match="exactly one"):
+            discovery_for(**both_or_none)
+
+
+@pytest.mark.parametrize("spec", ["workers", "workers:", ":80", "workers:http", "w:0"])
 def test_bad_dns_spec_is_named(spec):
-    with pytest.raises(DiscoveryError, match="NAME:PORT"):
+    with pytest.raises(DiscoveryError, match="NAME:PORT|1-65535"):
         DnsDiscovery.parse(spec)
 
 

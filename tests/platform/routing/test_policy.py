@@ -60,7 +60,7 @@ def test_no_worker_ever_takes_more_than_the_bound(n, epsilon, ops):
             accepting = pool.fleet.n_accepting
             if accepting == 0:
                 continue
-            total = sum(v.in_flight for v in pool.workers())
+            total = sum(v.in_flight for v in pool.workers() if v.accepting)
             lease = pool.acquire(RouteRequest(adapter=f"a{adapter}" if adapter else None))
             view = pool.fleet.view(lease.worker_id)
             assert view.accepting
@@ -75,6 +75,9 @@ def test_no_worker_ever_takes_more_than_the_bound(n, epsilon, ops):
             pool.record_health(wid, WorkerStats() if op == "up" else None)
             pool.record_health(wid, WorkerStats() if op == "up" else None)
     assert pool.fleet.total_in_flight == len(leases) == pool.in_flight
+    views = pool.workers()
+    assert pool.fleet.accepting_in_flight == sum(v.in_flight for v in views if v.accepting)
+    assert pool.fleet.n_accepting == sum(v.accepting for v in views)
 
 
 def test_device_slot_beats_cpu_tier_beats_loading():
