@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable
 
 from loraplex.platform.routing.config import RouterConfig
 from loraplex.platform.routing.errors import NoCapacityError
@@ -116,7 +117,7 @@ class AffinityPolicy(RoutingPolicy):
             raise self._no_capacity(fleet)
         return max(ranks, key=lambda wid: self._score(request, fleet, wid, owner, ranks[wid]))
 
-    def _walk(self, key: str, fleet: Fleet, admissible, ranks: dict[str, int]) -> None:
+    def _walk(self, key: str, fleet: Fleet, admissible: Callable[[str], bool], ranks: dict[str, int]) -> None:
         if self._ring_version != fleet.version:
             self._ring = HashRing(fleet.members, self.config.vnodes)
             self._ring_version = fleet.version
@@ -128,7 +129,7 @@ class AffinityPolicy(RoutingPolicy):
                 if found == self.config.probe:
                     return
 
-    def _least_loaded(self, fleet: Fleet, ok) -> dict[str, int]:
+    def _least_loaded(self, fleet: Fleet, ok: Callable[[str], bool]) -> dict[str, int]:
         members = fleet.members
         best, best_load = None, None
         self._turn = (self._turn + 1) % max(len(members), 1)
