@@ -1,19 +1,20 @@
 """Fleet simulation: the router against simulated workers (no model), affinity vs round-robin.
 
 The real `WorkerPool` places every request; the workers are a cost model:
-  - `max_loras` device slots (LRU) over a CPU tier of `cpu_loras` (LRU); an adapter
-    not in a device slot costs a load (from the CPU tier: `--cpu-load-s`, else from the
-    store: `--store-load-s`) before its request runs, and evicts the least recent one;
+  - `max_loras` device slots over a CPU tier of `cpu_loras` (LRU), with the engine's
+    rules: a running request pins its adapter; an adapter not in a device slot costs a
+    load (from the CPU tier: `--cpu-load-s`, else from the store: `--store-load-s`) into
+    a free or least-recently-used unpinned slot, and its request waits while all are pinned;
   - a request's service time is prefill + decode per token (heavy-tailed lengths from
     workload.py's shape), slowed in proportion once more than `--batch` run at once;
-  - each response carries the worker's stats (residency, running), as a real one does.
+  - each response carries the worker's stats (residency, running, waiting), as a real one does.
 Arrivals are Poisson at a rate that keeps `--inflight` requests per worker on average;
 adapters are Zipf-popular (exponent `--zipf`). The first `--warmup` of the requests
 fill the slots and are not counted.
 
-Prints, per (workers, adapters): adapter loads per 1,000 requests and load imbalance
-(max / mean in-flight over workers, sampled at arrivals: mean and p99) under both
-policies, with the ratios round-robin / affinity.
+Prints, per (workers, adapters): adapter loads per 1,000 requests, load imbalance
+(max / mean in-flight over workers, running + waiting, sampled at arrivals: mean and
+p99) and mean request latency under both policies, with ratios round-robin / affinity.
 
     python benchmarks/bench_fleet.py            # 8-64 workers x 100-1,000 adapters
     python benchmarks/bench_fleet.py --full     # 8-256 workers x 100-10,000 adapters
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from loraplex.platform.routing import RouteRequest, RouterConfig, WorkerPool, WorkerStats  # noqa: E402
+from loraplex.platform.routing import Lease, RouteRequest, RouterConfig, WorkerPool, WorkerStats  # noqa: E402
 from loraplex.platform.routing.view import stable_hash  # noqa: E402
 
 
@@ -54,21 +55,80 @@ class SimConfig:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class Job:
+    arrival: float
+    seq: int
+    adapter: str
+    prompt: int
+    out: int
+    lease: Lease
+
+
 class SimWorker:
+    """The engine's slot rules: an adapter a running request uses is pinned; a new one takes
+    a free or least-recently-used unpinned slot, and waits while every slot is pinned."""
+
     def __init__(self, url: str, cfg: SimConfig) -> None:
         self.url, self.cfg = url, cfg
-        self.device: OrderedDict[str, None] = OrderedDict()
+        self.device: OrderedDict[str, None] = OrderedDict()  # resident, least recent first
+        self.pins: dict[str, int] = {}  # resident adapter -> running requests using it
         self.cpu: OrderedDict[str, None] = OrderedDict()
+        self.queue: list[Job] = []
         self.running = 0
         self.loads = 0  # into a device slot, from either tier
         self.fetches = 0  # from the store: held in neither tier
 
-    def admit(self, adapter: str, prompt: int, out: int) -> float:
-        """Start a request; its service time."""
+    @property
+    def in_flight(self) -> int:
+        return self.running + len(self.queue)
+
+    def submit(self, job: Job) -> float | None:
+        """Service time if it starts now, None if it waits for a slot."""
+        service = self._start(job)
+        if service is None:
+            self.queue.append(job)
+        return service
+
+    def finish(self, job: Job) -> list[tuple[Job, float]]:
+        """`job` ended: unpin its adapter; the waiting jobs that start now, with service times."""
+        self.running -= 1
+        self.pins[job.adapter] -= 1
+        if not self.pins[job.adapter]:
+            del self.pins[job.adapter]
+        started, waiting = [], []
+        for queued in self.queue:
+            service = self._start(queued)
+            if service is None:
+                waiting.append(queued)
+            else:
+                started.append((queued, service))
+        self.queue = waiting
+        return started
+
+    def _start(self, job: Job) -> float | None:
+        load_s = self._pin(job.adapter)
+        if load_s is None:
+            return None
+        self.running += 1
+        c = self.cfg
+        slowdown = max(1.0, self.running / c.batch)
+        return load_s + (job.prompt * c.prefill_s_per_token + job.out * c.decode_s_per_token) * slowdown
+
+    def _pin(self, adapter: str) -> float | None:
+        """Seconds to make `adapter` resident (0 if it is); None while every slot is pinned."""
         load_s = 0.0
         if adapter in self.device:
             self.device.move_to_end(adapter)
         else:
+            if len(self.device) >= self.cfg.max_loras:
+                victim = next((a for a in self.device if a not in self.pins), None)
+                if victim is None:
+                    return None
+                del self.device[victim]
+                self.cpu[victim] = None
+                if len(self.cpu) > self.cfg.cpu_loras:
+                    self.cpu.popitem(last=False)
             self.loads += 1
             if self.cpu.pop(adapter, 0) is None:
                 load_s = self.cfg.cpu_load_s
@@ -76,19 +136,13 @@ class SimWorker:
                 self.fetches += 1
                 load_s = self.cfg.store_load_s
             self.device[adapter] = None
-            if len(self.device) > self.cfg.max_loras:
-                evicted, _ = self.device.popitem(last=False)
-                self.cpu[evicted] = None
-                if len(self.cpu) > self.cfg.cpu_loras:
-                    self.cpu.popitem(last=False)
-        self.running += 1
-        slowdown = max(1.0, self.running / self.cfg.batch)
-        c = self.cfg
-        return load_s + (prompt * c.prefill_s_per_token + out * c.decode_s_per_token) * slowdown
+        self.pins[adapter] = self.pins.get(adapter, 0) + 1
+        return load_s
 
     def stats(self) -> WorkerStats:
-        return WorkerStats(running=self.running, device_adapters=frozenset(self.device),
-                           cpu_adapters=frozenset(self.cpu), max_loras=self.cfg.max_loras)
+        return WorkerStats(running=self.running, waiting={"standard": len(self.queue)},
+                           device_adapters=frozenset(self.device), cpu_adapters=frozenset(self.cpu),
+                           max_loras=self.cfg.max_loras)
 
 
 def workload(cfg: SimConfig) -> list[tuple[float, str, int, int]]:
@@ -126,43 +180,50 @@ def simulate(cfg: SimConfig, router: RouterConfig, arrivals: list[tuple[float, s
     workers = {w.url: w for w in (SimWorker(f"http://10.0.{i // 250}.{i % 250 + 1}:8000", cfg)
                                   for i in range(cfg.workers))}
     pool.set_members(workers)
-    done: list[tuple[float, int, object, float]] = []  # (finish time, seq, lease, start)
+    done: list[tuple[float, int, Job]] = []  # (finish time, seq, job)
     warm = min(int(cfg.warmup * len(arrivals)), len(arrivals) - 1)
-    warm_t = arrivals[warm][0]
-    loads0 = fetches0 = 0
+    counters = {"loads": 0, "fetches": 0}
     ratios: list[float] = []
     latencies: list[float] = []
     route_s = 0.0
     sample_every = max(1, len(arrivals) // 4000)
-    for i, (t, adapter, prompt, out) in enumerate(arrivals):
+
+    def complete_until(t: float) -> None:
         while done and done[0][0] <= t:
-            finish, _, lease, start = heapq.heappop(done)
-            w = workers[lease.worker_id]
-            w.running -= 1
-            pool.release(lease, w.stats())
-            if start >= warm_t:
-                latencies.append(finish - start)
+            now, _, job = heapq.heappop(done)
+            w = workers[job.lease.worker_id]
+            for started, service in w.finish(job):
+                heapq.heappush(done, (now + service, started.seq, started))
+            pool.release(job.lease, w.stats())  # the stats a response carries
+            if job.seq >= warm:
+                latencies.append(now - job.arrival)
+
+    for i, (t, adapter, prompt, out) in enumerate(arrivals):
+        complete_until(t)
         if i == warm:
-            loads0 = sum(w.loads for w in workers.values())
-            fetches0 = sum(w.fetches for w in workers.values())
+            counters = {k: sum(getattr(w, k) for w in workers.values()) for k in counters}
         t0 = time.perf_counter()
         lease = pool.acquire(RouteRequest(adapter=adapter))
         route_s += time.perf_counter() - t0
-        service = workers[lease.worker_id].admit(adapter, prompt, out)
-        heapq.heappush(done, (t + service, i, lease, t))
+        job = Job(t, i, adapter, prompt, out, lease)
+        service = workers[lease.worker_id].submit(job)
+        if service is not None:
+            heapq.heappush(done, (t + service, i, job))
         if i >= warm and i % sample_every == 0:
-            loads = [w.running for w in workers.values()]
+            loads = [w.in_flight for w in workers.values()]
             mean = sum(loads) / len(loads)
             if mean >= 1:
                 ratios.append(max(loads) / mean)
+    complete_until(math.inf)
     counted = len(arrivals) - warm
     ratios.sort()
-    return Result(loads_per_1k=1000 * (sum(w.loads for w in workers.values()) - loads0) / counted,
-                  fetches_per_1k=1000 * (sum(w.fetches for w in workers.values()) - fetches0) / counted,
-                  imbalance_mean=sum(ratios) / len(ratios),
-                  imbalance_p99=ratios[min(len(ratios) - 1, int(0.99 * len(ratios)))],
-                  latency_mean_s=sum(latencies) / max(len(latencies), 1),
-                  route_us=1e6 * route_s / len(arrivals))
+    return Result(
+        loads_per_1k=1000 * (sum(w.loads for w in workers.values()) - counters["loads"]) / counted,
+        fetches_per_1k=1000 * (sum(w.fetches for w in workers.values()) - counters["fetches"]) / counted,
+        imbalance_mean=sum(ratios) / len(ratios),
+        imbalance_p99=ratios[min(len(ratios) - 1, int(0.99 * len(ratios)))],
+        latency_mean_s=sum(latencies) / max(len(latencies), 1),
+        route_us=1e6 * route_s / len(arrivals))
 
 
 def home_only_loads(cfg: SimConfig, arrivals: list[tuple[float, str, int, int]]) -> float:
