@@ -33,8 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from loraplex.platform.routing import Lease, RouteRequest, RouterConfig, WorkerPool, WorkerStats  # noqa: E402
-from loraplex.platform.routing.view import stable_hash  # noqa: E402
+from loraplex.platform.routing import (  # noqa: E402
+    Lease,
+    RouteRequest,
+    RouterConfig,
+    WorkerPool,
+    WorkerStats,
+    stable_hash,
+)
 
 
 @dataclass(frozen=True)

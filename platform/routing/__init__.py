@@ -18,11 +18,18 @@ from loraplex.platform.routing.fleet import Fleet
 from loraplex.platform.routing.poller import HealthPoller
 from loraplex.platform.routing.policy import AffinityPolicy, RoundRobinPolicy, RoutingPolicy, make_policy
 from loraplex.platform.routing.pool import Lease, WorkerPool
-from loraplex.platform.routing.view import Residency, RouteRequest, WorkerStats, WorkerView, prefix_key
+from loraplex.platform.routing.view import (
+    Residency,
+    RouteRequest,
+    WorkerStats,
+    WorkerView,
+    prefix_key,
+    stable_hash,
+)
 
 __all__ = [
     "AffinityPolicy", "Discovery", "DiscoveryError", "DnsDiscovery", "Fleet", "HealthPoller", "Lease",
     "NoCapacityError", "Residency", "RouteRequest", "RoundRobinPolicy", "RouterConfig", "RoutingPolicy",
     "StaticDiscovery", "StatsError", "WorkerPool", "WorkerStats", "WorkerView", "discovery_for", "make_policy",
-    "normalize_url", "prefix_key",
+    "normalize_url", "prefix_key", "stable_hash",
 ]

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from collections import Counter
 
 from hypothesis import given, settings
@@ -142,3 +145,17 @@ def test_round_robin_cycles_over_accepting_workers():
     pool.update_stats(ws[1], WorkerStats(draining=True))
     got = [pool.acquire(HOT).worker_id for _ in range(6)]
     assert got == [ws[0], ws[2], ws[3], ws[0], ws[2], ws[3]]
+
+
+def test_homes_agree_across_processes_whatever_their_hash_seed():
+    """Gateway replicas are separate processes: the ring must not use Python's salted hash."""
+    script = ("from loraplex.platform.routing import RouteRequest, RouterConfig, WorkerPool\n"
+              "pool = WorkerPool(RouterConfig())\n"
+              f"pool.set_members({urls(8)!r})\n"
+              "print(' '.join(pool.acquire(RouteRequest(adapter=f'adapter-{i}')).worker_id for i in range(30)))\n")
+    homes = set()
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONHASHSEED": seed},
+                             capture_output=True, text=True, check=True)
+        homes.add(out.stdout)
+    assert len(homes) == 1
