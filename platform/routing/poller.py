@@ -43,7 +43,7 @@ class HealthPoller:
     async def check(self, url: str) -> None:
         try:
             stats = await asyncio.wait_for(self.probe(url), self.pool.config.health_timeout_s)
-        except (OSError, asyncio.TimeoutError, ValueError) as exc:
+        except Exception as exc:  # whatever the transport raises, the worker failed this check
             log.debug("health check of %s failed: %r", url, exc)
             stats = None
         self.pool.record_health(url, stats)

@@ -122,7 +122,7 @@ def test_membership_follows_dns_and_health_follows_probes():
     asyncio.run(scenario())
 
 
-def test_a_probe_that_hangs_counts_as_a_failed_check():
+def test_a_probe_that_hangs_or_answers_garbage_counts_as_a_failed_check():
     dns, workers = ChangingDns(["10.0.0.1"]), Workers()
     url = "http://10.0.0.1:8000"
 
@@ -130,12 +130,19 @@ def test_a_probe_that_hangs_counts_as_a_failed_check():
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
+    async def garbled(_url: str) -> WorkerStats:
+        return WorkerStats.from_json({"running": "many"})
+
     pool = WorkerPool(RouterConfig(health_timeout_s=0.01, failure_threshold=1))
     p = HealthPoller(pool, DnsDiscovery("w", 8000, resolver=dns), hang)
 
     async def scenario():
         await p.poll_once()
         assert pool.fleet.members == (url,) and not pool.fleet.view(url).healthy
+        pool.record_health(url, WorkerStats())
+        p.probe = garbled  # answers, but not with stats: a failed check too
+        await p.poll_once()
+        assert not pool.fleet.view(url).healthy
         p.probe = workers.probe
         workers.stats[url] = WorkerStats()
         await p.poll_once()
