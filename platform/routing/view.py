@@ -55,6 +55,20 @@ class WorkerStats:
                 "prefix_keys": list(self.prefix_keys)}
 
     @classmethod
+    def from_engine(cls, engine_stats: Mapping[str, Any], tiers: Mapping[str, Sequence[str]], *,
+                    max_loras: int, ready: bool = True, draining: bool = False,
+                    prefix_keys: Sequence[str] = ()) -> WorkerStats:
+        """A worker's report from its engine: `Engine.stats()` (num_running, kv_cache_usage,
+        lanes: {lane: {running, waiting}}) and `LoRAManager.tiers()` ({device, cpu} digests)."""
+        lanes = engine_stats.get("lanes", {})
+        return cls(ready=ready, draining=draining, running=int(engine_stats.get("num_running", 0)),
+                   waiting={lane: int(c.get("waiting", 0)) for lane, c in lanes.items()},
+                   kv_usage=min(1.0, max(0.0, float(engine_stats.get("kv_cache_usage", 0.0)))),
+                   device_adapters=frozenset(tiers.get("device", ())),
+                   cpu_adapters=frozenset(tiers.get("cpu", ())), max_loras=max_loras,
+                   prefix_keys=tuple(prefix_keys))
+
+    @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> WorkerStats:
         """Parse a worker's stats document; unknown keys are ignored, bad values named."""
         if not isinstance(doc, Mapping):

@@ -38,3 +38,22 @@ def test_prefix_key_depends_on_salt_adapter_and_leading_blocks():
     assert key != prefix_key("tenant-1", None, ids, block_size=16, n_blocks=2)
     assert key != prefix_key("tenant-1", "ad", [99] + ids[1:], block_size=16, n_blocks=2)
     assert prefix_key("tenant-1", "ad", ids[:15], block_size=16) is None  # no full block
+
+
+def test_stats_from_a_real_engine(tiny_llama_dir):
+    from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig
+    from loraplex.engine.engine import LLMEngine
+    from loraplex.engine.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
+                                    cache=CacheConfig(block_size=16, num_blocks=64)))
+    engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=4), lane="batch")
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+    queued = WorkerStats.from_engine(engine.stats(), {"device": ["d1"], "cpu": ["c1"]}, max_loras=4)
+    assert (queued.running, queued.waiting["batch"], queued.waiting_total) == (0, 1, 2)
+    engine.step()
+    stats = WorkerStats.from_engine(engine.stats(), {"device": ["d1"], "cpu": ["c1"]}, max_loras=4,
+                                    draining=True)
+    assert stats.running == 2 and stats.waiting_total == 0 and 0.0 < stats.kv_usage <= 1.0
+    assert stats.residency("d1") == Residency.DEVICE and stats.residency("c1") == Residency.CPU
+    assert stats.draining and WorkerStats.from_json(stats.to_json()) == stats
