@@ -267,13 +267,7 @@ class ServeProcess:
 
     def __enter__(self) -> Target:
         data = self.tmp.name
-        keys = {}
-        for name, lane in self.tenants.items():
-            subprocess.run(_cli("tenant", "create", name, "--lane", lane, "--data-dir", data), check=True,
-                           capture_output=True, text=True)
-            out = subprocess.run(_cli("key", "create", name, "--data-dir", data), check=True, capture_output=True,
-                                 text=True).stdout
-            keys[name] = KEY_PATTERN.search(out).group(1)
+        keys = self._create_tenants(data)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -283,6 +277,27 @@ class ServeProcess:
         target = Target(f"http://127.0.0.1:{port}", keys, lanes=self.reported_lanes)
         self._wait(target)
         return target
+
+    def _create_tenants(self, data: str) -> dict[str, str]:
+        # One interpreter runs every `tenant create` and `key create` (each start costs seconds).
+        commands = [[c, *args, "--data-dir", data] for name, lane in self.tenants.items()
+                    for c, args in (("tenant", ["create", name, "--lane", lane]), ("key", ["create", name]))]
+        script = ("import sys, json\nfrom loraplex.platform.cli import main\n"
+                  "for argv in json.loads(sys.argv[1]):\n"
+                  "    print('@@', argv[2], flush=True)\n"
+                  "    try:\n        main(argv)\n"
+                  "    except SystemExit as e:\n        assert not e.code, f'{argv}: exit {e.code}'\n")
+        out = subprocess.run([sys.executable, "-c", script, json.dumps(commands)], capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(f"bench_serving: creating tenants failed:\n{out.stdout}{out.stderr}")
+        keys, tenant = {}, None
+        for line in out.stdout.splitlines():
+            if line.startswith("@@ "):
+                tenant = line[3:]
+            elif m := KEY_PATTERN.search(line):
+                keys[tenant] = m.group(1)
+        assert keys.keys() == self.tenants.keys(), out.stdout
+        return keys
 
     def _wait(self, target: Target) -> None:
         import httpx
