@@ -61,6 +61,7 @@ class Target:
     model: str = ""  # the base model's id
     adapters: list[str] = field(default_factory=list)
     lanes: dict[str, str] = field(default_factory=dict)  # tenant -> the lane it is reported under
+    sent: int = 0  # requests sent so far: no two share a prompt, so no prefix-cache hits between runs
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ async def _one(client, model: str, p: Planned, lane_of: dict[str, str], seed: in
             extra_body={"ignore_eos": True}, extra_headers=headers)
         usage = None
         async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
+            if chunk.choices:  # one chunk per step, even where a token's text is still incomplete
                 last = time.perf_counter()
                 first = first or last
                 n += 1
@@ -224,13 +225,14 @@ async def run_plan(target: Target, plan: list[Planned], seed: int = 0) -> tuple[
     clients = {t: openai.AsyncOpenAI(base_url=f"{target.url}/v1", api_key=target.keys.get(t, target.keys.get("*")),
                                      max_retries=0, http_client=http) for t in tenants}
     t_start = time.perf_counter()
-    tasks = []
+    tasks, first_seed = [], seed * 1_000_003 + target.sent
+    target.sent += len(plan)
     try:
         for i, p in enumerate(sorted(plan, key=lambda p: p.at)):
             delay = t_start + p.at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(clients[p.tenant], target.model, p, target.lanes, seed + i,
+            tasks.append(asyncio.create_task(_one(clients[p.tenant], target.model, p, target.lanes, first_seed + i,
                                                   t_start)))
         results = await asyncio.gather(*tasks)
     finally:
@@ -412,6 +414,17 @@ def _server(args, tenants: dict[str, str], reported: dict[str, str], fcfs: bool)
     return contextlib.nullcontext(target)
 
 
+def parse_tenants(spec: str) -> dict[str, str]:
+    """"a,b:batch" -> {"a": "standard", "b": "batch"}."""
+    out = {}
+    for item in spec.split(","):
+        name, _, lane = item.partition(":")
+        if not name or lane not in ("", "interactive", "standard", "batch"):
+            raise SystemExit(f"bench_serving: bad tenant {item!r} (TENANT or TENANT:interactive|standard|batch)")
+        out[name] = lane or "standard"
+    return out
+
+
 def parse_keys(items: list[str]) -> dict[str, str]:
     keys = {}
     for item in items:
@@ -421,8 +434,9 @@ def parse_keys(items: list[str]) -> dict[str, str]:
 
 
 def scenario_poisson(args, runs: list[dict], slo: SLO) -> dict:
-    tenants = args.tenants.split(",")
-    with _server(args, {t: "standard" for t in tenants}, {t: "standard" for t in tenants}, False) as target:
+    lanes = parse_tenants(args.tenants)
+    tenants = list(lanes)
+    with _server(args, lanes, lanes, False) as target:
         points: dict[str, list[tuple[float, float]]] = {}
         for rate in args.rates:
             plan = plan_poisson(rate, args.requests, tenants, args.seed, args.prompt_tokens, args.output_tokens)
@@ -547,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     load = p.add_argument_group("load")
     load.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1.0, 2.0])
     load.add_argument("--requests", type=int, default=100, help="per rate / interactive requests / trace limit")
-    load.add_argument("--tenants", default="t0", help="poisson: comma-separated tenants")
+    load.add_argument("--tenants", default="t0", help="poisson: comma-separated TENANT[:LANE] (round robin)")
     load.add_argument("--trace", default=str(Path(__file__).parent / "traces" / "synthetic_chat.jsonl"))
     load.add_argument("--speedup", type=float, default=1.0, help="trace: replay this many times faster")
     load.add_argument("--interactive-rate", type=float, default=1.0, help="interactive/B tenants' req/s")

@@ -116,6 +116,10 @@ def test_trace_plans_and_adapter_mapping():
     assert [p.adapter for p in bs.map_adapters(plan, ["x", "y", "z"])] == ["x", "y", "x", None, "z", "x", "y", "x"]
     assert all(m.adapter is None for m in bs.map_adapters(plan, []))
     assert bs.parse_keys(["a=k1", "k2", "b=x=y"]) == {"a": "k1", "*": "k2", "b": "x=y"}
+    assert bs.parse_tenants("a,b:batch,c:interactive") == {"a": "standard", "b": "batch", "c": "interactive"}
+    for bad in ("a:urgent", ",a", "a,"):
+        with pytest.raises(SystemExit, match="bad tenant"):
+            bs.parse_tenants(bad)
 
 
 def test_a_tiny_replay_against_a_real_loraplex_serve(tiny_llama_dir, tmp_path, capsys):
