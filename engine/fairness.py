@@ -81,7 +81,7 @@ class FairQueue:
     `peek`/`pop` give the next request (None when empty), `remove` takes out a given
     request (admitted out of order, aborted, timed out), `len` counts, iteration yields
     every waiting request in the order `pop` would give them if nothing were charged
-    but their prompts.
+    but their prompts (iterate over `list(queue)` to remove while going through it).
     """
 
     def __init__(self, config: FairnessConfig | None = None, weights: dict[str, float] | None = None) -> None:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -95,3 +97,11 @@ def test_spans_reach_an_otlp_http_endpoint():
 def test_a_bad_sample_ratio_is_refused():
     with pytest.raises(ValueError):
         TracingConfig(sample_ratio=1.5)
+
+
+def test_off_imports_no_opentelemetry_at_all():
+    code = ("import sys\nfrom loraplex.platform.observability.tracing import Tracing, TracingConfig\n"
+            "t = Tracing(TracingConfig())\nwith t.request_span(), t.span('admission'):\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
