@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -389,9 +391,8 @@ def record(runs: list[dict], series: str, name: str, rate: float, results: list[
 
 
 # -- scenarios ---------------------------------------------------------------------------
-def _server(args, tenants: dict[str, str], reported: dict[str, str], fcfs: bool):
+def _target(args, tenants: dict[str, str], reported: dict[str, str], fcfs: bool):
     """A context manager giving the Target: started here (--model) or the given URL."""
-    import contextlib
     import shlex
 
     if args.model:
@@ -412,6 +413,16 @@ def _server(args, tenants: dict[str, str], reported: dict[str, str], fcfs: bool)
     if args.adapters is not None:
         target.adapters = [a for a in args.adapters.split(",") if a]
     return contextlib.nullcontext(target)
+
+
+@contextlib.contextmanager
+def _server(args, tenants: dict[str, str], reported: dict[str, str], fcfs: bool) -> Iterator[Target]:
+    """The Target, warmed by `--warmup` short requests so no run pays for a cold server."""
+    with _target(args, tenants, reported, fcfs) as target:
+        warm = [Planned(0.0, next(iter(tenants)), None, None, args.prompt_tokens, 2)] * args.warmup
+        if warm:
+            asyncio.run(run_plan(target, warm))
+        yield target
 
 
 def parse_tenants(spec: str) -> dict[str, str]:
@@ -571,6 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--batch-prompt-tokens", type=int, default=512)
     load.add_argument("--output-tokens", type=int, default=32)
     load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--warmup", type=int, default=2, help="requests sent to each server before measuring")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="seconds")
     p.add_argument("--out", default="bench_serving_out", help="folder for results.json and the PNG")
