@@ -1,0 +1,120 @@
+"""OpenTelemetry tracing, off unless an OTLP endpoint is configured.
+
+Off, every span helper returns one shared null context: no SDK import, no allocation.
+On, spans go through a batch processor to an OTLP/HTTP exporter. A request gets one
+root span (`request`) with children for the phases the gateway and engine see:
+admission and metering as they run (`span()`), queue, prefill and decode recorded
+afterwards from the engine's timestamps (`record_phases()`).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .request_id import current_request_id
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.trace import Span
+
+PHASES = ("admission", "queue", "prefill", "decode", "metering")
+_NULL = nullcontext()
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    # OTLP/HTTP traces endpoint, e.g. http://collector:4318/v1/traces; None: tracing off.
+    otlp_endpoint: str | None = None
+    service_name: str = "loraplex"
+    sample_ratio: float = 1.0
+    export_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ValueError("sample_ratio must be in [0, 1]")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.otlp_endpoint)
+
+
+def monotonic_offset_ns() -> int:
+    """Add to time.monotonic() nanoseconds to get the wall-clock ones OpenTelemetry records."""
+    return time.time_ns() - time.monotonic_ns()
+
+
+class Tracing:
+    """The process's tracer; `Tracing(TracingConfig())` is the no-op one."""
+
+    def __init__(self, config: TracingConfig, exporter: SpanExporter | None = None) -> None:
+        self.config = config
+        self.enabled = config.enabled or exporter is not None
+        self._provider = self._tracer = None
+        if self.enabled:
+            self._start(exporter)
+
+    def _start(self, exporter: SpanExporter | None) -> None:
+        # The SDK is imported only when tracing is on.
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+        c = self.config
+        provider = TracerProvider(resource=Resource.create({"service.name": c.service_name}),
+                                  sampler=ParentBased(TraceIdRatioBased(c.sample_ratio)))
+        if exporter is None:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter(endpoint=c.otlp_endpoint, timeout=c.export_timeout_s)
+            provider.add_span_processor(BatchSpanProcessor(exporter))
+        else:
+            provider.add_span_processor(SimpleSpanProcessor(exporter))
+        self._provider = provider
+        self._tracer = provider.get_tracer("loraplex")
+
+    def request_span(self, name: str = "request", **attributes: Any) -> AbstractContextManager[Span | None]:
+        """The root span of one request, current until the block ends."""
+        if not self.enabled:
+            return _NULL
+        return self._tracer.start_as_current_span(name, attributes=self._attrs(attributes))
+
+    def span(self, phase: str, **attributes: Any) -> AbstractContextManager[Span | None]:
+        """A child span of the current one for a phase run inline (admission, metering)."""
+        if not self.enabled:
+            return _NULL
+        assert phase in PHASES, phase
+        return self._tracer.start_as_current_span(phase, attributes=self._attrs(attributes))
+
+    def record_phases(self, arrival: float, scheduled: float | None, first_token: float | None,
+                      finished: float, **attributes: Any) -> None:
+        """Queue, prefill and decode spans under the current span, from monotonic times.
+
+        A phase that never began (aborted while waiting, no token sampled) is left out.
+        """
+        if not self.enabled:
+            return
+        attrs, offset = self._attrs(attributes), monotonic_offset_ns()
+        bounds = [("queue", arrival, scheduled if scheduled is not None else finished)]
+        if scheduled is not None:
+            bounds.append(("prefill", scheduled, first_token if first_token is not None else finished))
+        if first_token is not None:
+            bounds.append(("decode", first_token, finished))
+        for phase, start, end in bounds:
+            span = self._tracer.start_span(phase, attributes=attrs, start_time=offset + int(start * 1e9))
+            span.end(end_time=offset + int(max(start, end) * 1e9))
+
+    @staticmethod
+    def _attrs(attributes: dict[str, Any]) -> dict[str, Any]:
+        rid = current_request_id()
+        attrs = {f"loraplex.{k}": v for k, v in attributes.items() if v is not None}
+        if rid is not None:
+            attrs["loraplex.request_id"] = rid
+        return attrs
+
+    def shutdown(self) -> None:
+        """Export what is buffered and stop (at server shutdown)."""
+        if self._provider is not None:
+            self._provider.shutdown()

@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from loraplex.platform.observability.request_id import bind_request_id
+from loraplex.platform.observability.tracing import Tracing, TracingConfig
+
+
+def test_off_by_default_every_helper_is_one_shared_null_context():
+    t = Tracing(TracingConfig())
+    assert not t.enabled
+    assert t.request_span() is t.span("admission") is t.span("metering", x=1)
+    with t.request_span() as span:
+        assert span is None
+    t.record_phases(0.0, 1.0, 2.0, 3.0)
+    t.shutdown()
+
+
+def request(t: Tracing) -> None:
+    now = time.monotonic()
+    with bind_request_id("req-7"), t.request_span(lane="interactive", adapter="sql"):
+        with t.span("admission"):
+            pass
+        t.record_phases(now - 3.0, now - 2.5, now - 2.0, now - 0.5, prompt_tokens=12)
+        with t.span("metering", tokens=20):
+            pass
+
+
+def test_a_request_becomes_a_tree_of_phase_spans():
+    exporter = InMemorySpanExporter()
+    t = Tracing(TracingConfig(), exporter=exporter)
+    request(t)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"request", "admission", "queue", "prefill", "decode", "metering"}
+    root = spans.pop("request")
+    assert root.attributes["loraplex.lane"] == "interactive" and root.attributes["loraplex.request_id"] == "req-7"
+    for s in spans.values():
+        assert s.parent.span_id == root.context.span_id and s.context.trace_id == root.context.trace_id
+        assert s.attributes["loraplex.request_id"] == "req-7"
+    q, p, d = spans["queue"], spans["prefill"], spans["decode"]
+    assert q.end_time == p.start_time and p.end_time == d.start_time
+    assert (q.end_time - q.start_time, p.end_time - p.start_time, d.end_time - d.start_time) == \
+        pytest.approx((0.5e9, 0.5e9, 1.5e9), abs=1e6)
+    assert spans["metering"].attributes["loraplex.tokens"] == 20
+
+
+def test_phases_that_never_began_are_left_out():
+    exporter = InMemorySpanExporter()
+    t = Tracing(TracingConfig(), exporter=exporter)
+    t.record_phases(1.0, None, None, 2.0)
+    assert [s.name for s in exporter.get_finished_spans()] == ["queue"]
+
+
+class _Collector(BaseHTTPRequestHandler):
+    bodies: list[tuple[str, bytes]] = []
+
+    def do_POST(self):
+        self.bodies.append((self.path, self.rfile.read(int(self.headers["content-length"]))))
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_spans_reach_an_otlp_http_endpoint():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_port}/v1/traces"
+        t = Tracing(TracingConfig(otlp_endpoint=endpoint, service_name="loraplex-test"))
+        assert t.enabled
+        request(t)
+        t.shutdown()  # flushes the batch
+    finally:
+        server.shutdown()
+    names, services = [], set()
+    for path, body in _Collector.bodies:
+        assert path == "/v1/traces"
+        msg = ExportTraceServiceRequest.FromString(body)
+        for rs in msg.resource_spans:
+            services |= {a.value.string_value for a in rs.resource.attributes if a.key == "service.name"}
+            names += [s.name for ss in rs.scope_spans for s in ss.spans]
+    assert sorted(names) == sorted(["request", "admission", "queue", "prefill", "decode", "metering"])
+    assert services == {"loraplex-test"}
+
+
+def test_a_bad_sample_ratio_is_refused():
+    with pytest.raises(ValueError):
+        TracingConfig(sample_ratio=1.5)
+
+
+def test_off_imports_no_opentelemetry_at_all():
+    code = ("import sys\nfrom loraplex.platform.observability.tracing import Tracing, TracingConfig\n"
+            "t = Tracing(TracingConfig())\nwith t.request_span(), t.span('admission'):\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
