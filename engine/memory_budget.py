@@ -210,3 +210,14 @@ def non_torch_bytes(device: torch.device | str, at_start: DeviceMemory,
     now = device_memory(device, mem_get_info)
     used_since = at_start.free - now.free
     return max(0, used_since - torch.cuda.memory_reserved(device))
+
+
+def plan_on_device(shape: ModelShape, config: MemoryPlanConfig, device: torch.device | str, at_start: DeviceMemory,
+                   weights: Iterable[torch.Tensor], profile_forward: Callable[[], object],
+                   mem_get_info: Callable[[torch.device], tuple[int, int]] | None = None) -> KVPlan:
+    """The runner's one call on CUDA: after the model (and its adapter slots) are on the
+    device, before the KV cache exists. `at_start` is `device_memory(device)` read before
+    the model loaded; `weights` the model's parameters and buffers."""
+    peak = profile_activation_peak(profile_forward, device)
+    measured = Measured(tensor_bytes(weights), peak, non_torch_bytes(device, at_start, mem_get_info))
+    return plan_kv_cache(shape, config, at_start, measured)

@@ -143,3 +143,21 @@ def test_tensor_bytes_counts_tied_weights_once():
     head.weight = emb.weight  # tied, as SmolLM2's LM head
     norm = torch.ones(8, dtype=torch.bfloat16)
     assert tensor_bytes([emb.weight, head.weight, norm]) == 100 * 8 * 4 + 8 * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="profiling reads the CUDA allocator")
+def test_plan_on_a_real_device():
+    from itertools import chain
+
+    from loraplex.engine.memory_budget import plan_on_device
+
+    at_start = device_memory("cuda")
+    model = torch.nn.Linear(1024, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
+    shape = ModelShape(1024, 4096, 2, 8, 8, 128)
+    plan = plan_on_device(shape, MemoryPlanConfig(gpu_memory_utilization=0.5, max_model_len=256), "cuda", at_start,
+                          chain(model.parameters(), model.buffers()), lambda: model(x))
+    assert plan.weight_bytes == 1024 * 4096 * 2
+    assert plan.activation_bytes >= 2048 * 4096 * 2  # the output, at least
+    assert plan.num_blocks == (int(at_start.total * 0.5) - plan.weight_bytes - plan.activation_bytes
+                               - plan.non_torch_bytes) // plan.bytes_per_block
