@@ -86,8 +86,10 @@ def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
 
 def _random_slots(arch, num_slots: int, rank: int, dtype: torch.dtype, device: torch.device):
     from loraplex.engine.kernels.lora_kernels import StackedLoRAWeights
+    from loraplex.engine.memory_budget import ModelShape
 
-    stacks = StackedLoRAWeights.for_arch(arch, num_slots, rank, dtype, device)
+    in_sizes, out_sizes = ModelShape.from_arch(arch).lora_stack_sizes()
+    stacks = StackedLoRAWeights(num_slots, arch.num_layers, in_sizes, out_sizes, rank, dtype, device)
     for g in stacks.a:  # timing needs realistic shapes, not trained values
         stacks.a[g].normal_(0, 0.02)
         stacks.b[g].normal_(0, 0.02)

@@ -163,9 +163,8 @@ class LlamaDecodeForward:
 
     def __call__(self, batch: DecodeInputs) -> torch.Tensor:
         meta = AttentionMetadata(slot_mapping=batch.slot_mapping, block_size=self.block_size,
-                                 num_decodes=batch.width, device=batch.input_ids.device,
-                                 query_start_loc=batch.query_start_loc, seq_lens=batch.context_lens,
-                                 block_tables=batch.block_tables)
+                                 num_decodes=batch.width, query_start_loc=batch.query_start_loc,
+                                 seq_lens=batch.context_lens, block_tables=batch.block_tables)
         lora = None if self.lora_weights is None else StaticLoRAHook(self.lora_weights, batch.adapter_slots)
         return self.model(batch.input_ids, batch.positions, meta, self.kv_caches, lora)
 

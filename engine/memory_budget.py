@@ -51,6 +51,13 @@ class ModelShape:
         return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                 "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
+    def lora_stack_sizes(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(input features per projection group, output features per projection): the
+        sizes a LoRA slot stack is built with."""
+        p = self.projection_sizes()
+        groups = {"qkv": "q_proj", "o": "o_proj", "gate_up": "gate_proj", "down": "down_proj"}
+        return {g: p[m][0] for g, m in groups.items()}, {m: out for m, (_, out) in p.items()}
+
 
 @dataclass(frozen=True)
 class MemoryPlanConfig:

@@ -83,13 +83,15 @@ def decode_setup(tiny_llama_dir):
     from loraplex.engine.kernels.select import attention_ops
     from loraplex.engine.loader import ModelArch, load_state_dict
     from loraplex.engine.lora import pack_adapter
+    from loraplex.engine.memory_budget import ModelShape
     from loraplex.engine.models.llama import LlamaModel
 
     arch = ModelArch.from_dir(tiny_llama_dir)
     model = LlamaModel(arch)
     model.load_weights(load_state_dict(tiny_llama_dir, torch.float32))
     model.eval().set_attention_ops(*attention_ops("triton"))
-    stacks = StackedLoRAWeights.for_arch(arch, 3, 16, torch.float32, "cpu")
+    stacks = StackedLoRAWeights(3, arch.num_layers, *ModelShape.from_arch(arch).lora_stack_sizes(), 16, torch.float32,
+                                "cpu")
     gen = torch.Generator().manual_seed(0)
     sizes = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
              "gate_proj": (64, 128), "up_proj": (64, 128), "down_proj": (128, 64)}

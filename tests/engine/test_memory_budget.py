@@ -39,8 +39,9 @@ def test_adapter_slot_bytes_match_the_triton_weight_stacks():
         "model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 3,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "rms_norm_eps": 1e-5,
         "max_position_embeddings": 256})
-    stacks = StackedLoRAWeights.for_arch(arch, 3, 8, torch.bfloat16, "cpu")
-    assert adapter_slot_bytes(ModelShape.from_arch(arch), 3, 8, 2) == stacks.nbytes()
+    shape = ModelShape.from_arch(arch)
+    stacks = StackedLoRAWeights(3, arch.num_layers, *shape.lora_stack_sizes(), 8, torch.bfloat16, "cpu")
+    assert adapter_slot_bytes(shape, 3, 8, 2) == stacks.nbytes()
 
 
 def test_80g_llama_8b_blocks_with_and_without_adapters():
@@ -161,3 +162,10 @@ def test_plan_on_a_real_device():
     assert plan.activation_bytes >= 2048 * 4096 * 2  # the output, at least
     assert plan.num_blocks == (int(at_start.total * 0.5) - plan.weight_bytes - plan.activation_bytes
                                - plan.non_torch_bytes) // plan.bytes_per_block
+
+
+def test_lora_stack_sizes():
+    assert LLAMA_8B.lora_stack_sizes() == (
+        {"qkv": 4096, "o": 4096, "gate_up": 4096, "down": 14336},
+        {"q_proj": 4096, "k_proj": 1024, "v_proj": 1024, "o_proj": 4096, "gate_proj": 14336, "up_proj": 14336,
+         "down_proj": 4096})
