@@ -71,7 +71,8 @@ def assign_adapters(num_requests: int, names: list[str]) -> list[str | None]:
 
 # -- decode step: eager vs CUDA graphs --------------------------------------------------
 def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
-    from loraplex.engine.kernels.select import attention_ops
+    from loraplex.engine.kernels.kv_write import triton_write_kv
+    from loraplex.engine.kernels.paged_attention import triton_paged_attention
     from loraplex.engine.loader import ModelArch, load_state_dict
     from loraplex.engine.models.llama import LlamaModel
 
@@ -80,7 +81,7 @@ def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
         model = LlamaModel(arch)
     model = model.to_empty(device=device).to(dtype)
     model.load_weights(load_state_dict(model_dir, dtype))
-    model.eval().set_attention_ops(*attention_ops("triton"))
+    model.eval().set_attention_ops(triton_write_kv, triton_paged_attention)
     return arch, model
 
 

@@ -80,7 +80,8 @@ def test_stage_fills_rows_and_makes_padding_inert():
 def decode_setup(tiny_llama_dir):
     pytest.importorskip("triton", reason="Triton is not installed")
     from loraplex.engine.kernels.lora_kernels import StackedLoRAWeights
-    from loraplex.engine.kernels.select import attention_ops
+    from loraplex.engine.kernels.kv_write import triton_write_kv
+    from loraplex.engine.kernels.paged_attention import triton_paged_attention
     from loraplex.engine.loader import ModelArch, load_state_dict
     from loraplex.engine.lora import pack_adapter
     from loraplex.engine.memory_budget import ModelShape
@@ -89,7 +90,7 @@ def decode_setup(tiny_llama_dir):
     arch = ModelArch.from_dir(tiny_llama_dir)
     model = LlamaModel(arch)
     model.load_weights(load_state_dict(tiny_llama_dir, torch.float32))
-    model.eval().set_attention_ops(*attention_ops("triton"))
+    model.eval().set_attention_ops(triton_write_kv, triton_paged_attention)
     stacks = StackedLoRAWeights(3, arch.num_layers, *ModelShape.from_arch(arch).lora_stack_sizes(), 16, torch.float32,
                                 "cpu")
     gen = torch.Generator().manual_seed(0)
@@ -140,7 +141,8 @@ def test_padded_static_decode_equals_the_eager_step(decode_setup):
 _GPU_SCRIPT = """
 import torch
 from loraplex.engine.cuda_graphs import CUDAGraphRunner, DecodeInputs, GraphPolicy, LlamaDecodeForward
-from loraplex.engine.kernels.select import attention_ops
+from loraplex.engine.kernels.kv_write import triton_write_kv
+from loraplex.engine.kernels.paged_attention import triton_paged_attention
 from loraplex.engine.loader import ModelArch, load_state_dict
 from loraplex.engine.models.llama import LlamaModel
 import sys
@@ -149,7 +151,7 @@ arch = ModelArch.from_dir(d)
 model = LlamaModel(arch)
 model.load_weights(load_state_dict(d, torch.float32))
 model = model.to(dev).eval()
-model.set_attention_ops(*attention_ops("triton"))
+model.set_attention_ops(triton_write_kv, triton_paged_attention)
 kv = [(torch.randn(arch.num_kv_heads, 512, arch.head_dim, device=dev),
        torch.randn(arch.num_kv_heads, 512, arch.head_dim, device=dev)) for _ in range(arch.num_layers)]
 fwd = LlamaDecodeForward(model, kv, 16)
