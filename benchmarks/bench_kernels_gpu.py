@@ -117,7 +117,7 @@ def lora_case(T_rows: list[int], rank: int, k: int, widths: list[int], dtype, de
 def kernel_benchmarks(device: torch.device, smoke: bool, peak_gbs: float | None, peak_tflops: float | None) -> list:
     from loraplex.engine.attention import build_metadata
     from loraplex.engine.kernels.kv_write import reference_write_kv, triton_write_kv
-    from loraplex.engine.kernels.lora_kernels import LoRABatch
+    from loraplex.engine.lora.torch_backend import LoRABatch
     from loraplex.engine.kernels.paged_attention import (
         attention_flops_bytes,
         reference_paged_attention,

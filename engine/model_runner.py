@@ -12,6 +12,7 @@ from .cpu_tuning import keep_freed_memory_in_heap
 from .kernels import cpu_dpbf16, cpu_gemm
 from .kernels.select import attention_ops, select_backend
 from .loader import ModelArch, load_state_dict
+from .lora.torch_backend import TorchLoRABackend
 from .models.llama import LlamaModel
 from .request import Request
 from .sampler import Logprobs, Sampler, SampleRow
@@ -64,18 +65,19 @@ class ModelRunner:
         self.lora = lora_manager
         if self.kernels != "torch":
             self.model.set_attention_ops(*attention_ops(self.kernels))
+        lora_backend = TorchLoRABackend
         if self.kernels == "cpu":
             from .kernels.cpu_fused import CLayerOps
+            from .kernels.cpu_lora import CLoRABackend
 
             self.model.set_layer_ops(CLayerOps(self.dtype))
-            if lora_manager is not None:
-                lora_manager.cpu_kernels = True
+            lora_backend = CLoRABackend
         if self.kernels == "triton":
             from .kernels.lora_kernels import StackedLoRAWeights
 
-            if lora_manager is not None:
-                lora_manager.kernel_weights = StackedLoRAWeights.for_arch(
-                    arch, config.lora.max_loras, config.lora.max_lora_rank, self.dtype, self.device)
+            lora_backend = StackedLoRAWeights
+        if lora_manager is not None:
+            lora_manager.bind(arch, self.dtype, self.device, lora_backend)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB); %s kernels", self.num_blocks, self.block_size,
                  self.num_blocks * kv_bytes_per_block(arch, self.block_size, self.dtype) / 2**20, self.kernels)
 

@@ -1,8 +1,10 @@
-"""The C multi-LoRA kernel (cpu_lora.c) over lora_batch.SlotStacks: every adapter segment
-of a step, decode rows and prefill chunks, in one call per layer and group.
+"""The C multi-LoRA kernel (cpu_lora.c) over `lora.stacks.SlotStacks`: every adapter
+segment of a step, decode rows and prefill chunks, in one call per layer and group, and
+no oneDNN primitive to build for each new segment length (~1 ms each: prefill chunks
+rarely repeat one).
 
-Its reference is the per-segment torch loop (engine/lora.py `LoRABatch`), which the
-tests compare it with; without a C compiler the grouped torch path runs instead.
+Its reference is the per-segment torch loop (`lora.torch_backend.LoRABatch`), which the
+tests compare it with.
 """
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ import ctypes
 
 import torch
 
+from ..lora.backend import LoRAHook
+from ..lora.stacks import SlotStacks
+from ..lora.torch_backend import TorchLoRABackend
 from . import cpu_build
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -51,3 +56,22 @@ def cpu_lora_segments(x: torch.Tensor, out: torch.Tensor, segments: torch.Tensor
     args = (x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), segments.data_ptr(), a.data_ptr(),
             a.stride(0), a.stride(1), a.shape[3], mods.shape[0], mods.data_ptr(), ranks[layer].data_ptr(), layer)
     cpu_build.run(fn, args, segments.shape[0])
+
+
+class CLoRABatch:
+    """One step's segments, cut into pieces once; `apply` is one kernel call."""
+
+    def __init__(self, stacks: SlotStacks, segments: list[tuple[int, int, int]]) -> None:
+        self.stacks = stacks
+        self.pieces = pieces(segments)
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        s = self.stacks
+        cpu_lora_segments(x, out, self.pieces, s.a[group], s.c_modules(group), s.ranks_t[group], layer)
+
+
+class CLoRABackend(TorchLoRABackend):
+    """The torch backend's slot stacks, every segment (long ones too) through the C kernel."""
+
+    def batch(self, segments: list[tuple[int, int, int]]) -> LoRAHook:
+        return CLoRABatch(self.stacks, segments)

@@ -1,6 +1,6 @@
 """Batched multi-LoRA: shrink `s = x·Aᵀ` and expand `out += s·Bᵀ` over adapter segments.
 
-The torch path (`engine.lora.LoRABatch`) loops over segments in Python. Here one launch
+The torch path (`lora.torch_backend.LoRABatch`) loops over segments in Python. Here one launch
 computes a whole projection group ("qkv", "o", "gate_up", "down") for every segment of
 the batch, and every projection of the group at once: the shrink grid is
 (row tile, module[, K split]) and the expand grid is (row tile, output-column tile),
@@ -24,10 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..lora import GROUPS, LoRABatch, PackedGroup
+from ..lora.backend import LoRABackend
+from ..lora.packing import GROUPS, PackedGroup
 
 __all__ = ["StackedLoRAWeights", "TritonLoRABatch", "lora_shrink", "lora_expand", "row_tiles",
-           "reference_lora_shrink", "reference_lora_expand", "LoRABatch"]
+           "reference_lora_shrink", "reference_lora_expand"]
 
 
 @triton.jit
@@ -219,18 +220,14 @@ def reference_lora_expand(s, b, ranks, widths, segments, out) -> None:
 
 
 # -- the engine-facing pieces ----------------------------------------------------------
-class StackedLoRAWeights:
-    """Per-slot adapter weights in the layout the kernels read; filled once per slot load.
-
-    The hook into `LoRAManager`: the runner creates one when Triton runs LoRA and sets it
-    as `LoRAManager.kernel_weights`; `LoRAManager.load` then calls `set_slot(slot, packed)`
-    after packing an adapter, and `LoRAManager.batch` returns `self.batch(segments)`.
-    """
+class StackedLoRAWeights(LoRABackend):
+    """The Triton LoRA backend: per-slot adapter weights in the layout the kernels read,
+    filled once per slot load, allocated up front for `max_rank`."""
 
     BLOCK_N = 64
 
     def __init__(self, num_slots: int, num_layers: int, in_sizes: dict[str, int],
-                 out_sizes: dict[str, int], max_rank: int, dtype: torch.dtype, device) -> None:
+                 out_sizes: dict[str, int], max_rank: int, dtype: torch.dtype, device: torch.device | str) -> None:
         self.num_slots, self.num_layers, self.max_rank = num_slots, num_layers, max_rank
         self.dtype, self.device = dtype, torch.device(device)
         self.widths = {g: [out_sizes[m] for m in mods] for g, mods in GROUPS.items()}
@@ -244,15 +241,6 @@ class StackedLoRAWeights:
             self.ranks[g] = torch.zeros(num_layers, num_slots, len(mods), dtype=torch.int32, device=device)
             self.col_tiles[g] = column_tiles(self.widths[g], self.BLOCK_N, device)
             self.host_rank[g] = [[0] * num_slots for _ in range(num_layers)]
-
-    @classmethod
-    def for_arch(cls, arch, num_slots: int, max_rank: int, dtype: torch.dtype, device) -> StackedLoRAWeights:
-        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-        h, i = arch.hidden_size, arch.intermediate_size
-        out_sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h, "gate_proj": i, "up_proj": i,
-                     "down_proj": h}
-        in_sizes = {"qkv": h, "o": q, "gate_up": h, "down": i}
-        return cls(num_slots, arch.num_layers, in_sizes, out_sizes, max_rank, dtype, device)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.a, self.b, self.ranks) for t in d.values())

@@ -6,8 +6,6 @@ deltas added into their slices.
 """
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,12 +13,7 @@ from torch import nn
 from ..attention import AttentionMetadata, paged_attention, write_kv
 from ..cpu_linear import PackedLinear, pack_linears
 from ..loader import ModelArch, rope_inv_freq
-
-
-class LoRAHook(Protocol):
-    """Adds adapter deltas for one step's batch (see engine/lora.py)."""
-
-    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None: ...
+from ..lora.backend import LoRAHook
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

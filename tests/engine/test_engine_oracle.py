@@ -147,6 +147,7 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
     from loraplex.adapters import AdapterStore, BaseShapes
     from loraplex.engine.cpu_linear import PackedLinear, packing_supported
     from loraplex.engine.kernels import cpu_dpbf16, cpu_gemm
+    from loraplex.engine.kernels.cpu_lora import CLoRABackend
     from loraplex.engine.lora import LoRAManager
 
     lora = LoRAManager(AdapterStore(tmp_path, BaseShapes.from_model_dir(tiny_llama_dir)))
@@ -167,7 +168,7 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
         assert type(engine.runner.model.packed_head) is cpu_gemm.Bf16Linear
     else:
         assert proj is torch.nn.Linear
-    assert lora.cpu_kernels == (engine.runner.kernels == "cpu")
+    assert isinstance(lora.backend, CLoRABackend) == (engine.runner.kernels == "cpu")
     outs = _run(engine, _prompts(), MAX_TOKENS)
     assert [len(o) for o in outs] == list(MAX_TOKENS)
 

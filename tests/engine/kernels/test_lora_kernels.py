@@ -15,7 +15,8 @@ from loraplex.engine.kernels.lora_kernels import (  # noqa: E402
     reference_lora_shrink,
     row_tiles,
 )
-from loraplex.engine.lora import GROUPS, LoRABatch, pack_adapter  # noqa: E402
+from loraplex.engine.lora import GROUPS, pack_adapter  # noqa: E402
+from loraplex.engine.lora.torch_backend import LoRABatch  # noqa: E402
 from tests.engine.kernels.kernel_cases import llama_shapes, random_adapter  # noqa: E402
 
 # A small Llama: hidden 64, 4 heads x 16, 2 KV heads, intermediate 96 (not a multiple of

@@ -1,4 +1,4 @@
-"""Grouped LoRA (`GroupedLoRABatch`) vs the per-segment loop (`LoRABatch`) on random tensors."""
+"""The torch and C LoRA backends vs the per-segment loop (`LoRABatch`) on random tensors."""
 from __future__ import annotations
 
 import random
@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from loraplex.engine.kernels import cpu_lora
-from loraplex.engine.lora import GROUPS, LoRABatch, pack_adapter, segments_of
-from loraplex.engine.lora_batch import GROUPED_MAX_ROWS, GroupedLoRABatch, SlotStacks
+from loraplex.engine.kernels.cpu_lora import CLoRABackend, CLoRABatch
+from loraplex.engine.lora import GROUPS, pack_adapter, segments_of
+from loraplex.engine.lora.torch_backend import GROUPED_MAX_ROWS, GroupedLoRABatch, LoRABatch, TorchLoRABackend
 from tests.engine.kernels.kernel_cases import llama_shapes, random_adapter
 
 HIDDEN, Q, KV, INTER, LAYERS = 48, 48, 16, 80, 2
@@ -31,24 +32,22 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2
 
 
 @pytest.fixture(params=["c_kernel", "grouped_bmm"])
-def c_kernel(request) -> bool:
-    """Every test runs both ways short segments are computed: the C kernel (the "cpu"
-    backend) where it builds, and the grouped torch bmm (what runs without it)."""
+def backend(request) -> type[TorchLoRABackend]:
+    """Every test runs both backends on the slot stacks: the C kernel (the "cpu" kernel
+    backend) where it builds, and the grouped torch bmm (the "torch" one)."""
     if request.param == "c_kernel" and cpu_lora.load_library() is None:
         pytest.skip("no C compiler to build the CPU LoRA kernel")
-    return request.param == "c_kernel"
+    return CLoRABackend if request.param == "c_kernel" else TorchLoRABackend
 
 
-def _loaded(dtype, slot_of=None):
-    """(packed per slot, stacks) with ADAPTERS[i] in slot slot_of[i] (default: slot i)."""
+def _loaded(dtype, backend, slot_of=None) -> TorchLoRABackend:
+    """`backend` with ADAPTERS[i] in slot slot_of[i] (default: slot i)."""
     slot_of = slot_of or list(range(len(ADAPTERS)))
-    slots = [None] * NUM_SLOTS
-    stacks = SlotStacks(NUM_SLOTS, LAYERS, GROUP_IN, OUT, dtype, torch.device("cpu"))
+    lora = backend(NUM_SLOTS, LAYERS, GROUP_IN, OUT, 64, dtype, torch.device("cpu"))
     for i, ranks in enumerate(ADAPTERS):
-        slots[slot_of[i]] = pack_adapter(random_adapter(ranks, IN, OUT, LAYERS, seed=i + 1), OUT, LAYERS, dtype,
-                                         torch.device("cpu"))
-        stacks.set_slot(slot_of[i], slots[slot_of[i]])
-    return slots, stacks
+        lora.set_slot(slot_of[i], pack_adapter(random_adapter(ranks, IN, OUT, LAYERS, seed=i + 1), OUT, LAYERS,
+                                               dtype, torch.device("cpu")))
+    return lora
 
 
 def _batch(decode_slots: list[int], prefill: list[tuple[int, int]]) -> tuple[list, int]:
@@ -90,27 +89,27 @@ def _inputs(rows: int, dtype, seed: int = 0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_grouped_matches_per_segment_loop(dtype, case, c_kernel):
-    slots, stacks = _loaded(dtype)
+def test_grouped_matches_per_segment_loop(dtype, case, backend):
+    lora = _loaded(dtype, backend)
     seqs, rows = _batch(*CASES[case])
     segments = segments_of(seqs)
     x, out = _inputs(rows, dtype)
-    ref = _run(LoRABatch(slots, segments), x, out)
-    batch = GroupedLoRABatch(stacks, slots, segments, c_kernel=c_kernel)
+    ref = _run(LoRABatch(lora.packed, segments), x, out)
+    batch = lora.batch(segments)
     # the path under test is the one taken: the C kernel takes every segment, long ones too
-    if c_kernel:
-        assert batch.c_segments is not None and batch.plan is None and batch.long is None
+    if backend is CLoRABackend:
+        assert isinstance(batch, CLoRABatch)
     elif any(e - s <= GROUPED_MAX_ROWS for s, e, _ in segments):
-        assert batch.c_segments is None and batch.plan is not None
+        assert isinstance(batch, GroupedLoRABatch) and batch.plan is not None
     got = _run(batch, x, out)
     for key in ref:
         torch.testing.assert_close(got[key], ref[key], **TOL[dtype], msg=lambda m: f"{case} {key}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_random_batches_match(dtype, c_kernel):
+def test_random_batches_match(dtype, backend):
     rng = random.Random(5)
-    slots, stacks = _loaded(dtype, slot_of=[0, 2, 3, 5, 6, 9, 10, 11])
+    lora = _loaded(dtype, backend, slot_of=[0, 2, 3, 5, 6, 9, 10, 11])
     loaded = [-1, 0, 2, 3, 5, 6, 9, 10, 11]
     for trial in range(12):
         decodes = [rng.choice(loaded) for _ in range(rng.randrange(0, 20))]
@@ -120,16 +119,16 @@ def test_random_batches_match(dtype, c_kernel):
         if not segments:
             continue
         x, out = _inputs(rows, dtype, seed=trial)
-        ref = _run(LoRABatch(slots, segments), x, out)
-        got = _run(GroupedLoRABatch(stacks, slots, segments, c_kernel=c_kernel), x, out)
+        ref = _run(LoRABatch(lora.packed, segments), x, out)
+        got = _run(lora.batch(segments), x, out)
         for key in ref:
             torch.testing.assert_close(got[key], ref[key], **TOL[dtype], msg=lambda m: f"{seqs} {key}: {m}")
 
 
 @pytest.mark.parametrize("case", ["decode-mixed", "decode-sparse", "mixed", "base-only"])
-def test_base_rows_untouched(case, c_kernel):
+def test_base_rows_untouched(case, backend):
     """Base rows keep their exact bits (a +0.0 on a -0.0 would flip the sign), however large x is."""
-    slots, stacks = _loaded(torch.float32)
+    lora = _loaded(torch.float32, backend)
     seqs, rows = _batch(*CASES[case])
     segments = segments_of(seqs)
     base = [r for r, slot in enumerate(s for n, s in seqs for _ in range(n)) if slot < 0]
@@ -137,7 +136,7 @@ def test_base_rows_untouched(case, c_kernel):
     for g in GROUPS:
         x[g][base] = 1e4
         out[g][base] = -0.0
-    got = _run(GroupedLoRABatch(stacks, slots, segments, c_kernel=c_kernel), x, out)
+    got = _run(lora.batch(segments), x, out)
     changed = False
     for (layer, g), o in got.items():
         assert torch.equal(o[base].view(torch.int32), out[g][base].view(torch.int32)), (layer, g)
@@ -145,19 +144,18 @@ def test_base_rows_untouched(case, c_kernel):
     assert changed == (len(base) < rows)  # not vacuous: adapter rows did get deltas
 
 
-def test_reload_replaces_weights_and_cached_gathers(c_kernel):
+def test_reload_replaces_weights_and_cached_gathers(backend):
     """A slot reloaded with a smaller adapter leaves nothing of the old one; gathered copies refresh."""
     dtype = torch.float32
-    slots, stacks = _loaded(dtype)
+    lora = _loaded(dtype, backend)
     seqs, rows = _batch([0, 7, 7], [])  # sparse: the gathered path, cached across steps
     segments = segments_of(seqs)
     x, out = _inputs(rows, dtype)
-    _run(GroupedLoRABatch(stacks, slots, segments, c_kernel=c_kernel), x, out)  # fills the gather cache
+    _run(lora.batch(segments), x, out)  # fills the gather cache
     for slot, ranks in ((7, {"q_proj": 4}), (0, {m: 64 for m in ALL})):  # shrink, then grow the stacks
-        slots[slot] = pack_adapter(random_adapter(ranks, IN, OUT, LAYERS, seed=99 + slot), OUT, LAYERS, dtype,
-                                   torch.device("cpu"))
-        stacks.set_slot(slot, slots[slot])
-        ref = _run(LoRABatch(slots, segments), x, out)
-        got = _run(GroupedLoRABatch(stacks, slots, segments, c_kernel=c_kernel), x, out)
+        lora.set_slot(slot, pack_adapter(random_adapter(ranks, IN, OUT, LAYERS, seed=99 + slot), OUT, LAYERS, dtype,
+                                         torch.device("cpu")))
+        ref = _run(LoRABatch(lora.packed, segments), x, out)
+        got = _run(lora.batch(segments), x, out)
         for key in ref:
             torch.testing.assert_close(got[key], ref[key], **TOL[dtype])
