@@ -1,4 +1,4 @@
-"""Multi-LoRA compute on the CPU: the C LoRA backend (engine/kernels/cpu_lora.c) against the torch one.
+"""Multi-LoRA compute on the CPU: the C LoRA backend (engine/kernels/cpu/lora.c) against the torch one.
 
 One run, same threads, same adapters (rank 8 on all seven projections of SmolLM2's 30
 layers, 32 device slots, weights streaming from memory as in a real step). For each
@@ -21,9 +21,9 @@ from types import SimpleNamespace
 import torch
 
 from loraplex.adapters.peft import LoRAWeight
-from loraplex.engine.kernels import cpu_lora
+from loraplex.engine.kernels.cpu import lora as cpu_lora
 from loraplex.engine.lora import GROUPS, pack_adapter
-from loraplex.engine.kernels.cpu_lora import CLoRABackend
+from loraplex.engine.kernels.cpu.lora import CLoRABackend
 from loraplex.engine.lora.torch_backend import TorchLoRABackend
 
 HIDDEN, Q, KV, INTER, LAYERS, SLOTS = 576, 576, 192, 1536, 30, 32

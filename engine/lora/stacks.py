@@ -20,7 +20,7 @@ class SlotStacks:
     rows at offset[g][m], padded to rank[g][m] (the largest rank any loaded slot has for
     it). b[g][m]: [layers, slots, rank[g][m], out_m], (B·scale)ᵀ per module: expanding per
     module reads half the bytes of a block-diagonal B, and decode steps are memory bound;
-    transposed, each rank's row is contiguous for bmm and for the C kernel (cpu_lora.c).
+    transposed, each rank's row is contiguous for bmm and for the C kernel (kernels/cpu/lora.c).
     Missing modules and groups are zeros.
     """
 
@@ -35,7 +35,7 @@ class SlotStacks:
         # Host copy, [group][layer][slot] -> per-module ranks: per-step sizing without a sync.
         self.ranks = {g: [[(0,) * len(mods)] * num_slots for _ in range(num_layers)] for g, mods in GROUPS.items()}
         self.generation = 0  # bumped on every load: invalidates gathered copies
-        # For the C kernel (kernels/cpu_lora.py): ranks as a tensor, and per group the
+        # For the C kernel (kernels/cpu/lora.py): ranks as a tensor, and per group the
         # modules' layout, rebuilt when a load changed it.
         self.ranks_t = {g: torch.zeros(num_layers, num_slots, len(mods), dtype=torch.int32) for g, mods in GROUPS.items()}
         self._mods: dict[str, tuple[int, torch.Tensor]] = {}
@@ -94,7 +94,7 @@ class SlotStacks:
 
     def c_modules(self, g: str) -> torch.Tensor:
         """int64 [modules, 6]: A row offset, allocated rank, output column, out width, B^T
-        address, B^T layer stride (cpu_lora.c's `mods`)."""
+        address, B^T layer stride (lora.c's `mods`)."""
         hit = self._mods.get(g)
         if hit is None or hit[0] != self.generation:
             rows = [[self.offset(g, k), self.rank[g][k], self.cols[g][k], self.out_sizes[m],

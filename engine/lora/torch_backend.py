@@ -10,7 +10,7 @@ short prefill chunks) are grouped by slot into one padded batch [E slots, P rows
 
 so the op count per layer and group does not grow with the number of adapters. Long
 segments keep the per-segment matmuls, which are efficient there. On the "cpu" backend
-every segment, long ones included, goes to the C kernel (kernels/cpu_lora.c) instead:
+every segment, long ones included, goes to the C kernel (kernels/cpu/lora.py) instead:
 one call per layer and group, and no oneDNN primitive to build for each new segment
 length (~1 ms each: prefill chunks rarely repeat one).
 

@@ -11,7 +11,7 @@ from loraplex.adapters.synth import make_random_peft_adapter
 from loraplex.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.errors import UnknownAdapterError
-from loraplex.engine.kernels.cpu_lora import CLoRABackend
+from loraplex.engine.kernels.cpu.lora import CLoRABackend
 from loraplex.engine.lora import LoRAManager
 from loraplex.engine.request import SamplingParams
 from tests.engine.oracle import hf_greedy, run_greedy_with_adapters
@@ -73,7 +73,7 @@ def _run(engine, prompts, assign) -> list[list[int]]:
 def test_mixed_adapters_match_peft(tiny_llama_dir, tmp_path, lora_setup, setup):
     dirs, prompts, assign, ref = lora_setup
     engine, _ = _engine(tiny_llama_dir, tmp_path / "store", dirs, **setup)
-    assert isinstance(engine.lora.backend, CLoRABackend) == (engine.runner.kernels == "cpu")
+    assert isinstance(engine.lora.backend, CLoRABackend) == (engine.runner.backend.name == "cpu")
     assert _run(engine, prompts, assign) == ref
     if "num_blocks" in setup:
         assert engine.scheduler.num_preemptions > 0

@@ -1,4 +1,4 @@
-"""bf16 linear layers in C (cpu_dpbf16.c) for CPUs with AVX512-BF16.
+"""bf16 linear layers in C (dpbf16.c) for CPUs with AVX512-BF16.
 
 `Dpbf16Linear` replaces `nn.Linear` there on the "cpu" backend (engine/models/llama.py
 `pack_weights`); its reference is `F.linear` on the same bf16 tensors, which the tests
@@ -13,18 +13,18 @@ import functools
 
 import torch
 
-from . import cpu_build
-from .cpu_gemm import Bf16Linear
+from . import build
+from .gemm import Bf16Linear
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _ARGTYPES = [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I, _I]
-PANEL = 16  # output columns per packed panel (cpu_dpbf16.c)
-GROUP = 3  # panels per work item (cpu_dpbf16.c NR)
-M_CHUNK = 256  # rows per work item (cpu_dpbf16.c M_CHUNK)
+PANEL = 16  # output columns per packed panel (dpbf16.c)
+GROUP = 3  # panels per work item (dpbf16.c NR)
+M_CHUNK = 256  # rows per work item (dpbf16.c M_CHUNK)
 
 
 def load_library() -> ctypes.CDLL | None:
-    return cpu_build.load("cpu_dpbf16.c", {"gemm_dpbf16": _ARGTYPES, "dpbf16_available": []})
+    return build.load("dpbf16.c", {"gemm_dpbf16": _ARGTYPES, "dpbf16_available": []})
 
 
 @functools.cache
@@ -57,7 +57,7 @@ def dpbf16_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
     items = -(-packed.shape[0] // GROUP) * -(-M // M_CHUNK)
     args = (x.data_ptr(), x.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
             y.data_ptr(), y.stride(0), M, n, K)
-    cpu_build.run(lib.gemm_dpbf16, args, items)
+    build.run(lib.gemm_dpbf16, args, items)
     return y
 
 

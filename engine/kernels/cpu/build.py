@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ..loader import default_cache_dir, file_lock
+from ...loader import default_cache_dir, file_lock
 
 log = logging.getLogger(__name__)
 

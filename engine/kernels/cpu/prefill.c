@@ -8,7 +8,7 @@
  * the paged cache, transposed once so keys lie along the vector lanes (no horizontal
  * sums), then softmax in fp32 over each row's own causal length, then P V with a
  * register tile of QT queries x DT vectors of the head dimension. One rounding at the
- * end, as the decode kernel (cpu_decode.c).
+ * end, as the decode kernel (decode.c).
  *
  * items: int32 [n, 4] = (first batch row, rows, position of the first row, sequence
  * index into block_tables); work item w = item (w / num_kv_heads), KV head (w % num_kv_heads).
@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_bf16.h"
+#include "bf16.h"
 
 #ifdef __AVX512F__
 #define VL 16

@@ -1,14 +1,14 @@
 """The C multi-LoRA kernel: shapes its register blocks do not divide, pieces of long
 segments, and what its launcher refuses.
 
-(Its results are also checked against the per-segment torch loop in tests/engine/test_lora_batch.py,
+(Its results are also checked against the per-segment torch loop in tests/engine/lora/test_backends.py,
 which runs every case through this kernel and through the grouped bmm path.)"""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from loraplex.engine.kernels import cpu_lora
+from loraplex.engine.kernels.cpu import lora as cpu_lora
 from tests.engine.kernels.kernel_cases import MARCHES, use_build
 
 pytestmark = pytest.mark.skipif(cpu_lora.load_library() is None, reason="no C compiler to build the CPU kernels")
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(cpu_lora.load_library() is None, reason="no C co
 def code_path(request, monkeypatch) -> str:
     """The kernel built for this CPU, and its AVX2 and plain x86-64 builds where this CPU
     runs them (vdpbf16ps / 16 lanes, 8 lanes with vpmovzxwd, generic vectors)."""
-    use_build(monkeypatch, cpu_lora, "cpu_lora.c", {f"lora_segments_{t}": cpu_lora._ARGTYPES for t in ("bf16", "f32")},
+    use_build(monkeypatch, cpu_lora, "lora.c", {f"lora_segments_{t}": cpu_lora._ARGTYPES for t in ("bf16", "f32")},
               request.param)
     return request.param
 

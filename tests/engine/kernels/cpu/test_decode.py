@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from loraplex.engine.attention import paged_attention, reference_attention
-from loraplex.engine.kernels.cpu_decode import cpu_decode_attention, cpu_paged_attention, load_library
+from loraplex.engine.kernels.cpu.decode import cpu_decode_attention, cpu_paged_attention, load_library
 from tests.engine.kernels.kernel_cases import paged_batch, same_on_one_and_four_threads
 
 pytestmark = pytest.mark.skipif(load_library() is None, reason="no C compiler to build the CPU kernel")

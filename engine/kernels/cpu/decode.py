@@ -1,4 +1,4 @@
-"""The C decode-attention kernel (cpu_decode.c), built and called through cpu_build.
+"""The C decode-attention kernel (decode.c), built and called through build.py.
 
 Without a C compiler the engine keeps the torch path (engine/attention.py), which is
 also this kernel's reference in the tests.
@@ -9,8 +9,9 @@ import ctypes
 
 import torch
 
-from ..attention import AttentionMetadata, prefill_attention
-from . import cpu_build, cpu_prefill
+from ...attention import prefill_attention
+from . import build, prefill
+from .metadata import CpuAttentionMetadata
 
 _ARGTYPES = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
              + [ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_int])
@@ -18,7 +19,7 @@ _ARGTYPES = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes
 
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernel, or None (reason logged once) where it cannot be built."""
-    return cpu_build.load("cpu_decode.c", {"paged_decode_bf16": _ARGTYPES, "paged_decode_f32": _ARGTYPES})
+    return build.load("decode.c", {"paged_decode_bf16": _ARGTYPES, "paged_decode_f32": _ARGTYPES})
 
 
 def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
@@ -39,13 +40,13 @@ def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     fn = lib.paged_decode_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode_f32
     args = (q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
             seq_lens.data_ptr(), block_tables.shape[1], H, KVH, Dh, block_size, slots, scale)
-    cpu_build.run(fn, args, D * KVH)
+    build.run(fn, args, D * KVH)
 
 
 def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                        meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
     """engine.attention.paged_attention's contract: decodes through the C kernel, prefill
-    chunks through the C prefill kernel (kernels/cpu_prefill.c; the "cpu" backend is only
+    chunks through the C prefill kernel (kernels/cpu/prefill.c; the "cpu" backend is only
     chosen where both build), or SDPA for shapes it does not take. q may be a view of the
     fused qkv rows."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -55,8 +56,8 @@ def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         cpu_decode_attention(q[:D], k_cache, v_cache, out[:D], meta.block_tables, meta.seq_lens,
                              meta.block_size, scale)
     if meta.prefills:
-        if cpu_prefill.supports(q, k_cache):
-            cpu_prefill.cpu_prefill_attention(q, k_cache, v_cache, meta, scale, out)
+        if prefill.supports(q, k_cache):
+            prefill.cpu_prefill_attention(q, k_cache, v_cache, meta, scale, out)
         else:
             prefill_attention(q, k_cache, v_cache, meta, scale, out)
     return out

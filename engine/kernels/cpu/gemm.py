@@ -1,4 +1,4 @@
-"""bf16 linear layers in C (cpu_gemm.c) for CPUs where oneDNN cannot run bf16 matmuls fast.
+"""bf16 linear layers in C (gemm.c) for CPUs where oneDNN cannot run bf16 matmuls fast.
 
 `Bf16Linear` replaces `nn.Linear` there (engine/models/llama.py `pack_weights`); its
 reference is `F.linear` on the same bf16 tensors, which the tests compare it with.
@@ -10,20 +10,20 @@ import ctypes
 import torch
 from torch import nn
 
-from . import cpu_build
+from . import build
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _ARGTYPES = [_P, _L, _P, _P, _P, _L, _I, _I, _I]
-PANEL = 16  # output columns per packed panel and work item (cpu_gemm.c PANEL)
+PANEL = 16  # output columns per packed panel and work item (gemm.c PANEL)
 
 
 def load_library() -> ctypes.CDLL | None:
-    return cpu_build.load("cpu_gemm.c", {"gemm_bf16": _ARGTYPES})
+    return build.load("gemm.c", {"gemm_bf16": _ARGTYPES})
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
     """W [N, K] -> panels [ceil(N / PANEL), K, PANEL] (zero-padded columns), the layout
-    cpu_gemm.c reads: one k step of a panel is one contiguous run."""
+    gemm.c reads: one k step of a panel is one contiguous run."""
     N, K = w.shape
     padded = torch.zeros(-(-N // PANEL) * PANEL, K, dtype=w.dtype)
     padded[:N] = w
@@ -44,7 +44,7 @@ def cpu_gemm_bf16(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
         return y
     args = (x.data_ptr(), x.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
             y.data_ptr(), y.stride(0), M, n, K)
-    cpu_build.run(lib.gemm_bf16, args, packed.shape[0])
+    build.run(lib.gemm_bf16, args, packed.shape[0])
     return y
 
 
@@ -56,7 +56,7 @@ class Bf16Linear(nn.Module):
     weight (benchmarks/bench_kernels_cpu.py). It reads the packed weight once per call.
     """
 
-    # The weight layout and the kernel (kernels/cpu_dpbf16.py `Dpbf16Linear` swaps both).
+    # The weight layout and the kernel (kernels/cpu/dpbf16.py `Dpbf16Linear` swaps both).
     pack = staticmethod(pack_weight)
     linear = staticmethod(cpu_gemm_bf16)
 

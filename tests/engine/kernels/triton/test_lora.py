@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton==3.9.0 --no-deps)")
 
-from loraplex.engine.kernels.lora_kernels import (  # noqa: E402
+from loraplex.engine.kernels.triton.lora import (  # noqa: E402
     StackedLoRAWeights,
     TritonLoRABatch,
     lora_expand,

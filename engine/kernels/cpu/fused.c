@@ -9,7 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "cpu_bf16.h"
+#include "bf16.h"
 
 /* x[r] += delta[r] (when delta is given: the residual add), then
  * out[r] = weight * round(x[r] / rms(x[r])), as transformers' LlamaRMSNorm. */

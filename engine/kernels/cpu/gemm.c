@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_bf16.h"
+#include "bf16.h"
 
 #define LANES 8
 #define NR 2               /* vectors of output columns per panel (micro() is written for 2) */

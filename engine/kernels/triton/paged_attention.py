@@ -1,6 +1,6 @@
 """Paged attention over one ragged batch, as a single Triton launch.
 
-Inputs are `AttentionMetadata`'s generic ragged form: `query_start_loc [B+1]` (each
+Inputs are `RaggedAttentionMetadata`: `query_start_loc [B+1]` (each
 sequence's query rows are contiguous), `seq_lens [B]` (context length after this step,
 the step's own K/V already written) and `block_tables [B, max_blocks]`. Query row i of a
 sequence with n query rows and context L sits at position L - n + i and attends to
@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import AttentionMetadata
-from ..attention import paged_attention as reference_paged_attention  # the torch path (CPU engine)
-from ..attention import reference_attention  # plain fp32 loop, the oracle of both
+from ...attention import RaggedAttentionMetadata
+from ...attention import paged_attention as reference_paged_attention  # the torch path (CPU engine)
+from ...attention import reference_attention  # plain fp32 loop, the oracle of both
 
 __all__ = ["triton_paged_attention", "reference_paged_attention", "reference_attention", "attention_config"]
 
@@ -130,7 +130,7 @@ def attention_config(num_tokens: int, num_seqs: int, group: int, head_dim: int) 
 
 
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float, config: dict | None = None) -> torch.Tensor:
+                           meta: RaggedAttentionMetadata, scale: float, config: dict | None = None) -> torch.Tensor:
     """Same contract as `engine.attention.paged_attention`: q [T, heads, head_dim] -> same shape.
 
     `config` overrides `attention_config` (the benchmark sweeps it)."""

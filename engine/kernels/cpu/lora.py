@@ -1,4 +1,4 @@
-"""The C multi-LoRA kernel (cpu_lora.c) over `lora.stacks.SlotStacks`: every adapter
+"""The C multi-LoRA kernel (lora.c) over `lora.stacks.SlotStacks`: every adapter
 segment of a step, decode rows and prefill chunks, in one call per layer and group, and
 no oneDNN primitive to build for each new segment length (~1 ms each: prefill chunks
 rarely repeat one).
@@ -12,22 +12,22 @@ import ctypes
 
 import torch
 
-from ..lora.backend import LoRAHook
-from ..lora.stacks import SlotStacks
-from ..lora.torch_backend import TorchLoRABackend
-from . import cpu_build
+from ...lora.backend import LoRAHook
+from ...lora.stacks import SlotStacks
+from ...lora.torch_backend import TorchLoRABackend
+from . import build
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _ARGTYPES = [_P, _L, _P, _L, _P, _P, _L, _L, _I, _I, _P, _P, _I, _I, _I]
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-MAX_ROWS = 64  # the kernel's per-piece row limit (cpu_lora.c MAX_ROWS)
+MAX_ROWS = 64  # the kernel's per-piece row limit (lora.c MAX_ROWS)
 # Rows per work item: long segments are cut into pieces of this size so both threads
 # share a prefill chunk, while each piece still reuses the adapter's weights 32 times.
 PIECE_ROWS = 32
 
 
 def load_library() -> ctypes.CDLL | None:
-    return cpu_build.load("cpu_lora.c", {f"lora_segments_{t}": _ARGTYPES for t in _SUFFIX.values()})
+    return build.load("lora.c", {f"lora_segments_{t}": _ARGTYPES for t in _SUFFIX.values()})
 
 
 def pieces(segments: list[tuple[int, int, int]], rows: int = PIECE_ROWS) -> torch.Tensor:
@@ -55,7 +55,7 @@ def cpu_lora_segments(x: torch.Tensor, out: torch.Tensor, segments: torch.Tensor
     fn = getattr(lib, f"lora_segments_{_SUFFIX[x.dtype]}")
     args = (x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), segments.data_ptr(), a.data_ptr(),
             a.stride(0), a.stride(1), a.shape[3], mods.shape[0], mods.data_ptr(), ranks[layer].data_ptr(), layer)
-    cpu_build.run(fn, args, segments.shape[0])
+    build.run(fn, args, segments.shape[0])
 
 
 class CLoRABatch:

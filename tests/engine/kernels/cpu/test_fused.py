@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from loraplex.engine.attention import write_kv
-from loraplex.engine.kernels.cpu_fused import CLayerOps, cpu_write_kv, load_library
+from loraplex.engine.kernels.cpu.fused import CLayerOps, cpu_write_kv, load_library
 from loraplex.engine.models.llama import TorchLayerOps
 
 pytestmark = pytest.mark.skipif(load_library() is None, reason="no C compiler to build the CPU kernels")

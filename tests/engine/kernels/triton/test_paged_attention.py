@@ -6,11 +6,12 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton==3.9.0 --no-deps)")
 
-from loraplex.engine.kernels.paged_attention import (  # noqa: E402
+from loraplex.engine.kernels.triton.paged_attention import (  # noqa: E402
     reference_attention,
     reference_paged_attention,
     triton_paged_attention,
 )
+from loraplex.engine.attention import build_metadata, build_ragged_metadata  # noqa: E402
 from tests.engine.kernels.kernel_cases import paged_batch  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
@@ -23,13 +24,15 @@ GQA = [(4, 4), (4, 2), (9, 3), (8, 1)]  # (query heads, KV heads): 1, 2, 3 and 8
 
 
 def _check(lens, block_size, heads, kv_heads, head_dim, dtype, config=None, seed=0):
-    q, kc, vc, meta, seqs = paged_batch(lens, block_size, heads, kv_heads, head_dim, dtype, seed=seed)
+    q, kc, vc, meta, seqs = paged_batch(lens, block_size, heads, kv_heads, head_dim, dtype, seed=seed,
+                                        build=build_ragged_metadata)
     scale = head_dim ** -0.5
     out = triton_paged_attention(q, kc, vc, meta, scale, config=config)
     assert out.shape == q.shape and out.dtype == dtype
     oracle = reference_attention(q, kc, vc, seqs, block_size, scale).float()
     torch.testing.assert_close(out.float(), oracle, atol=TOL[dtype], rtol=TOL[dtype])
-    torch.testing.assert_close(out.float(), reference_paged_attention(q, kc, vc, meta, scale).float(),
+    reference = reference_paged_attention(q, kc, vc, build_metadata(seqs, block_size, dtype), scale)
+    torch.testing.assert_close(out.float(), reference.float(),
                                atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -65,7 +68,8 @@ def test_single_sequence_single_token():
 
 def test_long_context_is_stable():
     # Large logits: the online softmax must rescale without overflow across many tiles.
-    q, kc, vc, meta, seqs = paged_batch([(300, 1), (250, 7)], 16, 4, 2, 32, torch.float32, seed=5)
+    q, kc, vc, meta, seqs = paged_batch([(300, 1), (250, 7)], 16, 4, 2, 32, torch.float32, seed=5,
+                                        build=build_ragged_metadata)
     q *= 30
     out = triton_paged_attention(q, kc, vc, meta, 32 ** -0.5)
     assert torch.isfinite(out).all()
@@ -73,7 +77,7 @@ def test_long_context_is_stable():
 
 
 def test_launcher_rejects_bad_inputs():
-    q, kc, vc, meta, _ = paged_batch([(3, 2)], 8, 4, 2, 16, torch.float32)
+    q, kc, vc, meta, _ = paged_batch([(3, 2)], 8, 4, 2, 16, torch.float32, build=build_ragged_metadata)
     with pytest.raises(AssertionError):
         triton_paged_attention(q.half(), kc, vc, meta, 0.25)
     with pytest.raises(AssertionError):

@@ -1,4 +1,4 @@
-"""Fused elementwise layer steps in C (cpu_fused.c): RMSNorm with the residual add,
+"""Fused elementwise layer steps in C (fused.c): RMSNorm with the residual add,
 rotary embedding in place, SiLU-and-multiply.
 
 `CLayerOps` has the methods of `engine.models.llama.TorchLayerOps`, its reference, and
@@ -10,7 +10,7 @@ import ctypes
 
 import torch
 
-from . import cpu_build
+from . import build
 
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
 _SIGNATURES = {
@@ -23,7 +23,7 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def load_library() -> ctypes.CDLL | None:
-    return cpu_build.load("cpu_fused.c", _SIGNATURES)
+    return build.load("fused.c", _SIGNATURES)
 
 
 def cpu_write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -38,7 +38,7 @@ def cpu_write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, 
     assert k.stride(2) == 1 and k.stride(1) == Dh and v.stride() == k.stride(), "rows of contiguous heads"
     assert slot_mapping.dtype == torch.int64 and slot_mapping.shape == (T,) and slot_mapping.is_contiguous()
     fn = lib.write_kv_u16 if k.dtype.itemsize == 2 else lib.write_kv_u32
-    cpu_build.run(fn, (k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
+    build.run(fn, (k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0),
                              slot_mapping.data_ptr(), KVH, Dh, k_cache.shape[1]), T)
 
 
@@ -62,7 +62,7 @@ class CLayerOps:
         assert x.dtype == weight.dtype == self.dtype and x.is_contiguous() and weight.shape == (hidden,)
         assert delta is None or (delta.shape == x.shape and delta.dtype == x.dtype and delta.is_contiguous())
         out = torch.empty_like(x)
-        cpu_build.run(self._norm, (x.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
+        build.run(self._norm, (x.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
                                          out.data_ptr(), hidden, eps), T)
         return x, out
 
@@ -74,7 +74,7 @@ class CLayerOps:
         assert qkv.dtype == cos.dtype == sin.dtype == self.dtype and qkv.stride(1) == 1 and width >= q_size + kv_size
         assert cos.is_contiguous() and sin.is_contiguous() and cos.numel() == sin.numel() == T * head_dim
         assert head_dim % 2 == 0
-        cpu_build.run(self._rope, (qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
+        build.run(self._rope, (qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
                                          num_heads + num_kv_heads, head_dim), T)
         return (qkv[:, :q_size].view(T, num_heads, head_dim),
                 qkv[:, q_size:q_size + kv_size].view(T, num_kv_heads, head_dim))
@@ -83,5 +83,5 @@ class CLayerOps:
         T, width = gate_up.shape
         assert gate_up.dtype == self.dtype and gate_up.is_contiguous() and width % 2 == 0
         out = torch.empty(T, width // 2, dtype=gate_up.dtype)
-        cpu_build.run(self._silu_mul, (gate_up.data_ptr(), out.data_ptr(), width // 2), T)
+        build.run(self._silu_mul, (gate_up.data_ptr(), out.data_ptr(), width // 2), T)
         return out

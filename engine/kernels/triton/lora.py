@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..lora.backend import LoRABackend
-from ..lora.packing import GROUPS, PackedGroup
+from ...lora.backend import LoRABackend
+from ...lora.packing import GROUPS, PackedGroup
 
 __all__ = ["StackedLoRAWeights", "TritonLoRABatch", "lora_shrink", "lora_expand", "row_tiles",
            "reference_lora_shrink", "reference_lora_expand"]

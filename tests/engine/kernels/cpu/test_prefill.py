@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from loraplex.engine.attention import prefill_attention, reference_attention
-from loraplex.engine.kernels import cpu_decode, cpu_prefill
+from loraplex.engine.kernels.cpu import decode as cpu_decode, prefill as cpu_prefill
 from tests.engine.kernels.kernel_cases import MARCHES, paged_batch, same_on_one_and_four_threads, use_build
 
 pytestmark = pytest.mark.skipif(cpu_prefill.load_library() is None, reason="no C compiler to build the CPU kernel")
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(cpu_prefill.load_library() is None, reason="no C
 def code_path(request, monkeypatch) -> str:
     """The kernel built for this CPU, and its AVX2 and plain x86-64 builds where this CPU
     runs them (16 lanes, 8 lanes): a machine only ever builds one of them."""
-    use_build(monkeypatch, cpu_prefill, "cpu_prefill.c", {n: cpu_prefill._ARGTYPES for n in
+    use_build(monkeypatch, cpu_prefill, "prefill.c", {n: cpu_prefill._ARGTYPES for n in
                                                           ("paged_prefill_bf16", "paged_prefill_f32")}, request.param)
     return request.param
 

@@ -12,7 +12,7 @@ from loraplex.adapters import AdapterStore, BaseShapes  # noqa: E402
 from loraplex.adapters.synth import make_random_peft_adapter  # noqa: E402
 from loraplex.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from loraplex.engine.engine import LLMEngine  # noqa: E402
-from loraplex.engine.kernels.lora_kernels import StackedLoRAWeights, TritonLoRABatch  # noqa: E402
+from loraplex.engine.kernels.triton.lora import StackedLoRAWeights, TritonLoRABatch  # noqa: E402
 from loraplex.engine.lora import LoRAManager  # noqa: E402
 from loraplex.engine.request import SamplingParams  # noqa: E402
 
@@ -58,7 +58,7 @@ def _generate(model_dir, store_root, dirs, kernels: str, block_size: int) -> tup
 def test_triton_engine_matches_torch(tiny_llama_dir, tmp_path, adapter_dirs, block_size):
     expect, torch_engine = _generate(tiny_llama_dir, tmp_path / "a", adapter_dirs, "torch", block_size)
     got, engine = _generate(tiny_llama_dir, tmp_path / "b", adapter_dirs, "triton", block_size)
-    assert torch_engine.runner.kernels == "torch" and engine.runner.kernels == "triton"
+    assert torch_engine.runner.backend.name == "torch" and engine.runner.backend.name == "triton"
     assert isinstance(engine.lora.backend, StackedLoRAWeights)
     assert isinstance(engine.lora.batch([(1, 0)]), TritonLoRABatch)
     assert got == expect

@@ -6,7 +6,7 @@
  * own block table once: a K row is loaded once for all the query heads that share
  * it (GQA), scores and softmax stay in fp32, and V is accumulated in fp32.
  *
- * Built at run time by cpu_build.py with the machine's compiler
+ * Built at run time by build.py with the machine's compiler
  * (-O3 -march=native -fopenmp), called through ctypes. OpenMP here is torch's own
  * runtime (the same libgomp.so.1 is already loaded), so the kernels share torch's
  * thread pool and thread count instead of competing with its spinning workers.
@@ -16,7 +16,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "cpu_bf16.h"
+#include "bf16.h"
 
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 256

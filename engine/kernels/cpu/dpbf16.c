@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_bf16.h"
+#include "bf16.h"
 
 #define MR 8       /* rows per micro-kernel: MR*NR accumulators + NR loads + 1 broadcast of 32 registers */
 #define NR 3       /* panels of 16 columns per micro-kernel */

@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install triton==3.9.0 --no-deps)")
 
-from loraplex.engine.kernels.kv_write import reference_write_kv, triton_write_kv  # noqa: E402
+from loraplex.engine.kernels.triton.kv_write import reference_write_kv, triton_write_kv  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

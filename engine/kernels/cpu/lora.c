@@ -13,19 +13,19 @@
  * half the memory speed on decode, and oneDNN built a new primitive (~1 ms) for every
  * new segment length on prefill.
  *
- * Weights come from lora_batch.SlotStacks: A [layers, slots, RA, in] (modules' rows at
+ * Weights come from lora/stacks.py SlotStacks: A [layers, slots, RA, in] (modules' rows at
  * their offsets), per module B^T [layers, slots, r_alloc, out_m]. Per module, `mods`
  * holds {A row offset, r_alloc, output column, out_m, B^T base address, B^T layer
  * stride}; `ranks` [slots, modules] the rank each slot really has for the layer.
  * Work items are pieces [begin, end), shared out by OpenMP (torch's own runtime).
  */
-/* As in cpu_gemm.c: keep every block accumulator in a register. */
+/* As in gemm.c: keep every block accumulator in a register. */
 #pragma GCC optimize("ira-loop-pressure")
 
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_bf16.h"
+#include "bf16.h"
 
 #define MAX_RANK 256
 #define MAX_ROWS 64

@@ -1,5 +1,5 @@
 """The C bf16 GEMMs against their reference, F.linear in fp32 on the same bf16 values:
-cpu_gemm.c (AVX2 and generic: widened bf16, FMA) and cpu_dpbf16.c (AVX512-BF16).
+gemm.c (AVX2 and generic: widened bf16, FMA) and dpbf16.c (AVX512-BF16).
 
 Both accumulate in fp32 and round once to bf16; only the order of the sums differs, so
 results agree to a bf16 rounding step.
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loraplex.engine.kernels import cpu_dpbf16, cpu_gemm
+from loraplex.engine.kernels.cpu import dpbf16 as cpu_dpbf16, gemm as cpu_gemm
 
 BF16_STEP = dict(rtol=2 ** -7, atol=1e-2)
 KERNELS = {
@@ -33,7 +33,7 @@ def _reference(x, w, b=None):
     return F.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16()
 
 
-# Every micro-kernel row count (6 in cpu_gemm, 1-8 in cpu_dpbf16), tails, two row chunks;
+# Every micro-kernel row count (6 in gemm.c, 1-8 in dpbf16.c), tails, two row chunks;
 # partial panels and work items of 1-3 panels; odd K.
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 13, 64, 300])
 @pytest.mark.parametrize("n, k", [(96, 64), (37, 40), (16, 3), (1, 129), (130, 576)])
