@@ -442,7 +442,7 @@ def test_requests_that_can_never_fit_are_refused_at_add():
     with pytest.raises(PromptTooLongError):
         h.add(14, max_tokens=3)  # 17 tokens = 5 blocks > the whole pool of 4
     ok = h.add(13, max_tokens=3)  # exactly the pool
-    assert h.s.waiting == [ok]
+    assert list(h.s.waiting) == [ok]
     h.run()
     assert ok.num_output_tokens == 3
     h.assert_all_free()
