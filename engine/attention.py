@@ -41,8 +41,8 @@ class PrefillChunk:
 class DecodeGroup:
     """Decodes whose contexts span a similar number of blocks, computed together.
 
-    Padding every decode to the longest context in the batch made a heavy-tailed batch
-    gather and multiply several times the KV it needed; groups bound that waste.
+    Padding every decode to the longest context in the batch would make a heavy-tailed
+    batch gather and multiply several times the KV it needs; groups bound that waste.
     """
 
     rows: torch.Tensor | None  # the group's query rows in the batch; None: rows start..start+count

@@ -25,7 +25,7 @@ def _req(rid: str, lane: Lane, arrival: float, enqueue: float) -> Request:
 
 
 def _sorted(reqs: list[Request], queue: LaneQueue, now: float) -> list[str]:
-    """The order the scheduler used to get by sorting everything waiting: stable on push order."""
+    """The reference order: a stable sort of everything waiting by (effective lane, arrival)."""
     return [r.request_id for r in sorted(reqs, key=lambda r: (queue.effective_lane(r, now), r.arrival_time))]
 
 
