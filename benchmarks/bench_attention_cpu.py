@@ -1,4 +1,4 @@
-"""Paged attention on the CPU: the C kernels (engine/kernels/cpu_prefill.c, cpu_decode.c)
+"""Paged attention on the CPU: the C kernels (engine/kernels/cpu/prefill.c, decode.c)
 against the torch path (engine/attention.py: gathered blocks, SDPA / batched matmuls).
 
 One run, same threads, same cache (SmolLM2's 9 query heads over 3 KV heads of 64,
@@ -16,8 +16,9 @@ import time
 
 import torch
 
-from loraplex.engine.attention import build_metadata, paged_attention
-from loraplex.engine.kernels import cpu_decode, cpu_prefill
+from loraplex.engine.attention import paged_attention
+from loraplex.engine.kernels.cpu.metadata import build_cpu_metadata
+from loraplex.engine.kernels.cpu import decode as cpu_decode, prefill as cpu_prefill
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -35,7 +36,7 @@ def _batch(lens: list[tuple[int, int]], seed: int = 0):
     shape = (KV_HEADS, len(ids) * BLOCK, HEAD_DIM)
     kc, vc = torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()
     q = torch.randn(sum(n for _, n in lens), HEADS, HEAD_DIM).bfloat16()
-    return q, kc, vc, build_metadata(seqs, BLOCK, torch.bfloat16)
+    return q, kc, vc, build_cpu_metadata(seqs, BLOCK, torch.bfloat16)
 
 
 def _time(fn, reps: int) -> float:

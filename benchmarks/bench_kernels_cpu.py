@@ -1,4 +1,4 @@
-"""The C bf16 GEMMs (engine/kernels/cpu_gemm.c, cpu_dpbf16.c) against torch on SmolLM2's projection shapes.
+"""The C bf16 GEMMs (engine/kernels/cpu/gemm.c, dpbf16.c) against torch on SmolLM2's projection shapes.
 
 One run, same threads, same weights: for each row count (decode widths to prefill
 chunks) it times torch's bf16 `F.linear`, fp32 `F.linear` on the widened weight (what
@@ -6,7 +6,7 @@ a bf16 model could fall back to), and the C kernel on the packed weight, over en
 distinct weights that they stream from memory as in a real step. Prints each
 GFLOP/s and the C kernel's ratio to each.
 
-On CPUs with AVX512-BF16 it also times the vdpbf16ps kernel (cpu_dpbf16.c, what the
+On CPUs with AVX512-BF16 it also times the vdpbf16ps kernel (dpbf16.c, what the
 engine runs there) against oneDNN's pre-packed bf16 weights (engine/cpu_linear.py).
 
     python benchmarks/bench_kernels_cpu.py               # 2 threads
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine.cpu_linear import PackedLinear, packing_supported
-from loraplex.engine.kernels import cpu_dpbf16, cpu_gemm
+from loraplex.engine.kernels.cpu import dpbf16 as cpu_dpbf16, gemm as cpu_gemm
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 

@@ -89,7 +89,7 @@ def lora_case(T_rows: list[int], rank: int, k: int, widths: list[int], dtype, de
     """Packed (torch path) and stacked (Triton) weights for len(T_rows) adapters, one segment each."""
     from types import SimpleNamespace
 
-    from loraplex.engine.kernels.lora_kernels import StackedLoRAWeights
+    from loraplex.engine.kernels.triton.lora import StackedLoRAWeights
     from loraplex.engine.lora import GROUPS, pack_adapter
 
     group = next(g for g, mods in GROUPS.items() if len(mods) == len(widths))
@@ -115,10 +115,10 @@ def lora_case(T_rows: list[int], rank: int, k: int, widths: list[int], dtype, de
 
 
 def kernel_benchmarks(device: torch.device, smoke: bool, peak_gbs: float | None, peak_tflops: float | None) -> list:
-    from loraplex.engine.attention import build_metadata
-    from loraplex.engine.kernels.kv_write import reference_write_kv, triton_write_kv
-    from loraplex.engine.kernels.lora_kernels import LoRABatch
-    from loraplex.engine.kernels.paged_attention import (
+    from loraplex.engine.attention import build_metadata, build_ragged_metadata
+    from loraplex.engine.kernels.triton.kv_write import reference_write_kv, triton_write_kv
+    from loraplex.engine.lora.torch_backend import LoRABatch
+    from loraplex.engine.kernels.triton.paged_attention import (
         attention_flops_bytes,
         reference_paged_attention,
         triton_paged_attention,
@@ -169,18 +169,18 @@ def kernel_benchmarks(device: torch.device, smoke: bool, peak_gbs: float | None,
         vc = torch.randn_like(kc)
         T = sum(n for _, n in lens)
         q = torch.randn(T, H, D, dtype=dtype, device=device)
-        meta = build_metadata(seqs, bs, dtype, device)
+        meta, torch_meta = build_ragged_metadata(seqs, bs, dtype, device), build_metadata(seqs, bs, dtype, device)
         flops, bytes_ = attention_flops_bytes([(p + n, n) for p, n in lens], H, KVH, D, isz)
         sc = D ** -0.5
 
         def check():
             a = triton_paged_attention(q, kc, vc, meta, sc).float()
-            return (a - reference_paged_attention(q, kc, vc, meta, sc).float()).abs().max().item()
+            return (a - reference_paged_attention(q, kc, vc, torch_meta, sc).float()).abs().max().item()
 
         ctx = sum(p + n for p, n in lens) / len(lens)
         record(name, f"B={len(lens)} T={T} ctx~{ctx:.0f} h={H}/{KVH} d={D}",
                lambda: triton_paged_attention(q, kc, vc, meta, sc),
-               lambda: reference_paged_attention(q, kc, vc, meta, sc), bytes_, flops, check)
+               lambda: reference_paged_attention(q, kc, vc, torch_meta, sc), bytes_, flops, check)
 
     decodes = [(rnd.randrange(512, 2048) // s, 1) for _ in range(128 // s)]
     attention_case("attn decode 8B", decodes, 32, 8, 128)

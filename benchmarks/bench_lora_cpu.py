@@ -1,8 +1,8 @@
-"""Multi-LoRA compute on the CPU: the C kernel (engine/kernels/cpu_lora.c) against the torch path.
+"""Multi-LoRA compute on the CPU: the C LoRA backend (engine/kernels/cpu/lora.c) against the torch one.
 
 One run, same threads, same adapters (rank 8 on all seven projections of SmolLM2's 30
 layers, 32 device slots, weights streaming from memory as in a real step). For each
-step shape it runs every layer and group of one step through `GroupedLoRABatch` both
+step shape it runs every layer and group of one step through each backend's batch both
 ways: the C kernel (the "cpu" backend), and the torch path (short segments grouped into
 padded bmm, long ones as per-segment matmuls: what runs without a C compiler). Prefill
 steps draw new segment lengths every repetition, as a server's chunks do. Prints the
@@ -21,9 +21,10 @@ from types import SimpleNamespace
 import torch
 
 from loraplex.adapters.peft import LoRAWeight
-from loraplex.engine.kernels import cpu_lora
+from loraplex.engine.kernels.cpu import lora as cpu_lora
 from loraplex.engine.lora import GROUPS, pack_adapter
-from loraplex.engine.lora_batch import GroupedLoRABatch, SlotStacks
+from loraplex.engine.kernels.cpu.lora import CLoRABackend
+from loraplex.engine.lora.torch_backend import TorchLoRABackend
 
 HIDDEN, Q, KV, INTER, LAYERS, SLOTS = 576, 576, 192, 1536, 30, 32
 OUT = {"q_proj": Q, "k_proj": KV, "v_proj": KV, "o_proj": HIDDEN, "gate_proj": INTER, "up_proj": INTER,
@@ -70,10 +71,12 @@ def main() -> None:
     if cpu_lora.load_library() is None:
         raise SystemExit("the C kernel could not be built (no C compiler?)")
     dtype, cpu = torch.bfloat16, torch.device("cpu")
-    stacks = SlotStacks(SLOTS, LAYERS, GROUP_IN, OUT, dtype, cpu)
-    slots = [pack_adapter(_adapter(args.rank, s), OUT, LAYERS, dtype, cpu) for s in range(SLOTS)]
-    for s, packed in enumerate(slots):
-        stacks.set_slot(s, packed)
+    backends = {c_kernel: (CLoRABackend if c_kernel else TorchLoRABackend)(SLOTS, LAYERS, GROUP_IN, OUT, args.rank,
+                                                                            dtype, cpu) for c_kernel in (True, False)}
+    for s in range(SLOTS):
+        packed = pack_adapter(_adapter(args.rank, s), OUT, LAYERS, dtype, cpu)
+        for backend in backends.values():
+            backend.set_slot(s, packed)
     rng = random.Random(0)
     shapes = {
         "decode, 16 rows of 16 adapters": lambda: _decode([1] * 16),
@@ -95,7 +98,7 @@ def main() -> None:
                 x = {g: torch.randn(n, GROUP_IN[g]).to(dtype) for g in GROUPS}
                 out = {g: torch.randn(n, GROUP_OUT[g]).to(dtype) for g in GROUPS}
                 start = time.perf_counter()
-                batch = GroupedLoRABatch(stacks, slots, segments, c_kernel=c_kernel)
+                batch = backends[c_kernel].batch(segments)
                 for layer in range(LAYERS):
                     for g in GROUPS:
                         batch.apply(layer, g, x[g], out[g])

@@ -58,13 +58,3 @@ class AdapterSlots:
         else:
             del self._pins[digest]
             self._lru[digest] = None
-
-    def drop(self, digest: str) -> None:
-        """Forget an unpinned adapter (it was removed or replaced)."""
-        if digest in self._pins:
-            return
-        slot = self._slot_of.pop(digest, None)
-        if slot is not None:
-            self._lru.pop(digest, None)
-            del self._ref_of[slot]
-            self._free.append(slot)

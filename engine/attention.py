@@ -41,8 +41,8 @@ class PrefillChunk:
 class DecodeGroup:
     """Decodes whose contexts span a similar number of blocks, computed together.
 
-    Padding every decode to the longest context in the batch made a heavy-tailed batch
-    gather and multiply several times the KV it needed; groups bound that waste.
+    Padding every decode to the longest context in the batch would make a heavy-tailed
+    batch gather and multiply several times the KV it needs; groups bound that waste.
     """
 
     rows: torch.Tensor | None  # the group's query rows in the batch; None: rows start..start+count
@@ -64,21 +64,24 @@ class DecodeGroup:
 
 @dataclass
 class AttentionMetadata:
+    """What every backend's attention reads: where each new token's K/V goes, and how
+    many of the batch's first sequences are decodes. Each kernel backend builds its own
+    subclass (`KernelBackend.build_metadata`), holding only the form its kernels take."""
+
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     block_size: int = 16
     num_decodes: int = 0
-    # (start_pos, 1, block ids) per decode, for the groups built on first use: the CPU
-    # kernel reads block_tables/seq_lens instead and never needs them.
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    """The torch path's form: decodes computed in groups, prefill chunks one SDPA each."""
+
+    # (start_pos, 1, block ids) per decode, for the groups built on first use.
     decodes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
     device: torch.device | str = "cpu"
     _decode_groups: list[DecodeGroup] | None = None
-    _prefill_items: torch.Tensor | None = None  # kernels/cpu_prefill.py's work items, made on first use
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # The same batch in the generic ragged form GPU kernels take: per sequence, its
-    # first query row, its context length after this step, and its block table.
-    query_start_loc: torch.Tensor | None = None  # [B + 1] int32
-    seq_lens: torch.Tensor | None = None  # [B] int32
-    block_tables: torch.Tensor | None = None  # [B, max blocks] int32, padded with 0
 
     @property
     def decode_groups(self) -> list[DecodeGroup]:
@@ -86,6 +89,16 @@ class AttentionMetadata:
             self._decode_groups = [_decode_group(self.decodes, idx, self.block_size, self.device)
                                    for idx in group_decodes([len(b) for _, _, b in self.decodes])] if self.decodes else []
         return self._decode_groups
+
+
+@dataclass
+class RaggedAttentionMetadata(AttentionMetadata):
+    """The generic ragged form GPU kernels take: per sequence, its first query row, its
+    context length after this step, and its block table."""
+
+    query_start_loc: torch.Tensor | None = None  # [B + 1] int32
+    seq_lens: torch.Tensor | None = None  # [B] int32
+    block_tables: torch.Tensor | None = None  # [B, max blocks] int32, padded with 0
 
 
 # Cost model for splitting decodes into groups, per layer: a group's fixed cost (about a
@@ -123,27 +136,53 @@ def group_decodes(num_blocks: list[int]) -> list[list[int]]:
     return [order[a:b] for a, b in reversed(bounds)]
 
 
-def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int, dtype: torch.dtype,
-                   device: torch.device | str = "cpu") -> AttentionMetadata:
-    """`seqs`: (start_pos, num_new_tokens, block_ids) in batch order, decodes first."""
-    slot_chunks, decodes, prefills = [], [], []
+def _tables_and_slots(seqs: list[tuple[int, int, list[int]]], block_size: int
+                      ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+    """(block table per sequence, slot mapping, number of decodes: the leading one-token
+    sequences)."""
+    tables, slot_chunks, num_decodes = [], [], 0
     for start, n, blocks in seqs:
         nb = -(-(start + n) // block_size)
         b = torch.tensor(blocks[:nb], dtype=torch.long)
         pos = torch.arange(start, start + n)
         slot_chunks.append(b[pos // block_size] * block_size + pos % block_size)
-        (decodes if n == 1 and not prefills else prefills).append((start, n, b))
-    meta = AttentionMetadata(slot_mapping=torch.cat(slot_chunks).to(device), block_size=block_size,
-                             num_decodes=len(decodes), decodes=decodes, device=device)
+        tables.append(b)
+        if n == 1 and num_decodes == len(tables) - 1:
+            num_decodes += 1
+    return tables, torch.cat(slot_chunks), num_decodes
+
+
+def ragged_tables(seqs: list[tuple[int, int, list[int]]], device: torch.device | str
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(query_start_loc, seq_lens, block_tables) of `RaggedAttentionMetadata`."""
     lens = [n for _, n, _ in seqs]
-    meta.query_start_loc = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
-    meta.seq_lens = torch.tensor([s + n for s, n, _ in seqs], dtype=torch.int32).to(device)
+    query_start_loc = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    seq_lens = torch.tensor([s + n for s, n, _ in seqs], dtype=torch.int32).to(device)
     tables = torch.zeros(len(seqs), max(len(b) for _, _, b in seqs), dtype=torch.int32)
     for i, (_, _, b) in enumerate(seqs):
         tables[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
-    meta.block_tables = tables.to(device)
-    q_start = len(decodes)
-    for s, n, b in prefills:
+    return query_start_loc, seq_lens, tables.to(device)
+
+
+def build_ragged_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int, dtype: torch.dtype,
+                          device: torch.device | str = "cpu") -> RaggedAttentionMetadata:
+    """`seqs`: (start_pos, num_new_tokens, block_ids) in batch order, decodes first."""
+    _, slots, num_decodes = _tables_and_slots(seqs, block_size)
+    qsl, seq_lens, tables = ragged_tables(seqs, device)
+    return RaggedAttentionMetadata(slots.to(device), block_size, num_decodes, qsl, seq_lens, tables)
+
+
+def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int, dtype: torch.dtype,
+                   device: torch.device | str = "cpu", cls: type[TorchAttentionMetadata] = TorchAttentionMetadata,
+                   **extra) -> TorchAttentionMetadata:
+    """`seqs`: (start_pos, num_new_tokens, block_ids) in batch order, decodes first.
+    `cls` and `extra`: a subclass adding its own fields (the C kernels' form)."""
+    tables, slots, num_decodes = _tables_and_slots(seqs, block_size)
+    decodes = [(s, n, b) for (s, n, _), b in zip(seqs[:num_decodes], tables)]
+    meta = cls(slot_mapping=slots.to(device), block_size=block_size, num_decodes=num_decodes, decodes=decodes,
+               device=device, **extra)
+    q_start = num_decodes
+    for (s, n, _), b in zip(seqs[num_decodes:], tables[num_decodes:]):
         mask = None
         if s:
             # Query i sits at position s + i and sees keys 0..s+i.
@@ -178,7 +217,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads, head_dim]; K/V already written for this step."""
     out = torch.empty_like(q)
     for g in meta.decode_groups:
@@ -192,7 +231,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchAttentionMetadata,
                       scale: float, out: torch.Tensor) -> None:
     """The prefill chunks' rows of `out`: one SDPA call per chunk over its gathered blocks."""
     Dh, KVH = q.shape[2], k_cache.shape[0]

@@ -59,8 +59,6 @@ class LLMEngine:
                                  self.arch.max_position_embeddings)
         self.lora = lora_manager
         self.runner = ModelRunner(config, self.arch, str(self.model_dir), lora_manager)
-        if lora_manager is not None:
-            lora_manager.bind(self.arch, self.runner.dtype, self.runner.device)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, config.lora.max_loras,
                                    adapter_ready=lora_manager.ready if lora_manager is not None else None)

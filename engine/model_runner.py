@@ -5,12 +5,9 @@ import logging
 
 import torch
 
-from .attention import build_metadata
 from .config import EngineConfig
-from .cpu_linear import packing_supported
 from .cpu_tuning import keep_freed_memory_in_heap
-from .kernels import cpu_dpbf16, cpu_gemm
-from .kernels.select import attention_ops, select_backend
+from .kernels import create_backend, select_backend
 from .loader import ModelArch, load_state_dict
 from .models.llama import LlamaModel
 from .request import Request
@@ -35,24 +32,19 @@ class ModelRunner:
         self.dtype = DTYPES[config.model.dtype]
         self.device = torch.device(config.model.device)
         keep_freed_memory_in_heap()
-        # "triton", "cpu" or "torch" for attention, KV writes and LoRA (EngineConfig.kernels).
-        self.kernels = select_backend(config.kernels, self.device, self.dtype)
+        # One kernel backend for the engine's life: attention, KV writes, layer ops, linears, LoRA.
+        self.backend = create_backend(select_backend(config.kernels, self.device, self.dtype), self.device, self.dtype)
         self.block_size = config.cache.block_size
         with torch.device("meta"):
             model = LlamaModel(arch)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(load_state_dict(model_dir, self.dtype))
         self.model = model.eval()
-        c_bf16 = self.kernels == "cpu" and self.dtype == torch.bfloat16
-        if c_bf16 and cpu_dpbf16.supported():
-            # AVX512-BF16: the C kernel streams decode steps faster than oneDNN (1.1-2.3x
-            # up to 32 rows) and matches it on prefill chunks.
-            self.model.pack_weights(cpu_dpbf16.Dpbf16Linear)
-        elif packing_supported(self.device, self.dtype):
-            self.model.pack_weights()
-        elif c_bf16 and cpu_gemm.load_library() is not None:
-            # oneDNN has no fast bf16 path on this CPU (AVX2 only): the C GEMM instead.
-            self.model.pack_weights(cpu_gemm.Bf16Linear)
+        make_linear = self.backend.linear_factory()
+        if make_linear is not None:
+            self.model.pack_weights(make_linear)
+        self.model.set_attention_ops(self.backend.write_kv, self.backend.paged_attention)
+        self.model.set_layer_ops(self.backend.layer_ops())
         self.num_blocks = self._num_blocks()
         slots = self.num_blocks * self.block_size
         self.kv_caches = [
@@ -62,22 +54,10 @@ class ModelRunner:
         ]
         self.sampler = Sampler(config.seed)
         self.lora = lora_manager
-        if self.kernels != "torch":
-            self.model.set_attention_ops(*attention_ops(self.kernels))
-        if self.kernels == "cpu":
-            from .kernels.cpu_fused import CLayerOps
-
-            self.model.set_layer_ops(CLayerOps(self.dtype))
-            if lora_manager is not None:
-                lora_manager.cpu_kernels = True
-        if self.kernels == "triton":
-            from .kernels.lora_kernels import StackedLoRAWeights
-
-            if lora_manager is not None:
-                lora_manager.kernel_weights = StackedLoRAWeights.for_arch(
-                    arch, config.lora.max_loras, config.lora.max_lora_rank, self.dtype, self.device)
+        if lora_manager is not None:
+            lora_manager.bind(arch, self.dtype, self.device, self.backend.lora_backend)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB); %s kernels", self.num_blocks, self.block_size,
-                 self.num_blocks * kv_bytes_per_block(arch, self.block_size, self.dtype) / 2**20, self.kernels)
+                 self.num_blocks * kv_bytes_per_block(arch, self.block_size, self.dtype) / 2**20, self.backend.name)
 
     @torch.inference_mode()
     def warm_up(self, row_counts: list[int]) -> None:
@@ -113,8 +93,8 @@ class ModelRunner:
         for s in seqs:
             ids.extend(s.token_ids)
             pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
-        meta = build_metadata([(s.start_pos, len(s.token_ids), s.block_ids) for s in seqs],
-                              self.block_size, self.dtype, self.device)
+        meta = self.backend.build_metadata([(s.start_pos, len(s.token_ids), s.block_ids) for s in seqs],
+                                           self.block_size)
         lora = None
         if self.lora is not None:
             self.lora.load(out.adapter_loads)

@@ -124,10 +124,6 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    def token_at(self, i: int) -> int:
-        p = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
-
     def token_slice(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_token_ids)
         if end <= p:

@@ -14,6 +14,7 @@ from .block_pool import KVCacheManager
 from .config import SchedulerConfig
 from .errors import EngineOverloadedError, PromptTooLongError
 from .request import AdapterRef, Lane, Request, RequestStatus
+from .request_queue import POLICIES, LaneQueue
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,10 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.slots = AdapterSlots(max_loras)
-        self.waiting: list[Request] = []
+        self.waiting = LaneQueue(config.aging_seconds, lambda: self.clock())
+        self.policy = POLICIES[config.policy](config.max_num_seqs)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._static_batch: list[Request] = []
         # The lane each running request was admitted at, aging included: its priority while
         # it runs, so an aged batch request is not preempted by the next interactive arrival.
         self._run_lane: dict[str, int] = {}
@@ -81,14 +82,10 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.enqueue_time = self.clock()
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.waiting.push(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
-
-    def _effective_lane(self, req: Request, now: float) -> int:
-        # Aging: a request climbs one lane per `aging_seconds` waited, so batch never starves.
-        return max(0, int(req.lane) - int((now - req.enqueue_time) / self.config.aging_seconds))
 
     # -- the step's plan --------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -126,20 +123,11 @@ class Scheduler:
         return ScheduledSeq(req.request_id, req.token_slice(start, start + n), start,
                             list(req.block_ids), start + n == req.num_tokens, slot)
 
-    def _candidates(self) -> list[Request]:
-        if self.config.policy == "static":
-            if not self.running and not self._static_batch:
-                self._static_batch = self._by_priority(self.waiting)[: self.config.max_num_seqs]
-            return list(self._static_batch)
-        return self._by_priority(self.waiting)
-
-    def _by_priority(self, reqs: list[Request]) -> list[Request]:
-        now = self.clock()
-        return sorted(reqs, key=lambda r: (self._effective_lane(r, now), r.arrival_time))
-
     def _admit(self, out: SchedulerOutput, scheduled: dict[str, ScheduledSeq], budget: list[int]) -> None:
+        if budget[0] <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return
         starving = None  # the first request kept out by adapter slots
-        for req in self._candidates():
+        for req in self.policy.candidates(self.waiting, len(self.running)):
             if budget[0] <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             if req.adapter is not None:
@@ -171,14 +159,13 @@ class Scheduler:
             slot, load = self.slots.acquire(req.adapter)
             if load:
                 out.adapter_loads.append((slot, req.adapter))
-        if req in self._static_batch:
-            self._static_batch.remove(req)
+        self.policy.admitted(req)
         self.waiting.remove(req)
         req.num_computed_tokens = n_cached
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = n_cached
         req.status = RequestStatus.RUNNING
-        self._run_lane[req.request_id] = self._effective_lane(req, self.clock())
+        self._run_lane[req.request_id] = self.waiting.effective_lane(req, self.clock())
         self.running.append(req)
 
     def _lower_lane_victim(self, req: Request) -> Request | None:
@@ -201,9 +188,8 @@ class Scheduler:
         victim.num_preemptions += 1
         victim.status = RequestStatus.WAITING
         victim.enqueue_time = self.clock()
-        self.waiting.append(victim)
-        if self.config.policy == "static":
-            self._static_batch.append(victim)
+        self.waiting.push(victim)
+        self.policy.requeued(victim)
         self.num_preemptions += 1
         out.preempted.append(victim.request_id)
 
@@ -256,8 +242,7 @@ class Scheduler:
                 self.slots.release(req.adapter.digest)
         else:
             self.waiting.remove(req)
-            if req in self._static_batch:
-                self._static_batch.remove(req)
+            self.policy.dropped(req)
         self.kv.free(req)
         req.status = status
         return req

@@ -1,17 +1,21 @@
-"""GPU kernels (Triton) for the engine's hot paths, each beside its torch reference.
+"""The engine's kernels, one backend object per device (backend.KernelBackend): attention
+with its own metadata builder, the KV write, fused layer steps, the linear layers and
+the LoRA backend. `select.select_backend` picks the backend's name once at start ("auto":
+Triton on CUDA, the C kernels on a CPU where they build, else torch, unless
+`EngineConfig.kernels` forces one); `backend.create_backend` makes it.
 
-- `kv_write`: the step's new keys/values into their KV cache slots.
-- `paged_attention`: one ragged batch (decodes and prefill chunks together), causal over
-  each sequence's own KV blocks through its block table, GQA, online softmax.
-- `lora_kernels`: LoRA shrink `x·A` and expand `(x·A)·B` over the batch's adapter
-  segments, every projection of a group in one launch, heterogeneous ranks.
+- `torch_backend`: the torch reference (engine/attention.py, `TorchLayerOps`, the
+  torch LoRA backend), also what runs where neither of the others can.
+- `cpu/`: C sources, each beside the Python launcher that builds (cpu/build.py) and
+  calls it, and the "cpu" backend.
+- `triton/`: Triton kernels (KV write, paged attention over a ragged batch, LoRA shrink
+  and expand over adapter segments) and the "triton" backend.
 
-`select.select_backend` decides between these and the torch path (engine/attention.py,
-engine/lora.py): Triton on CUDA, torch elsewhere, unless `EngineConfig.kernels` forces
-one. Importing this package does not import Triton; the kernel modules do, and Triton's
+Importing this package does not import Triton; the kernel modules do, and Triton's
 interpreter (`TRITON_INTERPRET=1`, set before they are imported) runs them on CPU
 tensors, which is how the tests prove them on machines without a GPU.
 """
-from .select import attention_ops, select_backend, triton_available
+from .backend import REGISTRY, KernelBackend, create_backend
+from .select import select_backend, triton_available
 
-__all__ = ["attention_ops", "select_backend", "triton_available"]
+__all__ = ["REGISTRY", "KernelBackend", "create_backend", "select_backend", "triton_available"]

@@ -1,10 +1,9 @@
-"""Which implementation runs the engine's kernels: "triton" or "torch"."""
+"""Which kernel backend (backend.REGISTRY) runs on this device: "cpu", "triton" or "torch"."""
 from __future__ import annotations
 
 import importlib.util
 import logging
 import os
-from collections.abc import Callable
 
 import torch
 
@@ -25,19 +24,20 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-# The dtypes the C kernels are built for (cpu_*.c): bf16 and fp32.
+# The dtypes the C kernels are built for (cpu/*.c): bf16 and fp32.
 CPU_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def select_backend(kernels: str, device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
-    """`EngineConfig.kernels` ("auto" | "triton" | "cpu" | "torch") and the model's device -> backend.
+    """`EngineConfig.kernels` ("auto" | "triton" | "cpu" | "torch") and the model's device
+    -> the name of the kernel backend to create (backend.create_backend).
 
     "auto" is Triton on CUDA (when Triton is installed); on a CPU it is "cpu" (the C
-    kernels, cpu_*.py: decode and prefill attention, fused layer steps, multi-LoRA) where a C
-    compiler can build them and `dtype` is one they take, else torch.
-    "triton"
-    forced on a CPU device runs Triton's interpreter, which must have been switched on
-    with TRITON_INTERPRET=1 before the kernel modules were imported: that is for tests.
+    kernels under cpu/: decode and prefill attention, fused layer steps, multi-LoRA)
+    where a C compiler can build them and `dtype` is one they take, else "torch".
+    "triton" forced on a CPU device runs Triton's interpreter, which must have been
+    switched on with TRITON_INTERPRET=1 before the kernel modules were imported: that
+    is for tests.
     """
     if kernels not in BACKENDS:
         raise ValueError(f"unknown kernels setting {kernels!r}; use one of {BACKENDS}")
@@ -62,7 +62,7 @@ def select_backend(kernels: str, device: torch.device | str, dtype: torch.dtype 
 
 
 def _cpu_backend(forced: bool, device: torch.device, dtype: torch.dtype) -> str:
-    from . import cpu_decode, cpu_fused, cpu_lora, cpu_prefill
+    from .cpu import decode, fused, lora, prefill
 
     if device.type != "cpu":
         raise RuntimeError(f"kernels='cpu' runs on a CPU device, not {device.type!r}")
@@ -70,27 +70,8 @@ def _cpu_backend(forced: bool, device: torch.device, dtype: torch.dtype) -> str:
         if forced:
             raise RuntimeError(f"kernels='cpu' takes bfloat16 or float32, not {dtype}")
         return "torch"
-    if all(lib.load_library() is not None for lib in (cpu_decode, cpu_fused, cpu_lora, cpu_prefill)):
+    if all(lib.load_library() is not None for lib in (decode, fused, lora, prefill)):
         return "cpu"
     if forced:
         raise RuntimeError("kernels='cpu' but the C kernels could not be built (see the log)")
     return "torch"
-
-
-def attention_ops(backend: str) -> tuple[Callable, Callable]:
-    """(write_kv, paged_attention) for `backend`, both with engine/attention.py's signatures."""
-    if backend == "torch":
-        from ..attention import paged_attention, write_kv
-
-        return write_kv, paged_attention
-    if backend == "cpu":
-        from .cpu_decode import cpu_paged_attention
-        from .cpu_fused import cpu_write_kv
-
-        return cpu_write_kv, cpu_paged_attention
-    if backend == "triton":
-        from .kv_write import triton_write_kv
-        from .paged_attention import triton_paged_attention
-
-        return triton_write_kv, triton_paged_attention
-    raise ValueError(f"unknown kernel backend {backend!r}")

@@ -6,8 +6,6 @@ deltas added into their slices.
 """
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,12 +13,7 @@ from torch import nn
 from ..attention import AttentionMetadata, paged_attention, write_kv
 from ..cpu_linear import PackedLinear, pack_linears
 from ..loader import ModelArch, rope_inv_freq
-
-
-class LoRAHook(Protocol):
-    """Adds adapter deltas for one step's batch (see engine/lora.py)."""
-
-    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None: ...
+from ..lora.backend import LoRAHook
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,7 +33,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class TorchLayerOps:
     """A layer's elementwise steps in torch ops: the reference, and what runs on GPUs.
-    engine/kernels/cpu_fused.py's CLayerOps fuses each of them on a CPU."""
+    kernels/cpu/fused.py's CLayerOps fuses each of them on a CPU."""
 
     @staticmethod
     def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
@@ -75,9 +68,10 @@ class LlamaLayer(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, h, bias=False)
         self.input_layernorm = nn.Parameter(torch.ones(h))
         self.post_attention_layernorm = nn.Parameter(torch.ones(h))
-        # KV write and attention: the torch path unless the runner picks the Triton kernels.
+        # KV write, attention and layer ops: the torch path until the runner sets its
+        # kernel backend's (set_attention_ops, set_layer_ops).
         self.write_kv, self.attn_impl = write_kv, paged_attention
-        self.ops = TorchLayerOps  # or kernels.cpu_fused.CLayerOps (set_layer_ops)
+        self.ops = TorchLayerOps
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, lora: LoRAHook | None
@@ -123,14 +117,14 @@ class LlamaModel(nn.Module):
 
     def pack_weights(self, make=PackedLinear) -> None:
         """Pre-pack every projection and the LM head: make(weight, bias) is PackedLinear
-        (oneDNN, engine/cpu_linear.py), Dpbf16Linear (C with AVX512-BF16, kernels/cpu_dpbf16.py)
-        or Bf16Linear (C, AVX2, kernels/cpu_gemm.py)."""
+        (oneDNN, engine/cpu_linear.py), Dpbf16Linear (C with AVX512-BF16, kernels/cpu/dpbf16.py)
+        or Bf16Linear (C, AVX2, kernels/cpu/gemm.py)."""
         pack_linears(self.layers, make)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_head = make(w, None)
 
     def set_attention_ops(self, write_kv_fn, attention_fn) -> None:
-        """Use these (engine/kernels/select.py `attention_ops`) for KV writes and attention."""
+        """Use these (a `kernels.KernelBackend`'s) for KV writes and attention."""
         for layer in self.layers:
             layer.write_kv, layer.attn_impl = write_kv_fn, attention_fn
 

@@ -146,7 +146,8 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
     # instruction set, and an unsupported one must fall back instead of failing at load.
     from loraplex.adapters import AdapterStore, BaseShapes
     from loraplex.engine.cpu_linear import PackedLinear, packing_supported
-    from loraplex.engine.kernels import cpu_dpbf16, cpu_gemm
+    from loraplex.engine.kernels.cpu import dpbf16 as cpu_dpbf16, gemm as cpu_gemm
+    from loraplex.engine.kernels.cpu.lora import CLoRABackend
     from loraplex.engine.lora import LoRAManager
 
     lora = LoRAManager(AdapterStore(tmp_path, BaseShapes.from_model_dir(tiny_llama_dir)))
@@ -156,7 +157,7 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
     # where the CPU has it, then oneDNN's packed weights where it runs bf16 natively, else
     # the C GEMM (AVX2); adapters run on the C LoRA kernel wherever the "cpu" backend does.
     proj = type(engine.runner.model.layers[0].qkv_proj)
-    cpu_backend = engine.runner.kernels == "cpu"
+    cpu_backend = engine.runner.backend.name == "cpu"
     if cpu_backend and cpu_dpbf16.supported():
         assert proj is cpu_dpbf16.Dpbf16Linear
         assert type(engine.runner.model.packed_head) is cpu_dpbf16.Dpbf16Linear
@@ -167,7 +168,7 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
         assert type(engine.runner.model.packed_head) is cpu_gemm.Bf16Linear
     else:
         assert proj is torch.nn.Linear
-    assert lora.cpu_kernels == (engine.runner.kernels == "cpu")
+    assert isinstance(lora.backend, CLoRABackend) == (engine.runner.backend.name == "cpu")
     outs = _run(engine, _prompts(), MAX_TOKENS)
     assert [len(o) for o in outs] == list(MAX_TOKENS)
 

@@ -11,8 +11,8 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-_KERNEL_MODULES = ("loraplex.engine.kernels.paged_attention", "loraplex.engine.kernels.kv_write",
-                   "loraplex.engine.kernels.lora_kernels")
+_KERNEL_MODULES = ("loraplex.engine.kernels.triton.paged_attention", "loraplex.engine.kernels.triton.kv_write",
+                   "loraplex.engine.kernels.triton.lora")
 _early = [m for m in _KERNEL_MODULES if m in sys.modules]
 if _early:  # compiled for a GPU already: the interpreter cannot take over any more
     raise RuntimeError(f"{_early} were imported before TRITON_INTERPRET=1 was set; run the kernel tests "

@@ -21,7 +21,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from loraplex.engine.kernels import kv_write, lora_kernels, paged_attention  # noqa: E402
+from loraplex.engine.kernels.triton import kv_write, paged_attention
+from loraplex.engine.kernels.triton import lora as lora_kernels  # noqa: E402
 
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32",
           torch.int64: "i64"}
@@ -63,6 +64,7 @@ def _signature(fn, args, kwargs):
 
 def record_launches() -> list[tuple[str, object, tuple, dict]]:
     from loraplex.engine.lora import pack_adapter
+    from loraplex.engine.attention import build_ragged_metadata
     from tests.engine.kernels.kernel_cases import paged_batch, random_adapter
 
     recs = {}
@@ -72,7 +74,7 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
         setattr(mod, name, recs[name])
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for lens in ([(5, 1), (40, 1)], [(5, 1), (0, 30)]):  # decode-only and mixed configs
-            q, kc, vc, meta, _ = paged_batch(lens, 16, 9, 3, 64, dtype)
+            q, kc, vc, meta, _ = paged_batch(lens, 16, 9, 3, 64, dtype, build=build_ragged_metadata)
             paged_attention.triton_paged_attention(q, kc, vc, meta, 0.125)
         k = torch.zeros(4, 3, 64, dtype=dtype)
         kv_write.triton_write_kv(kc, vc, k, k, torch.arange(4))

@@ -9,14 +9,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from loraplex.engine.attention import build_metadata
+from loraplex.engine.kernels.cpu.metadata import build_cpu_metadata
 
 
 def paged_batch(lens: list[tuple[int, int]], block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                dtype: torch.dtype, seed: int = 0, spare_blocks: int = 3):
+                dtype: torch.dtype, seed: int = 0, spare_blocks: int = 3, build=build_cpu_metadata):
     """`lens`: (cached prefix, new query rows) per sequence, decodes first (the engine's order).
 
-    Returns q, k_cache, v_cache (the step's K/V already written), metadata, and the
+    Returns q, k_cache, v_cache (the step's K/V already written), metadata (by `build`:
+    the C kernels' form by default, which the torch path also reads), and the
     `seqs` list `reference_attention` takes. Blocks are shuffled, so a sequence's
     blocks are scattered through the cache as in a running engine."""
     rnd = random.Random(seed)
@@ -34,7 +35,7 @@ def paged_batch(lens: list[tuple[int, int]], block_size: int, num_heads: int, nu
     v_cache = torch.randn(shape, generator=gen).to(dtype)
     T = sum(n for _, n in lens)
     q = torch.randn(T, num_heads, head_dim, generator=gen).to(dtype)
-    meta = build_metadata(seqs, block_size, dtype)
+    meta = build(seqs, block_size, dtype)
     return q, k_cache, v_cache, meta, seqs
 
 
@@ -77,7 +78,7 @@ def _cpu_flags() -> set[str]:
 def use_build(monkeypatch, module, source: str, signatures: dict, march: str) -> None:
     """Make `module.load_library()` return `source` built for `march` (skip where this
     CPU cannot run that target)."""
-    from loraplex.engine.kernels import cpu_build
+    from loraplex.engine.kernels.cpu import build as cpu_build
 
     if march == "native":
         return

@@ -1,19 +1,25 @@
-"""Backend selection: Triton on CUDA, torch elsewhere, a setting forces either."""
+"""Kernel backend selection (Triton on CUDA, the C kernels on a CPU where they build, else
+torch; a setting forces one) and the backend objects registered under those names."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from loraplex.engine.attention import paged_attention, write_kv
-from loraplex.engine.kernels.select import attention_ops, select_backend
+from loraplex.engine import attention
+from loraplex.engine.attention import RaggedAttentionMetadata, TorchAttentionMetadata
+from loraplex.engine.kernels import REGISTRY, create_backend
+from loraplex.engine.kernels.cpu.metadata import CpuAttentionMetadata
+from loraplex.engine.kernels.select import select_backend
+from loraplex.engine.lora.torch_backend import TorchLoRABackend
+from loraplex.engine.models.llama import TorchLayerOps
 
 
-@pytest.mark.parametrize("library", ["cpu_decode", "cpu_prefill", "cpu_fused", "cpu_lora"])
+@pytest.mark.parametrize("library", ["decode", "prefill", "fused", "lora"])
 def test_auto_on_cpu_is_the_c_kernel_where_it_builds(monkeypatch, library):
     # The "cpu" backend calls each of these without another check: any one missing means torch.
     import importlib
 
-    module = importlib.import_module(f"loraplex.engine.kernels.{library}")
+    module = importlib.import_module(f"loraplex.engine.kernels.cpu.{library}")
     assert select_backend("torch", "cpu") == "torch"
     built = module.load_library() is not None
     assert select_backend("auto", "cpu") == ("cpu" if built else "torch")
@@ -26,7 +32,7 @@ def test_auto_on_cpu_is_the_c_kernel_where_it_builds(monkeypatch, library):
 
 
 def test_cpu_kernels_take_bf16_and_fp32_only():
-    from loraplex.engine.kernels import cpu_decode
+    from loraplex.engine.kernels.cpu import decode as cpu_decode
 
     if cpu_decode.load_library() is None:
         pytest.skip("no C compiler")
@@ -60,15 +66,43 @@ def test_unknown_setting():
         select_backend("cuda", "cpu")
 
 
-def test_attention_ops():
-    from loraplex.engine.kernels.cpu_decode import cpu_paged_attention
+SEQS = [(4, 1, [3]), (20, 1, [0, 5]), (0, 6, [1]), (16, 3, [2, 4])]  # two decodes, two prefill chunks
 
-    assert attention_ops("torch") == (write_kv, paged_attention)
-    from loraplex.engine.kernels.cpu_fused import cpu_write_kv
 
-    assert attention_ops("cpu") == (cpu_write_kv, cpu_paged_attention)
+def test_each_backend_builds_only_its_own_metadata():
+    cpu = torch.device("cpu")
+    torch_backend = create_backend("torch", cpu, torch.float32)
+    assert (torch_backend.write_kv, torch_backend.paged_attention) == (attention.write_kv, attention.paged_attention)
+    assert torch_backend.layer_ops() is TorchLayerOps and torch_backend.lora_backend is TorchLoRABackend
+    meta = torch_backend.build_metadata(SEQS, 16)
+    assert type(meta) is TorchAttentionMetadata and meta.num_decodes == 2 and len(meta.prefills) == 2
+    assert meta.slot_mapping.tolist() == [52, 84, 16, 17, 18, 19, 20, 21, 64, 65, 66]
+
+    c = create_backend("cpu", cpu, torch.float32)
+    from loraplex.engine.kernels.cpu.decode import cpu_paged_attention
+    from loraplex.engine.kernels.cpu.fused import CLayerOps, cpu_write_kv
+    from loraplex.engine.kernels.cpu.lora import CLoRABackend
+
+    assert (c.write_kv, c.paged_attention, c.lora_backend) == (cpu_write_kv, cpu_paged_attention, CLoRABackend)
+    assert isinstance(c.layer_ops(), CLayerOps)
+    meta = c.build_metadata(SEQS, 16)
+    assert type(meta) is CpuAttentionMetadata and meta.seq_lens.tolist() == [5, 21, 6, 19]
+    assert meta.block_tables.tolist() == [[3, 0], [0, 5], [1, 0], [2, 4]]
+
     pytest.importorskip("triton")
-    from loraplex.engine.kernels.kv_write import triton_write_kv
-    from loraplex.engine.kernels.paged_attention import triton_paged_attention
+    from loraplex.engine.kernels.triton.kv_write import triton_write_kv
+    from loraplex.engine.kernels.triton.lora import StackedLoRAWeights
+    from loraplex.engine.kernels.triton.paged_attention import triton_paged_attention
 
-    assert attention_ops("triton") == (triton_write_kv, triton_paged_attention)
+    t = create_backend("triton", cpu, torch.float32)
+    assert (t.write_kv, t.paged_attention, t.lora_backend) == (triton_write_kv, triton_paged_attention,
+                                                               StackedLoRAWeights)
+    meta = t.build_metadata(SEQS, 16)
+    assert type(meta) is RaggedAttentionMetadata and meta.query_start_loc.tolist() == [0, 1, 2, 8, 11]
+    assert meta.num_decodes == 2 and meta.slot_mapping.tolist() == [52, 84, 16, 17, 18, 19, 20, 21, 64, 65, 66]
+
+
+def test_registry_names_every_selectable_backend():
+    assert set(REGISTRY) == {"torch", "cpu", "triton"}
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        create_backend("cuda", torch.device("cpu"), torch.float32)

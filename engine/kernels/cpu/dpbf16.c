@@ -1,0 +1,100 @@
+/* bf16 linear layers on CPUs with AVX512-BF16 (vdpbf16ps): y = x W^T (+ bias).
+ *
+ * oneDNN's packed bf16 matmul streams a decode step's weights at 17-21 GB/s on 2 cores
+ * of such a CPU (30 GB/s is what the memory gives) and reaches ~400 GFLOP/s from a few
+ * hundred rows. Here W is packed once at load into panels of 16 output columns with
+ * pairs of k interleaved, [panel][K/2][16][2], the operand layout of vdpbf16ps: one
+ * 64-byte load is one k pair of 16 columns. The micro-kernel keeps MR rows x NR panels
+ * of fp32 accumulators in registers; per k pair it loads NR panel vectors, broadcasts
+ * each row's (x[k], x[k+1]) pair and issues MR*NR dot-product instructions (32 bf16
+ * products each, summed in fp32). A micro-kernel per row count (1..MR), so a decode of
+ * 3 rows does 3 rows of work. One rounding to bf16 at the end, after the bias, as a
+ * bf16 torch matmul does. Work items: (group of NR panels, chunk of M_CHUNK rows).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define MR 8       /* rows per micro-kernel: MR*NR accumulators + NR loads + 1 broadcast of 32 registers */
+#define NR 3       /* panels of 16 columns per micro-kernel */
+#define M_CHUNK 256
+
+int dpbf16_available(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef __AVX512BF16__
+static inline uint32_t pair_at(const uint16_t *xr, int kk, int K) {
+    uint32_t pair = xr[2 * kk];
+    if (2 * kk + 1 < K) pair |= (uint32_t)xr[2 * kk + 1] << 16;  /* odd K: the last pair is (x, 0) */
+    return pair;
+}
+
+static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64_t xs, const uint16_t *wp,
+        int64_t pstride, const uint16_t *bias, uint16_t *y, int64_t ys, const int rows, const int np, int cols_last,
+        int K) {
+    const int K2 = (K + 1) / 2, full = K / 2;
+    __m512 acc[MR][NR];
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < np; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int kk = 0; kk < K2; kk++) {
+        __m512bh b[NR];
+        for (int j = 0; j < np; j++) b[j] = (__m512bh)_mm512_loadu_si512(wp + j * pstride + (int64_t)kk * 32);
+        for (int i = 0; i < rows; i++) {
+            int32_t pair;
+            if (kk < full) memcpy(&pair, x + (int64_t)i * xs + 2 * kk, 4);
+            else pair = (int32_t)pair_at(x + (int64_t)i * xs, kk, K);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            for (int j = 0; j < np; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+        }
+    }
+    for (int j = 0; j < np; j++) {
+        const int cols = j == np - 1 ? cols_last : 16;
+        float bf[16] = {0};
+        if (bias)
+            for (int l = 0; l < cols; l++) bf[l] = bf16_load(bias[j * 16 + l]);
+        for (int i = 0; i < rows; i++) {
+            float f[16];
+            _mm512_storeu_ps(f, acc[i][j]);
+            uint16_t *o = y + (int64_t)i * ys + j * 16;
+            for (int l = 0; l < cols; l++) o[l] = bf16_store(f[l] + bf[l]);
+        }
+    }
+}
+
+#define CASE(R, P) case R: micro(xm, xs, wp, pstride, bp, ym, ys, R, P, cols_last, K); break;
+#define ROWS(P) switch (rows) { CASE(1, P) CASE(2, P) CASE(3, P) CASE(4, P) CASE(5, P) CASE(6, P) CASE(7, P) CASE(8, P) }
+#endif
+
+/* x [M, K] (row stride xs), packed W [ceil(N/16)][ceil(K/2)][16][2], y [M, N] (row stride
+ * ys); work items [begin, end) over (panel group, row chunk), M_CHUNK rows each. */
+int gemm_dpbf16(const uint16_t *x, int64_t xs, const uint16_t *w, const uint16_t *bias, uint16_t *y, int64_t ys,
+                int M, int N, int K, int begin, int end) {
+#ifdef __AVX512BF16__
+    const int NP = (N + 15) / 16, groups = (NP + NR - 1) / NR;
+    const int64_t pstride = (int64_t)((K + 1) / 2) * 32;
+    #pragma omp parallel for schedule(dynamic) if (end - begin >= 2)
+    for (int item = begin; item < end; item++) {
+        const int g = item % groups, c0 = item / groups * M_CHUNK;
+        const int c1 = c0 + M_CHUNK < M ? c0 + M_CHUNK : M;
+        const int p0 = g * NR, np = NP - p0 < NR ? NP - p0 : NR;
+        const int cols_last = N - (p0 + np - 1) * 16 < 16 ? N - (p0 + np - 1) * 16 : 16;
+        const uint16_t *wp = w + (int64_t)p0 * pstride, *bp = bias ? bias + p0 * 16 : NULL;
+        for (int m0 = c0; m0 < c1; m0 += MR) {
+            const int rows = c1 - m0 < MR ? c1 - m0 : MR;
+            const uint16_t *xm = x + (int64_t)m0 * xs;
+            uint16_t *ym = y + (int64_t)m0 * ys + p0 * 16;
+            if (np == 3) { ROWS(3) } else if (np == 2) { ROWS(2) } else { ROWS(1) }
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)xs; (void)w; (void)bias; (void)y; (void)ys; (void)M; (void)N; (void)K; (void)begin; (void)end;
+    return 1;  /* no AVX512-BF16 on this CPU: dpbf16_available() says so */
+#endif
+}

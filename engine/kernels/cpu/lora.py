@@ -1,0 +1,77 @@
+"""The C multi-LoRA kernel (lora.c) over `lora.stacks.SlotStacks`: every adapter
+segment of a step, decode rows and prefill chunks, in one call per layer and group, and
+no oneDNN primitive to build for each new segment length (~1 ms each: prefill chunks
+rarely repeat one).
+
+Its reference is the per-segment torch loop (`lora.torch_backend.LoRABatch`), which the
+tests compare it with.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ...lora.backend import LoRAHook
+from ...lora.stacks import SlotStacks
+from ...lora.torch_backend import TorchLoRABackend
+from . import build
+
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_ARGTYPES = [_P, _L, _P, _L, _P, _P, _L, _L, _I, _I, _P, _P, _I, _I, _I]
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+MAX_ROWS = 64  # the kernel's per-piece row limit (lora.c MAX_ROWS)
+# Rows per work item: long segments are cut into pieces of this size so both threads
+# share a prefill chunk, while each piece still reuses the adapter's weights 32 times.
+PIECE_ROWS = 32
+
+
+def load_library() -> ctypes.CDLL | None:
+    return build.load("lora.c", {f"lora_segments_{t}": _ARGTYPES for t in _SUFFIX.values()})
+
+
+def pieces(segments: list[tuple[int, int, int]], rows: int = PIECE_ROWS) -> torch.Tensor:
+    """(start, end, slot) segments -> int32 [pieces, 3], each at most `rows` rows."""
+    assert 0 < rows <= MAX_ROWS
+    out = [(s, min(s + rows, end), slot) for start, end, slot in segments for s in range(start, end, rows)]
+    return torch.tensor(out, dtype=torch.int32).view(-1, 3)
+
+
+def cpu_lora_segments(x: torch.Tensor, out: torch.Tensor, segments: torch.Tensor, a: torch.Tensor,
+                      mods: torch.Tensor, ranks: torch.Tensor, layer: int) -> None:
+    """out[rows] += LoRA delta of each piece (start, end, slot) over a group's modules.
+
+    a: [layers, slots, RA, in] stacked A; mods: int64 [modules, 6] (A row offset, r_alloc,
+    output column, out width, B^T base address, B^T layer stride); ranks: int32
+    [layers, slots, modules]."""
+    lib = load_library()
+    assert lib is not None, "load_library() returned None: use the torch path"
+    assert x.dtype == out.dtype == a.dtype and x.dtype in _SUFFIX, (x.dtype, out.dtype, a.dtype)
+    assert x.stride(1) == 1 and out.stride(1) == 1 and a.is_contiguous() and a.shape[3] == x.shape[1]
+    assert segments.dtype == torch.int32 and segments.dim() == 2 and segments.shape[1] == 3 and segments.is_contiguous()
+    assert mods.dtype == torch.int64 and mods.shape[1] == 6 and mods.is_contiguous()
+    assert ranks.dtype == torch.int32 and ranks.is_contiguous() and ranks.shape == (a.shape[0], a.shape[1], mods.shape[0])
+    assert 0 <= layer < a.shape[0]
+    fn = getattr(lib, f"lora_segments_{_SUFFIX[x.dtype]}")
+    args = (x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), segments.data_ptr(), a.data_ptr(),
+            a.stride(0), a.stride(1), a.shape[3], mods.shape[0], mods.data_ptr(), ranks[layer].data_ptr(), layer)
+    build.run(fn, args, segments.shape[0])
+
+
+class CLoRABatch:
+    """One step's segments, cut into pieces once; `apply` is one kernel call."""
+
+    def __init__(self, stacks: SlotStacks, segments: list[tuple[int, int, int]]) -> None:
+        self.stacks = stacks
+        self.pieces = pieces(segments)
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        s = self.stacks
+        cpu_lora_segments(x, out, self.pieces, s.a[group], s.c_modules(group), s.ranks_t[group], layer)
+
+
+class CLoRABackend(TorchLoRABackend):
+    """The torch backend's slot stacks, every segment (long ones too) through the C kernel."""
+
+    def batch(self, segments: list[tuple[int, int, int]]) -> LoRAHook:
+        return CLoRABatch(self.stacks, segments)

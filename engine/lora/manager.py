@@ -1,0 +1,140 @@
+"""The LoRA manager: adapter names, the CPU tier, device slots.
+
+Adapters have three tiers: the disk store, a CPU tier (LRU, loaded in the background)
+and the device slots, whose weights the LoRA backend (`backend.LoRABackend`, chosen once
+by the engine's kernel backend) holds in its kernels' layout.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..config import LoRAConfig
+from ..errors import InvalidRequestError, UnknownAdapterError
+from ..request import AdapterRef
+from .backend import LoRABackend, LoRAHook
+from .packing import pack_adapter, projection_sizes, segments_of
+from .torch_backend import TorchLoRABackend
+
+log = logging.getLogger(__name__)
+
+
+class LoRAManager:
+    """Resolves adapter names, keeps the CPU tier, fills device slots."""
+
+    def __init__(self, store, config: LoRAConfig | None = None) -> None:
+        self.store = store
+        self.config = config or LoRAConfig()
+        self._cpu: OrderedDict[str, object] = OrderedDict()  # digest -> LoRAAdapter (LRU)
+        self._live: dict[str, int] = {}  # digest -> requests holding it (never evicted)
+        self._pending: dict[str, object] = {}  # digest -> Future of a background load
+        self._failed: dict[str, str] = {}  # digest -> why loading failed
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="loraplex-lora-load")
+        self.slot_refs: list[AdapterRef | None] = [None] * self.config.max_loras
+        self.backend: LoRABackend | None = None
+
+    def bind(self, arch, dtype: torch.dtype, device: torch.device,
+             backend: type[LoRABackend] = TorchLoRABackend) -> None:
+        """Size the device slots for `arch`; `backend`: the kernel backend's LoRA backend."""
+        self.in_sizes, self.out_sizes = projection_sizes(arch)
+        self.num_layers, self.dtype, self.device = arch.num_layers, dtype, device
+        self.backend = backend(self.config.max_loras, arch.num_layers, self.in_sizes, self.out_sizes,
+                               self.config.max_lora_rank, dtype, device)
+
+    # -- names and lifetimes ---------------------------------------------------------
+    def ref(self, name: str) -> AdapterRef:
+        from loraplex.adapters import AdapterError, AdapterNotFoundError
+
+        try:
+            record = self.store.get(name)
+        except (AdapterNotFoundError, AdapterError):
+            raise UnknownAdapterError(f"the adapter {name!r} does not exist") from None
+        if record.rank > self.config.max_lora_rank:
+            raise InvalidRequestError(f"adapter {name!r} has rank {record.rank}, above this engine's "
+                                      f"max_lora_rank {self.config.max_lora_rank}")
+        return AdapterRef(name, record.digest)
+
+    def retain(self, ref: AdapterRef) -> None:
+        """A request holds `ref` until release(): its weights stay loadable even if the
+        adapter is replaced or removed from the store meanwhile."""
+        with self._lock:
+            self._live[ref.digest] = self._live.get(ref.digest, 0) + 1
+        self.ready(ref)
+
+    def release(self, digest: str) -> None:
+        with self._lock:
+            n = self._live.get(digest, 0) - 1
+            if n > 0:
+                self._live[digest] = n
+            else:
+                self._live.pop(digest, None)
+                self._failed.pop(digest, None)
+            self._trim()
+
+    # -- the CPU tier ----------------------------------------------------------------
+    def ready(self, ref: AdapterRef) -> bool:
+        """True when `ref` can go into a device slot now; else start loading it."""
+        d = ref.digest
+        with self._lock:
+            if d in self._cpu or d in self._failed or any(r and r.digest == d for r in self.slot_refs):
+                return d not in self._failed
+            if d not in self._pending:
+                self._pending[d] = self._pool.submit(self._load_to_cpu, d)
+        return False
+
+    def failed(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._failed)
+
+    def _load_to_cpu(self, digest: str) -> None:
+        try:
+            adapter = self.store.load(digest, dtype=self.dtype)
+        except Exception as exc:  # the request fails, the engine does not
+            log.warning("loading adapter %s failed: %s", digest, exc)
+            with self._lock:
+                self._failed[digest] = str(exc)
+                self._pending.pop(digest, None)
+            return
+        with self._lock:
+            self._cpu[digest] = adapter
+            self._cpu.move_to_end(digest)
+            self._pending.pop(digest, None)
+            self._trim()
+
+    def _trim(self) -> None:
+        # LRU, skipping adapters that live requests still need.
+        for d in list(self._cpu):
+            if len(self._cpu) <= self.config.max_cpu_loras:
+                return
+            if d not in self._live:
+                del self._cpu[d]
+
+    # -- device slots ----------------------------------------------------------------
+    def load(self, loads: list[tuple[int, AdapterRef]]) -> None:
+        for slot, ref in loads:
+            with self._lock:
+                adapter = self._cpu.get(ref.digest)
+                if adapter is not None:
+                    self._cpu.move_to_end(ref.digest)
+            if adapter is None:  # not prefetched (e.g. evicted meanwhile): load inline
+                adapter = self.store.load(ref.digest, dtype=self.dtype)
+            self.backend.set_slot(slot, pack_adapter(adapter, self.out_sizes, self.num_layers, self.dtype, self.device))
+            self.slot_refs[slot] = ref
+
+    def batch(self, seqs: list[tuple[int, int]]) -> LoRAHook | None:
+        """`seqs`: (num tokens, slot) in batch order -> the step's hook, None without adapters."""
+        segments = segments_of(seqs)
+        return self.backend.batch(segments) if segments else None
+
+    def tiers(self) -> dict[str, list[str]]:
+        """Where each adapter is now: device slots, CPU tier (digests)."""
+        with self._lock:
+            return {"device": [r.digest for r in self.slot_refs if r], "cpu": list(self._cpu)}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,102 @@
+"""The C multi-LoRA kernel: shapes its register blocks do not divide, pieces of long
+segments, and what its launcher refuses.
+
+(Its results are also checked against the per-segment torch loop in tests/engine/lora/test_backends.py,
+which runs every case through this kernel and through the grouped bmm path.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.engine.kernels.cpu import lora as cpu_lora
+from tests.engine.kernels.kernel_cases import MARCHES, use_build
+
+pytestmark = pytest.mark.skipif(cpu_lora.load_library() is None, reason="no C compiler to build the CPU kernels")
+
+
+@pytest.fixture(params=MARCHES)
+def code_path(request, monkeypatch) -> str:
+    """The kernel built for this CPU, and its AVX2 and plain x86-64 builds where this CPU
+    runs them (vdpbf16ps / 16 lanes, 8 lanes with vpmovzxwd, generic vectors)."""
+    use_build(monkeypatch, cpu_lora, "lora.c", {f"lora_segments_{t}": cpu_lora._ARGTYPES for t in ("bf16", "f32")},
+              request.param)
+    return request.param
+
+
+def _args(rows=4, dtype=torch.float32, k=8, r=3, w=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    out = torch.randn(rows, w, generator=gen).to(dtype)
+    # 1 layer, 2 slots; scaled so deltas stay O(1) whatever k and r, like out
+    a = (torch.randn(1, 2, r, k, generator=gen) / k**0.5).to(dtype)
+    bt = (torch.randn(1, 2, r, w, generator=gen) / r**0.5).to(dtype)
+    mods = torch.tensor([[0, r, 0, w, bt.data_ptr(), bt.stride(0)]], dtype=torch.int64)
+    ranks = torch.full((1, 2, 1), r, dtype=torch.int32)
+    segs = torch.tensor([[0, rows, 1]], dtype=torch.int32)
+    return x, out, segs, a, mods, ranks, bt
+
+
+def _expected(x, out, a, bt):
+    # fp32 arithmetic on the same (bf16) values, one rounding at the end, as the kernel does
+    return (out.float() + x.float() @ a[0, 1].float().T @ bt[0, 1].float()).to(out.dtype)
+
+
+def test_one_segment_is_x_a_b():
+    x, out, segs, a, mods, ranks, bt = _args()
+    expected = _expected(x, out, a, bt)
+    cpu_lora.cpu_lora_segments(x, out, segs, a, mods, ranks, 0)
+    torch.testing.assert_close(out, expected)
+
+
+# Rows, input width, rank and output width around the register blocks (4 rows, 2-4
+# ranks, 16 lanes, 32 bf16 pairs, 64-column expand blocks): full blocks, remainders,
+# and sizes below one block, so every tail path runs.
+SHAPES = [(1, 32, 1, 16), (3, 48, 5, 70), (4, 64, 8, 64), (7, 576, 8, 192), (33, 96, 16, 130),
+          (64, 1536, 64, 576), (17, 40, 3, 3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows,k,r,w", SHAPES)
+def test_blocks_and_tails_match_fp32(dtype, rows, k, r, w, code_path):
+    x, out, segs, a, mods, ranks, bt = _args(rows, dtype, k, r, w, seed=rows + k)
+    expected = _expected(x, out, a, bt)
+    cpu_lora.cpu_lora_segments(x, out, segs, a, mods, ranks, 0)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
+    torch.testing.assert_close(out, expected, **tol)
+
+
+def test_long_segment_in_pieces_equals_one_pass(code_path):
+    """A 150-row prefill segment cut into pieces gives what 64-row pieces of it give,
+    rows of other slots (slot 0 here: rank 0) are untouched."""
+    x, out, _, a, mods, ranks, bt = _args(rows=160, k=64, r=8, w=64)
+    ranks[0, 0] = 0
+    segments = [(0, 5, 0), (5, 155, 1), (155, 160, 0)]
+    expected = _expected(x, out, a, bt)
+    expected[:5], expected[155:] = out[:5], out[155:]
+    for rows in (cpu_lora.PIECE_ROWS, cpu_lora.MAX_ROWS, 7):
+        pieces = cpu_lora.pieces(segments, rows)
+        assert pieces[:, 1].sub(pieces[:, 0]).max() <= rows and pieces[:, 1].sub(pieces[:, 0]).sum() == 160
+        got = out.clone()
+        cpu_lora.cpu_lora_segments(x, got, pieces, a, mods, ranks, 0)
+        torch.testing.assert_close(got, expected)
+        assert torch.equal(got[:5], out[:5]) and torch.equal(got[155:], out[155:])
+
+
+def test_rejects_wrong_dtypes_and_layouts():
+    x, out, segs, a, mods, ranks, _ = _args()
+    with pytest.raises(AssertionError):
+        cpu_lora.cpu_lora_segments(x.double(), out, segs, a, mods, ranks, 0)
+    with pytest.raises(AssertionError):
+        cpu_lora.cpu_lora_segments(x, out, segs.long(), a, mods, ranks, 0)
+    with pytest.raises(AssertionError):
+        cpu_lora.cpu_lora_segments(x, out, segs, a, mods, ranks, 1)  # no such layer
+    with pytest.raises(AssertionError):
+        cpu_lora.pieces([(0, 100, 1)], cpu_lora.MAX_ROWS + 1)
+
+
+def test_piece_longer_than_the_kernel_takes_is_refused():
+    x, out, segs, a, mods, ranks, _ = _args(rows=cpu_lora.MAX_ROWS + 1)
+    before = out.clone()
+    with pytest.raises(ValueError, match="refused"):
+        cpu_lora.cpu_lora_segments(x, out, segs, a, mods, ranks, 0)
+    assert torch.equal(out, before)

@@ -1,0 +1,135 @@
+"""Every request's greedy tokens equal PEFT's for its adapter, whatever shares the batch."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from loraplex.adapters import AdapterStore, BaseShapes
+from loraplex.adapters.synth import make_random_peft_adapter
+from loraplex.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from loraplex.engine.engine import LLMEngine
+from loraplex.engine.errors import UnknownAdapterError
+from loraplex.engine.kernels.cpu.lora import CLoRABackend
+from loraplex.engine.lora import LoRAManager
+from loraplex.engine.request import SamplingParams
+from tests.engine.oracle import hf_greedy, run_greedy_with_adapters
+
+# (name, rank, targets, rslora): ranks 4..64, partial targets, rsLoRA scaling.
+ADAPTERS = [
+    ("a4", 4, None, False), ("a8", 8, ("q_proj", "v_proj"), False), ("a16", 16, None, True),
+    ("a32", 32, ("gate_proj", "up_proj", "down_proj"), False), ("a64", 64, None, False),
+    ("b4", 4, ("o_proj", "k_proj"), False), ("b8", 8, None, False), ("b16", 16, ("down_proj",), False),
+]
+LENGTHS = (3, 40, 17, 90, 1, 25, 60, 8, 33, 120)
+MAX_TOKENS = (12, 8, 16, 6, 10, 14, 9, 11, 7, 13)
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory, tiny_llama_dir):
+    root = tmp_path_factory.mktemp("lora")
+    dirs = {}
+    for i, (name, rank, targets, rslora) in enumerate(ADAPTERS):
+        kw = {"target_modules": targets} if targets else {}
+        dirs[name] = make_random_peft_adapter(tiny_llama_dir, root / name, rank=rank, alpha=2 * rank, seed=i + 1,
+                                              init_scale=0.3, use_rslora=rslora, **kw)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in LENGTHS]
+    # Requests cycle through the adapters and the base model (None).
+    names = [None] + [a[0] for a in ADAPTERS] + [None]
+    assign = [names[i % len(names)] for i in range(len(prompts))]
+    ref = [hf_greedy(tiny_llama_dir, [p], [n], adapter_dir=dirs[a] if a else None)[0]
+           for p, n, a in zip(prompts, MAX_TOKENS, assign)]
+    return dirs, prompts, assign, ref
+
+
+def _engine(model_dir, store_root, dirs, *, max_loras=8, max_cpu_loras=8, kernels="auto", **sched):
+    store = AdapterStore(store_root, BaseShapes.from_model_dir(model_dir))
+    for name, path in dirs.items():
+        store.add(name, path)
+    cache = CacheConfig(block_size=sched.pop("block_size", 8), num_blocks=sched.pop("num_blocks", 256))
+    cfg = EngineConfig(model=ModelConfig(model=str(model_dir), dtype="float32"), cache=cache,
+                       scheduler=SchedulerConfig(**sched),
+                       lora=LoRAConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=64),
+                       kernels=kernels)
+    return LLMEngine(cfg, LoRAManager(store, cfg.lora)), store
+
+
+def _run(engine, prompts, assign) -> list[list[int]]:
+    return run_greedy_with_adapters(engine, prompts, assign, list(MAX_TOKENS))
+
+
+@pytest.mark.parametrize("setup", [
+    dict(),  # all adapters and base requests in one batch
+    dict(max_loras=3, max_cpu_loras=2),  # working set exceeds both tiers
+    dict(max_loras=4, num_blocks=30, max_num_batched_tokens=24),  # preemption + chunked prefill
+    dict(kernels="torch"),  # the pure torch path: grouped bmm for short segments, no C kernel
+])
+def test_mixed_adapters_match_peft(tiny_llama_dir, tmp_path, lora_setup, setup):
+    dirs, prompts, assign, ref = lora_setup
+    engine, _ = _engine(tiny_llama_dir, tmp_path / "store", dirs, **setup)
+    assert isinstance(engine.lora.backend, CLoRABackend) == (engine.runner.backend.name == "cpu")
+    assert _run(engine, prompts, assign) == ref
+    if "num_blocks" in setup:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_adapters_change_the_output(tiny_llama_dir, lora_setup):
+    dirs, prompts, assign, ref = lora_setup
+    base = hf_greedy(tiny_llama_dir, prompts, list(MAX_TOKENS))
+    differs = [r != b for r, b, a in zip(ref, base, assign) if a is not None]
+    assert sum(differs) >= len(differs) - 1, "the oracle is meaningless if adapters do nothing"
+
+
+def test_unknown_adapter_is_refused(tiny_llama_dir, tmp_path, lora_setup):
+    engine, _ = _engine(tiny_llama_dir, tmp_path / "store", {})
+    with pytest.raises(UnknownAdapterError):
+        engine.add_request([1, 2, 3], _greedy(2), adapter="nope")
+
+
+def test_replaced_adapter_keeps_running_requests_on_old_weights(tiny_llama_dir, tmp_path, lora_setup):
+    dirs, prompts, _, _ = lora_setup
+    old, new = dirs["a8"], dirs["b8"]  # same rank, different weights
+    prompt = prompts[6]
+    ref_old = hf_greedy(tiny_llama_dir, [prompt], [20], adapter_dir=old)[0]
+    ref_new = hf_greedy(tiny_llama_dir, [prompt], [20], adapter_dir=new)[0]
+    assert ref_old != ref_new
+    engine, store = _engine(tiny_llama_dir, tmp_path / "store", {"x": old})
+    first = engine.add_request(prompt, _greedy(20), adapter="x")
+    outs = {first: []}
+    for _ in range(3):
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+    store.add("x", new, replace=True)  # replaced mid-flight
+    second = engine.add_request(prompt, _greedy(20), adapter="x")
+    outs[second] = []
+    hits = engine.kv.num_hits
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] += o.new_token_ids
+    assert outs[first] == ref_old
+    assert outs[second] == ref_new
+    assert engine.kv.num_hits == hits, "a prefix-cache hit crossed adapter versions"
+
+
+def test_broken_adapter_fails_its_request_only(tiny_llama_dir, tmp_path, lora_setup):
+    dirs, prompts, _, _ = lora_setup
+    engine, store = _engine(tiny_llama_dir, tmp_path / "store", {"x": dirs["a4"]})
+    blob = store.path_of(store.get("x").digest)
+    for f in blob.glob("*.safetensors"):
+        f.write_bytes(b"garbage")  # corrupt it behind the store's back
+    bad = engine.add_request(prompts[0], _greedy(4), adapter="x")
+    good = engine.add_request(prompts[1], _greedy(4))
+    results = {}
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        for o in engine.step():
+            if o.finished:
+                results[o.request_id] = o.finish_reason
+        time.sleep(0.01)
+    assert results == {bad: "error", good: "length"}
