@@ -6,7 +6,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -88,12 +88,13 @@ class GrammarCache:
     bad schema must raise), compiles it against the tokenizer on a worker thread, and
     keeps the compiled grammars of the last `cache_size` specs."""
 
-    def __init__(self, tokenizer: "Tokenizer", vocab_size: int, config: StructuredConfig | None = None) -> None:
+    def __init__(self, tokenizer: "Tokenizer", vocab_size: int, config: StructuredConfig | None = None,
+                 executor: Executor | None = None) -> None:
         self.config = config or StructuredConfig()
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._compiler: xgr.GrammarCompiler | None = None
-        self._pool = ThreadPoolExecutor(self.config.compile_threads, thread_name_prefix="grammar")
+        self._pool = executor or ThreadPoolExecutor(self.config.compile_threads, thread_name_prefix="grammar")
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
