@@ -1,4 +1,4 @@
-"""Sampler unit tests on hand-made logits: no model involved."""
+"""Sampler unit tests on hand-made logits; penalties also end to end on the tiny llama."""
 from __future__ import annotations
 
 import math
@@ -320,3 +320,36 @@ def test_logit_bias_is_normalized_and_checked_against_the_vocabulary():
     p.check_vocab(13)
     with pytest.raises(InvalidRequestError, match="vocabulary size 12"):
         p.check_vocab(12)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_llama_dir):
+    """The engine and transformers' model on the same tiny checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from loraplex.engine.config import EngineConfig, ModelConfig
+    from loraplex.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir), dtype="float32")))
+    return engine, AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kw", [dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3),
+                                dict(repetition_penalty=0.8, logit_bias={100: 3.0, 200: -5.0}),
+                                dict(frequency_penalty=1.5, logit_bias={"300": 1.0})])
+def test_penalties_on_the_tiny_model_match_a_torch_reference(tiny_pair, kw):
+    engine, model = tiny_pair
+    prompts = [[5, 900, 17, 900, 4000, 17], [1200, 33, 33, 33]]
+    n = 24
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+    got = [o.new_token_ids for o in engine.generate(prompts, params)]
+    for prompt, tokens in zip(prompts, got):
+        out: list[int] = []
+        with torch.inference_mode():
+            for _ in range(n):
+                logits = model(torch.tensor([prompt + out])).logits[0, -1]
+                out.append(int(reference_process(logits, prompt, out, params.presence_penalty, params.frequency_penalty,
+                                                 params.repetition_penalty, dict(params.logit_bias)).argmax()))
+        assert tokens == out
+    plain = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    assert [o.new_token_ids for o in plain] != got  # the penalties changed something here
