@@ -111,7 +111,8 @@ class Sampler:
         """logits: [N, vocab] float32, one row per request to sample. Logprobs are of the
         raw logits (vLLM's default); the token is drawn from the processed ones."""
         raw = logits
-        logits = self.process(logits, rows)
+        # The processed logits can overwrite the raw ones unless a row wants their logprobs.
+        logits = self.process(logits, rows, copy=any(r.params.logprobs is not None for r in rows))
         tokens = logits.argmax(dim=-1)
         for i, row in enumerate(rows):
             p = row.params
@@ -132,15 +133,17 @@ class Sampler:
                 row.grammar.accept(token)
         return out_tokens, self._logprobs(raw, rows, out_tokens)
 
-    def process(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, rows: list[SampleRow], copy: bool = True) -> torch.Tensor:
         """Grammar masks, logit_bias and penalties (vLLM's order), on the rows that carry
-        them; returns `logits` itself when no row does, else a processed copy."""
+        them; returns `logits` itself when no row does, else the processed logits (a copy,
+        or `logits` changed in place when `copy` is False)."""
         masked = [i for i, r in enumerate(rows) if r.grammar is not None]
         biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
         penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
         if not (masked or biased or penalized):
             return logits
-        logits = logits.clone()
+        if copy:
+            logits = logits.clone()
         if masked:
             self._apply_grammars(logits, rows, masked)
         if biased:
