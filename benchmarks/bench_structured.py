@@ -3,7 +3,9 @@
 One engine, the seeded heavy-tailed workload, greedy, ignore_eos. The schema asks for a
 long array of objects, so a constrained request stays under its grammar for all of its
 max_tokens and every run generates the same number of tokens. The grammar is compiled
-(and cached) before timing; its one-off compile time is printed apart.
+(and cached) before timing; its one-off compile time is printed apart. The three runs
+repeat in rounds (the first meets every prefill shape for the first time, and a shared
+machine is noisy); each fraction keeps its best round.
 
     python benchmarks/bench_structured.py                   # SmolLM2, 64 prompts, bf16, 2 threads
     python benchmarks/bench_structured.py --num-prompts 8 --max-out 32
@@ -67,6 +69,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     wl = heavy_tailed(args.num_prompts, max_out=args.max_out)
@@ -80,11 +83,15 @@ def main() -> None:
     engine.grammars.compiled(StructuredOutput.json_schema(SCHEMA, strict=True)).result()
     print(f"grammar compile (once, then cached): {time.perf_counter() - start:.2f} s")
     engine.generate([wl.prompts[0][:8]] * 2, [params(2, False), params(2, True)])
-    results = {}
-    for fraction in FRACTIONS:
-        results[fraction] = r = run(engine, wl, fraction)
-        assert r["tokens"] == wl.num_output_tokens, (r["tokens"], wl.num_output_tokens)
-        print(f"{fraction:>5.0%} constrained: {r['tok_s']:7.1f} output tok/s ({r['elapsed']:.1f} s)", flush=True)
+    results: dict[float, dict] = {}
+    for round_ in range(1, args.rounds + 1):
+        for fraction in FRACTIONS:
+            r = run(engine, wl, fraction)
+            assert r["tokens"] == wl.num_output_tokens, (r["tokens"], wl.num_output_tokens)
+            print(f"round {round_}: {fraction:>4.0%} constrained: {r['tok_s']:7.1f} output tok/s "
+                  f"({r['elapsed']:.1f} s)", flush=True)
+            if fraction not in results or r["tok_s"] > results[fraction]["tok_s"]:
+                results[fraction] = r
     base = results[0.0]["tok_s"]
     print("   ".join(f"{f:.0%}/0% = {results[f]['tok_s'] / base:.2f}x" for f in FRACTIONS[1:])
           + "   (aim: >= 0.90x at 25%)")
