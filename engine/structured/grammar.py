@@ -39,10 +39,10 @@ class RequestGrammar:
     """One request's constraint: ready once compiled; then accepts the request's tokens
     and fills its row of the step's token bitmask."""
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self, future: Future, stop_token_ids: tuple[int, ...]) -> None:
         self.future = future
         self._matcher: xgr.GrammarMatcher | None = None
-        self._stop_ids: list[int] = []
+        self._stop_ids = list(stop_token_ids)
         self.error: BaseException | None = None
 
     def ready(self) -> bool:
@@ -57,7 +57,6 @@ class RequestGrammar:
                 self.error = exc
                 return None
             self._matcher = xgr.GrammarMatcher(compiled)
-            self._stop_ids = list(self._matcher.stop_token_ids)
         return self._matcher
 
     @property
@@ -72,7 +71,7 @@ class RequestGrammar:
             return
         # Finished (or failed): only a stop token may follow, e.g. under ignore_eos.
         bitmask[row] = 0
-        for t in self._stop_ids or []:
+        for t in self._stop_ids:
             bit = 1 << (t % 32)
             bitmask[row, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
 
@@ -97,20 +96,24 @@ class GrammarCache:
         self._pool = executor or ThreadPoolExecutor(self.config.compile_threads, thread_name_prefix="grammar")
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._lock = threading.Lock()
+        self._init_lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
-    def compiler(self) -> xgr.GrammarCompiler:
-        # Built on first use: engines that never see a constraint never pay for it.
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(
-                self._tokenizer.hf, vocab_size=self._vocab_size, stop_token_ids=list(self._tokenizer.eos_token_ids))
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return self._compiler
+    def _compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+        # The tokenizer's token table is built on first use, on a worker thread too:
+        # engines that never see a constraint never pay for it, and no step waits for it.
+        with self._init_lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer.hf, vocab_size=self._vocab_size,
+                    stop_token_ids=list(self._tokenizer.eos_token_ids))
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler.compile_grammar(grammar)
 
     def request(self, spec: StructuredOutput) -> RequestGrammar:
         """A fresh matcher for one request; raises UnsupportedSchemaError for a bad spec."""
-        return RequestGrammar(self.compiled(spec))
+        return RequestGrammar(self.compiled(spec), self._tokenizer.eos_token_ids)
 
     def compiled(self, spec: StructuredOutput) -> Future:
         with self._lock:
@@ -120,12 +123,11 @@ class GrammarCache:
                 self.hits += 1
                 return fut
         grammar = self._grammar(spec)
-        compiler = self.compiler()
         with self._lock:
             fut = self._cache.get(spec.key)
             if fut is None:  # not compiled by a racing caller meanwhile
                 self.misses += 1
-                fut = self._pool.submit(compiler.compile_grammar, grammar)
+                fut = self._pool.submit(self._compile, grammar)
                 fut.add_done_callback(lambda f, key=spec.key: self._forget_failed(key, f))
                 self._cache[spec.key] = fut
                 while len(self._cache) > self.config.cache_size:

@@ -124,3 +124,17 @@ def test_bitmask_rows_only_for_rows_with_a_grammar(tokenizer):
     allowed = [t for t in range(vocab) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
     assert allowed == sorted(tokenizer.eos_token_ids)
     cache.close()
+
+
+def test_a_failed_compilation_ends_the_request_instead_of_the_step(tokenizer):
+    from concurrent.futures import Future
+
+    from loraplex.engine.structured.grammar import RequestGrammar
+
+    fut: Future = Future()
+    fut.set_exception(MemoryError("out of memory while compiling"))
+    grammar = RequestGrammar(fut, tokenizer.eos_token_ids)
+    assert grammar.ready() and grammar.terminated
+    row = SampleRow(SamplingParams(temperature=0.7, seed=1), 0, grammar=grammar)
+    tokens, _ = Sampler().sample(torch.randn(1, tokenizer.vocab_size), [row])
+    assert tokens[0] in tokenizer.eos_token_ids and isinstance(grammar.error, MemoryError)
