@@ -18,6 +18,7 @@ from .model_runner import ModelRunner
 from .request import AdapterRef, Lane, Request, RequestStatus, SamplingParams
 from .sampler import Logprobs
 from .scheduler import Scheduler
+from .structured.grammar import GrammarCache
 from .tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
         self.idle_step = False
+        self.grammars = GrammarCache(self.tokenizer, self.arch.vocab_size)
 
     # -- requests -----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
@@ -85,6 +87,7 @@ class LLMEngine:
         ids = [int(t) for t in ids]
         if any(not 0 <= t < self.arch.vocab_size for t in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
+        sampling.check_vocab(self.arch.vocab_size)
         ref = self._adapter_ref(adapter)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.scheduler.requests or rid in self._streams:
@@ -92,6 +95,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         req = Request(rid, ids, sampling, Lane.parse(lane), ref, cache_salt,
                       eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+        if sampling.structured_output is not None:
+            req.grammar = self.grammars.request(sampling.structured_output)
         self.scheduler.add_request(req)
         if ref is not None:
             self.lora.retain(ref)

@@ -111,8 +111,9 @@ class ModelRunner:
         if not rows:
             return {}, {}
         logits = self.model.compute_logits(hidden[rows])
-        sample_rows = [SampleRow(requests[s.request_id].sampling, requests[s.request_id].num_output_tokens)
-                       for s in sample_seqs]
+        reqs = [requests[s.request_id] for s in sample_seqs]
+        sample_rows = [SampleRow(r.sampling, r.num_output_tokens, r.prompt_token_ids, r.output_token_ids, r.grammar)
+                       for r in reqs]
         tokens, logprobs = self.sampler.sample(logits, sample_rows)
         ids_ = [s.request_id for s in sample_seqs]
         return dict(zip(ids_, tokens)), dict(zip(ids_, logprobs))

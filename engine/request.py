@@ -4,8 +4,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import InvalidRequestError
+from .structured.spec import StructuredOutput
 
 
 class Lane(enum.IntEnum):
@@ -39,6 +41,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token
     min_tokens: int = 0
+    # vLLM's semantics: presence/frequency over output tokens, repetition over prompt + output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # token id -> bias added to its logit; a mapping is normalized to sorted (id, bias) pairs.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -55,10 +65,51 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._check_logit_processors()
+
+    def _check_logit_processors(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequestError(f"{name} must be between -2 and 2")
+        if not 0 < self.repetition_penalty <= 2:
+            raise InvalidRequestError("repetition_penalty must be in (0, 2]")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequestError("min_p must be between 0 and 1")
+        object.__setattr__(self, "logit_bias", _normalize_logit_bias(self.logit_bias))
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise InvalidRequestError("structured_output must be a StructuredOutput")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids in logit_bias must exist in the model's vocabulary."""
+        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token ids must be below the vocabulary size {vocab_size}: {bad[:5]}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def _normalize_logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    try:
+        items = list(bias.items() if hasattr(bias, "items") else bias)
+        pairs = [(tok, value) for tok, value in items]
+    except (TypeError, ValueError):
+        raise InvalidRequestError("logit_bias must map token ids to numbers") from None
+    out = {}
+    for tok, value in pairs:
+        # OpenAI sends the ids as JSON object keys, i.e. strings of digits.
+        tid = int(tok) if isinstance(tok, str) and tok.strip().isdigit() else tok
+        if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+            raise InvalidRequestError(f"logit_bias keys must be token ids (non-negative integers), got {tok!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise InvalidRequestError(f"logit_bias values must be numbers between -100 and 100, got {value!r}")
+        out[tid] = float(value)
+    return tuple(sorted(out.items()))
 
 
 @dataclass(frozen=True)
@@ -93,6 +144,8 @@ class Request:
     cache_salt: str = ""
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
+    # The structured-output matcher (engine.structured.grammar.RequestGrammar), if any.
+    grammar: Any = None
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

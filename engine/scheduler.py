@@ -130,6 +130,8 @@ class Scheduler:
         for req in self.policy.candidates(self.waiting, len(self.running)):
             if budget[0] <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
+            if req.grammar is not None and not req.grammar.ready():
+                continue  # its grammar is still compiling; the others go ahead
             if req.adapter is not None:
                 d = req.adapter.digest
                 if not self.slots.can_acquire(d):

@@ -1,4 +1,4 @@
-"""Sampler unit tests on hand-made logits: no model involved."""
+"""Sampler unit tests on hand-made logits; penalties also end to end on the tiny llama."""
 from __future__ import annotations
 
 import math
@@ -213,3 +213,143 @@ def test_logprobs_only_for_rows_that_ask():
     assert logprobs[0] is None and logprobs[2] is None
     assert len(logprobs[1][1]) == 2 and len(logprobs[3][1]) == 20
     assert logprobs[3][0] == pytest.approx(float(torch.log_softmax(logits[3], -1)[tokens[3]]), abs=1e-6)
+
+
+# -- penalties and logit_bias (vLLM's formula) --------------------------------------------------
+def reference_process(logits: torch.Tensor, prompt: list[int], output: list[int], presence: float = 0.0,
+                      frequency: float = 0.0, repetition: float = 1.0, bias: dict[int, float] | None = None
+                      ) -> torch.Tensor:
+    """vLLM, token by token: logit_bias, then repetition over prompt + output (divide a
+    positive logit, multiply a negative one), then frequency x count and presence over the output."""
+    out = logits.clone()
+    for tok, b in (bias or {}).items():
+        out[tok] += b
+    for tok in set(prompt) | set(output):
+        out[tok] = out[tok] / repetition if out[tok] > 0 else out[tok] * repetition
+    for tok in set(output):
+        out[tok] -= frequency * output.count(tok) + presence
+    return out
+
+
+def _ids(rng: torch.Generator, n: int, vocab: int) -> list[int]:
+    # Few distinct ids, so tokens repeat and counts above one occur.
+    return torch.randint(0, min(vocab, 12), (n,), generator=rng).tolist()
+
+
+_PENALTY_CASES = [dict(presence_penalty=0.7), dict(frequency_penalty=0.4), dict(repetition_penalty=1.6),
+                  dict(repetition_penalty=0.6), dict(presence_penalty=-1.5, frequency_penalty=2.0, repetition_penalty=1.3),
+                  dict(logit_bias={3: 5.0, "7": -100, 11: 0.25}),
+                  dict(logit_bias={1: 2.0}, frequency_penalty=-0.5, repetition_penalty=1.1)]
+
+
+def test_penalties_and_logit_bias_match_the_reference_formula():
+    vocab, rng = 40, torch.Generator().manual_seed(3)
+    logits = _logits(len(_PENALTY_CASES), vocab, seed=8)
+    rows, want = [], []
+    for i, kw in enumerate(_PENALTY_CASES):
+        prompt, output = _ids(rng, 9, vocab), _ids(rng, i * 3, vocab)  # row 0: no output yet
+        rows.append(SampleRow(SamplingParams(temperature=0, **kw), len(output), prompt, output))
+        p = rows[-1].params
+        want.append(reference_process(logits[i], prompt, output, p.presence_penalty, p.frequency_penalty,
+                                      p.repetition_penalty, dict(p.logit_bias)))
+    got = Sampler().process(logits, rows)
+    torch.testing.assert_close(got, torch.stack(want), rtol=0, atol=1e-5)
+    tokens, _ = Sampler().sample(logits, rows)
+    assert tokens == torch.stack(want).argmax(-1).tolist()
+
+
+def test_rows_without_processors_are_bit_identical_in_a_mixed_batch():
+    vocab = 64
+    logits = _logits(6, vocab, seed=9)
+    plain = [_row(0, temperature=0), _row(2, seed=5, temperature=0.9), _row(1, seed=6, top_k=8)]
+    fancy = [SampleRow(SamplingParams(temperature=0, repetition_penalty=1.8, presence_penalty=1.0), 3,
+                       [1, 2, 3], [4, 4, 5]),
+             SampleRow(SamplingParams(seed=1, logit_bias={0: 100}), 0),
+             SampleRow(SamplingParams(temperature=0.5, seed=2, frequency_penalty=1.2, min_p=0.2), 2, [7], [7, 7])]
+    rows = [plain[0], fancy[0], plain[1], fancy[1], plain[2], fancy[2]]
+    processed = Sampler().process(logits, rows)
+    for i in (0, 2, 4):
+        assert torch.equal(processed[i], logits[i])
+    assert not torch.equal(processed[1], logits[1])
+    mixed, _ = Sampler().sample(logits, rows)
+    alone, _ = Sampler().sample(logits[[0, 2, 4]], plain)
+    assert mixed[0::2] == alone
+    assert mixed[3] == 0  # a +100 bias wins any draw from these logits
+
+
+def test_no_processor_means_no_copy():
+    logits = _logits(3, 20)
+    rows = [_row(0), _row(0, temperature=0), _row(1, seed=3, min_p=0.1)]
+    assert Sampler().process(logits, rows) is logits
+
+
+def test_logprobs_stay_those_of_the_raw_logits():
+    logits = _logits(1, 30, seed=12)
+    row = SampleRow(SamplingParams(temperature=0, logprobs=3, logit_bias={5: 50}), 0)
+    tokens, logprobs = Sampler().sample(logits, [row])
+    assert tokens == [5]
+    assert logprobs[0][0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[5]), abs=1e-6)
+
+
+def test_min_p_keeps_tokens_within_the_ratio_of_the_top():
+    # Probabilities 0.4, 0.3, 0.2, 0.1: min_p=0.6 keeps p >= 0.24 -> {7, 2}; 0.4 keeps p >= 0.16 -> {7, 2, 9}.
+    assert set(_draw(_crafted(), 300, min_p=0.6)) == {7, 2}
+    assert set(_draw(_crafted(), 300, min_p=0.4)) == {7, 2, 9}
+    assert set(_draw(_crafted(), 300, min_p=0.3, temperature=0.5)) == {7, 2}  # after temperature: 16:9:4:1
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+    (dict(min_p=1.5), "min_p"), (dict(logit_bias={1: 101}), "between -100 and 100"),
+    (dict(logit_bias={"x": 1}), "token ids"), (dict(logit_bias={-1: 1}), "token ids"),
+    (dict(logit_bias={1: "a"}), "between -100 and 100"), (dict(logit_bias=[1, 2]), "logit_bias"),
+])
+def test_bad_processor_params_are_refused(kw, message):
+    from loraplex.engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**kw)
+
+
+def test_logit_bias_is_normalized_and_checked_against_the_vocabulary():
+    from loraplex.engine.errors import InvalidRequestError
+
+    p = SamplingParams(logit_bias={"12": 1, 3: -2.5})
+    assert p.logit_bias == ((3, -2.5), (12, 1.0))
+    p.check_vocab(13)
+    with pytest.raises(InvalidRequestError, match="vocabulary size 12"):
+        p.check_vocab(12)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_llama_dir):
+    """The engine and transformers' model on the same tiny checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from loraplex.engine.config import EngineConfig, ModelConfig
+    from loraplex.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir), dtype="float32")))
+    return engine, AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kw", [dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3),
+                                dict(repetition_penalty=0.8, logit_bias={100: 3.0, 200: -5.0}),
+                                dict(frequency_penalty=1.5, logit_bias={"300": 1.0})])
+def test_penalties_on_the_tiny_model_match_a_torch_reference(tiny_pair, kw):
+    engine, model = tiny_pair
+    prompts = [[5, 900, 17, 900, 4000, 17], [1200, 33, 33, 33]]
+    n = 24
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+    got = [o.new_token_ids for o in engine.generate(prompts, params)]
+    for prompt, tokens in zip(prompts, got):
+        out: list[int] = []
+        with torch.inference_mode():
+            for _ in range(n):
+                logits = model(torch.tensor([prompt + out])).logits[0, -1]
+                out.append(int(reference_process(logits, prompt, out, params.presence_penalty, params.frequency_penalty,
+                                                 params.repetition_penalty, dict(params.logit_bias)).argmax()))
+        assert tokens == out
+    plain = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    assert [o.new_token_ids for o in plain] != got  # the penalties changed something here

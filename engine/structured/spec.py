@@ -1,0 +1,140 @@
+"""What a request's output must look like: plain, hashable data checked up front.
+
+A `StructuredOutput` is built by the API layer from `response_format` or from `tools` +
+`tool_choice`; its `key` identifies the compiled grammar in the cache. Schema features
+the grammar engine would silently ignore are refused here with `UnsupportedSchemaError`.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..errors import InvalidRequestError
+
+Kind = Literal["json_object", "json_schema", "tool_call"]
+
+# Keywords whose sub-values are schemas (maps of them, lists of them, or one).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "not", "if", "then", "else",
+                  "contains", "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+# Keywords xgrammar accepts but does not enforce: honouring them is impossible, so a
+# request using them is refused rather than answered with output that may break them.
+_UNENFORCED = frozenset({"not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+                         "contains", "minContains", "maxContains"})
+
+
+class UnsupportedSchemaError(InvalidRequestError):
+    """The schema uses features constrained decoding cannot enforce (the API answers 400)."""
+
+    def __init__(self, features: list[str]) -> None:
+        self.features = features
+        super().__init__("unsupported JSON schema features: " + ", ".join(features))
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the whole output. `spec` is canonical JSON (the schema, or the
+    resolved tool list); property order is kept because the grammar follows it."""
+
+    kind: Kind
+    spec: str = ""
+    strict: bool = False
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        return self.kind, self.spec, self.strict
+
+    @classmethod
+    def json_object(cls) -> "StructuredOutput":
+        return cls("json_object")
+
+    @classmethod
+    def json_schema(cls, schema: Any, strict: bool = False) -> "StructuredOutput":
+        check_schema(schema)
+        return cls("json_schema", _canonical(schema), bool(strict))
+
+    @classmethod
+    def tool_call(cls, tools: Any, tool_choice: Any = "required", parallel_tool_calls: bool = True
+                  ) -> "StructuredOutput":
+        """The grammar of a Hermes-style call: `required` (one or more calls to any
+        declared function, one if not parallel) or a named function (exactly one call)."""
+        functions = _functions(tools)
+        if tool_choice == "required":
+            chosen, parallel = functions, bool(parallel_tool_calls)
+        elif isinstance(tool_choice, Mapping) and isinstance(tool_choice.get("function"), Mapping):
+            name = tool_choice["function"].get("name")
+            chosen = [f for f in functions if f["name"] == name]
+            if not chosen:
+                raise InvalidRequestError(f"tool_choice names function {name!r}, which is not in tools")
+            parallel = False
+        else:
+            raise InvalidRequestError(
+                f"tool_choice {tool_choice!r} does not constrain the output; use 'required' or a named function")
+        return cls("tool_call", _canonical({"functions": chosen, "parallel": parallel}), True)
+
+
+def _canonical(value: Any) -> str:
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"the schema is not plain JSON: {exc}") from None
+
+
+def _functions(tools: Any) -> list[dict]:
+    if not isinstance(tools, list) or not tools:
+        raise InvalidRequestError("tools must be a non-empty list")
+    out = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function" or not isinstance(fn, Mapping):
+            raise InvalidRequestError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(f"tools[{i}].function.name must be a non-empty string")
+        params = fn.get("parameters")
+        params = {"type": "object", "properties": {}} if params is None else params
+        check_schema(params, f"tools[{i}].function.parameters")
+        out.append({"name": name, "parameters": params})
+    names = [f["name"] for f in out]
+    if len(set(names)) != len(names):
+        raise InvalidRequestError("tools declare the same function name twice")
+    return out
+
+
+def check_schema(schema: Any, where: str = "schema") -> None:
+    """Raise `UnsupportedSchemaError` naming every feature that cannot be enforced."""
+    if not isinstance(schema, Mapping):
+        raise InvalidRequestError(f"{where} must be a JSON object")
+    problems: list[str] = []
+    _walk(schema, "#", problems)
+    if problems:
+        raise UnsupportedSchemaError(problems)
+
+
+def _walk(node: Any, path: str, problems: list[str]) -> None:
+    if not isinstance(node, Mapping):
+        return  # booleans are valid schemas; anything else the grammar builder reports
+    for kw in _UNENFORCED & node.keys():
+        problems.append(f"'{kw}' at {path}")
+    if node.get("uniqueItems") is True:
+        problems.append(f"'uniqueItems' at {path}")
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        problems.append(f"'allOf' with several schemas at {path}")
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        problems.append(f"'$ref' to another document ({ref}) at {path}")
+    for kw in _SCHEMA_MAPS:
+        if isinstance(node.get(kw), Mapping):
+            for name, sub in node[kw].items():
+                _walk(sub, f"{path}/{kw}/{name}", problems)
+    for kw in _SCHEMA_LISTS:
+        if isinstance(node.get(kw), list):
+            for i, sub in enumerate(node[kw]):
+                _walk(sub, f"{path}/{kw}/{i}", problems)
+    for kw in _SCHEMA_VALUES:
+        sub = node.get(kw)
+        for i, s in enumerate(sub) if isinstance(sub, list) else [(None, sub)]:
+            _walk(s, f"{path}/{kw}" + ("" if i is None else f"/{i}"), problems)
