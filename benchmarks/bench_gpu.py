@@ -71,8 +71,8 @@ def assign_adapters(num_requests: int, names: list[str]) -> list[str | None]:
 
 # -- decode step: eager vs CUDA graphs --------------------------------------------------
 def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
-    from loraplex.engine.kernels.kv_write import triton_write_kv
-    from loraplex.engine.kernels.paged_attention import triton_paged_attention
+    from loraplex.engine.kernels.triton.kv_write import triton_write_kv
+    from loraplex.engine.kernels.triton.paged_attention import triton_paged_attention
     from loraplex.engine.loader import ModelArch, load_state_dict
     from loraplex.engine.models.llama import LlamaModel
 
@@ -86,7 +86,7 @@ def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
 
 
 def _random_slots(arch, num_slots: int, rank: int, dtype: torch.dtype, device: torch.device):
-    from loraplex.engine.kernels.lora_kernels import StackedLoRAWeights
+    from loraplex.engine.kernels.triton.lora import StackedLoRAWeights
     from loraplex.engine.memory_budget import ModelShape
 
     in_sizes, out_sizes = ModelShape.from_arch(arch).lora_stack_sizes()

@@ -57,7 +57,7 @@ class PackedLinear(nn.Module):
 
 def pack_linears(module: nn.Module, make=PackedLinear) -> int:
     """Replace every nn.Linear under `module` by make(weight, bias) (PackedLinear, or
-    kernels.cpu_gemm.Bf16Linear); returns how many."""
+    kernels.cpu.gemm.Bf16Linear); returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):

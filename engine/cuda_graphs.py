@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from .attention import AttentionMetadata
+from .attention import RaggedAttentionMetadata
 
 # Widths above this run eagerly: a step that wide is compute bound, and each width
 # costs capture time and graph memory. vLLM's default cap is the same.
@@ -133,7 +133,7 @@ class DecodeForward(Protocol):
 
 
 class StaticLoRAHook:
-    """`LoRAHook` over `kernels.lora_kernels.StackedLoRAWeights` with launch shapes fixed by
+    """`LoRAHook` over `kernels.triton.lora.StackedLoRAWeights` with launch shapes fixed by
     the width: one LoRA row tile per batch row (an empty tile for a base-model row) and
     the slot stacks' full rank, so neither depends on which adapters a step uses."""
 
@@ -146,7 +146,7 @@ class StaticLoRAHook:
         self.tiles = torch.stack((rows, rows + used, adapter_slots.clamp(min=0)), dim=1).contiguous()
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        from .kernels.lora_kernels import lora_expand, lora_shrink
+        from .kernels.triton.lora import lora_expand, lora_shrink
 
         w = self.weights
         s = lora_shrink(x, w.a[group][layer], w.ranks[group][layer], self.tiles, self.BLOCK_M, w.max_rank)
@@ -162,7 +162,7 @@ class LlamaDecodeForward:
         self.model, self.kv_caches, self.block_size, self.lora_weights = model, kv_caches, block_size, lora_weights
 
     def __call__(self, batch: DecodeInputs) -> torch.Tensor:
-        meta = AttentionMetadata(slot_mapping=batch.slot_mapping, block_size=self.block_size,
+        meta = RaggedAttentionMetadata(slot_mapping=batch.slot_mapping, block_size=self.block_size,
                                  num_decodes=batch.width, query_start_loc=batch.query_start_loc,
                                  seq_lens=batch.context_lens, block_tables=batch.block_tables)
         lora = None if self.lora_weights is None else StaticLoRAHook(self.lora_weights, batch.adapter_slots)

@@ -79,9 +79,9 @@ def test_stage_fills_rows_and_makes_padding_inert():
 @pytest.fixture(scope="module")
 def decode_setup(tiny_llama_dir):
     pytest.importorskip("triton", reason="Triton is not installed")
-    from loraplex.engine.kernels.lora_kernels import StackedLoRAWeights
-    from loraplex.engine.kernels.kv_write import triton_write_kv
-    from loraplex.engine.kernels.paged_attention import triton_paged_attention
+    from loraplex.engine.kernels.triton.lora import StackedLoRAWeights
+    from loraplex.engine.kernels.triton.kv_write import triton_write_kv
+    from loraplex.engine.kernels.triton.paged_attention import triton_paged_attention
     from loraplex.engine.loader import ModelArch, load_state_dict
     from loraplex.engine.lora import pack_adapter
     from loraplex.engine.memory_budget import ModelShape
@@ -141,8 +141,8 @@ def test_padded_static_decode_equals_the_eager_step(decode_setup):
 _GPU_SCRIPT = """
 import torch
 from loraplex.engine.cuda_graphs import CUDAGraphRunner, DecodeInputs, GraphPolicy, LlamaDecodeForward
-from loraplex.engine.kernels.kv_write import triton_write_kv
-from loraplex.engine.kernels.paged_attention import triton_paged_attention
+from loraplex.engine.kernels.triton.kv_write import triton_write_kv
+from loraplex.engine.kernels.triton.paged_attention import triton_paged_attention
 from loraplex.engine.loader import ModelArch, load_state_dict
 from loraplex.engine.models.llama import LlamaModel
 import sys

@@ -33,7 +33,7 @@ def test_adapter_slot_bytes_match_the_triton_weight_stacks():
     assert adapter_slot_bytes(LLAMA_8B, 1, 16, 2) == 83_886_976
     assert adapter_slot_bytes(LLAMA_8B, 0, 16, 2) == 0
     # The figure is what StackedLoRAWeights really allocates for the slots.
-    from loraplex.engine.kernels.lora_kernels import StackedLoRAWeights
+    from loraplex.engine.kernels.triton.lora import StackedLoRAWeights
 
     arch = ModelArch.from_hf_config({
         "model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 3,
