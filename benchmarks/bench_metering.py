@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 
-from loraplex.platform.db import Database, make_db_engine, migrate
-from loraplex.platform.metering import Event, EventStore, UsageWriter
-from loraplex.platform.tenants import create_tenant
-from loraplex.platform.usage import usage_summary, usage_totals_raw
+from loraplex.platform.db.database import Database, make_db_engine, migrate
+from loraplex.platform.metering.writer import Event, EventStore, UsageWriter
+from loraplex.platform.tenancy.tenants import create_tenant
+from loraplex.platform.metering.usage import usage_summary, usage_totals_raw
 
 PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 MONTH = 30 * 86400
@@ -142,10 +142,10 @@ def bench_gateway_cpu(url: str, tmp: Path, requests: int, concurrency: int) -> d
     import torch
     from bench_gateway import RawClient, model_dir, start_server
     from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig
-    from loraplex.platform.engine_factory import build_engine
-    from loraplex.platform.quotas import set_quota
+    from loraplex.platform.serving.engine_factory import build_engine
+    from loraplex.platform.quotas.limits import set_quota
     from loraplex.platform.settings import Settings
-    from loraplex.platform.tenants import create_key
+    from loraplex.platform.tenancy.tenants import create_key
 
     torch.set_num_threads(1)
     config = EngineConfig(model=ModelConfig(model=model_dir("tiny", tmp), dtype="float32", max_model_len=512),

@@ -11,8 +11,9 @@ from logging.config import fileConfig
 
 from alembic import context
 
-from loraplex.platform.db import make_db_engine, normalize_url
-from loraplex.platform.models import Base
+from loraplex.platform.db.database import make_db_engine, normalize_url
+import loraplex.platform.db  # noqa: F401  (registers every table on Base.metadata)
+from loraplex.platform.db.base import Base
 from loraplex.platform.settings import Settings
 
 config = context.config

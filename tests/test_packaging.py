@@ -1,6 +1,6 @@
 """One import root: the repo's platform/, engine/ and adapters/ folders are installed only
 as loraplex.platform, loraplex.engine and loraplex.adapters, so nothing shadows the
-standard library's `platform` module (DESIGN.md, top-level layout)."""
+standard library's `platform` module."""
 from __future__ import annotations
 
 import json

@@ -17,14 +17,14 @@ import torch
 import uvicorn
 
 from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from loraplex.platform.adapter_registry import add_adapter, open_store
-from loraplex.platform.app import create_app
-from loraplex.platform.db import Database, migrate
-from loraplex.platform.engine_factory import build_engine
+from loraplex.platform.tenancy.adapter_registry import add_adapter, open_store
+from loraplex.platform.serving.app import create_app
+from loraplex.platform.db.database import Database, migrate
+from loraplex.platform.serving.engine_factory import build_engine
 from loraplex.platform.errors import RateLimitedError
-from loraplex.platform.gateway import RequestContext
+from loraplex.platform.serving.gateway import RequestContext
 from loraplex.platform.settings import Settings
-from loraplex.platform.tenants import create_key, create_tenant
+from loraplex.platform.tenancy.tenants import create_key, create_tenant
 from tests.platform.fixtures import BACKENDS, empty_db_url, fresh_db_url, pg_schema_url, tiny_adapters  # noqa: F401
 
 MAX_MODEL_LEN = 256

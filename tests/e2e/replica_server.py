@@ -27,8 +27,8 @@ def main() -> None:
     import torch
     import uvicorn
     from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig
-    from loraplex.platform.app import create_app
-    from loraplex.platform.engine_factory import build_engine
+    from loraplex.platform.serving.app import create_app
+    from loraplex.platform.serving.engine_factory import build_engine
     from loraplex.platform.settings import Settings
 
     from tests.e2e.usage_support import ChaosEngine

@@ -14,7 +14,7 @@ import openai
 import pytest
 from openapi_spec_validator import validate as validate_spec
 
-from loraplex.platform.admin_api import OPS
+from loraplex.platform.admin.routes import OPS
 from tests.e2e.admin_fixtures import (  # noqa: F401 - fixtures
     ADMIN_TOKEN,
     UPLOAD_LIMIT,

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from loraplex.engine.request import Lane
-from loraplex.platform.tenants import create_key, key_prefix, revoke_key
+from loraplex.platform.tenancy.tenants import create_key, key_prefix, revoke_key
 
 GREEDY = {"temperature": 0, "max_tokens": 2}
 

@@ -10,8 +10,8 @@ import time
 import httpx
 import openai
 import pytest
-from loraplex.platform.app import create_app
-from loraplex.platform.db import Database
+from loraplex.platform.serving.app import create_app
+from loraplex.platform.db.database import Database
 
 from tests.e2e.conftest import MAX_MODEL_LEN
 from tests.e2e.usage_support import (

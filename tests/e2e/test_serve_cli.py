@@ -28,7 +28,7 @@ def _free_port() -> int:
 class Serve:
     def __init__(self, *args: str, env: dict) -> None:
         self.port = _free_port()
-        cmd = [sys.executable, "-u", "-c", "from loraplex.platform.cli import main; main()", "serve",
+        cmd = [sys.executable, "-u", "-c", "from loraplex.platform.cli.main import main; main()", "serve",
                "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
@@ -104,7 +104,7 @@ def test_serve_first_start_and_restart(empty_db_url, tmp_path, tiny_llama_dir, t
 
 
 def test_serve_bad_option_is_a_clean_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", "from loraplex.platform.cli import main; main()", "serve",
+    proc = subprocess.run([sys.executable, "-c", "from loraplex.platform.cli.main import main; main()", "serve",
                            "--model", str(tmp_path / "nope"), "--data-dir", str(tmp_path), "--no-demo"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr

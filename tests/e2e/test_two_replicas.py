@@ -14,9 +14,9 @@ from pathlib import Path
 
 import openai
 import pytest
-from loraplex.platform.db import Database, migrate
-from loraplex.platform.quotas import set_quota
-from loraplex.platform.tenants import create_key, create_tenant
+from loraplex.platform.db.database import Database, migrate
+from loraplex.platform.quotas.limits import set_quota
+from loraplex.platform.tenancy.tenants import create_key, create_tenant
 
 from tests.e2e.usage_support import counters, export_events
 from tests.platform.fixtures import pg_schema_url  # noqa: F401 - fixture

@@ -7,8 +7,8 @@ import csv
 import io
 import json
 
-from loraplex.platform.adapter_registry import add_adapter, open_store
-from loraplex.platform.usage import export_usage, usage_summary
+from loraplex.platform.tenancy.adapter_registry import add_adapter, open_store
+from loraplex.platform.metering.usage import export_usage, usage_summary
 
 from tests.e2e.usage_support import export_range, metered  # noqa: F401 - fixture
 

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 import openai
 import pytest
 import uvicorn
-from loraplex.platform.app import create_app
-from loraplex.platform.db import Database, migrate
-from loraplex.platform.quotas import quota_status, set_quota
-from loraplex.platform.tenants import create_key, create_tenant
-from loraplex.platform.usage import export_usage
-from loraplex.platform.usage_hooks import UsageHooks
-from loraplex.platform.usage_models import QuotaLease
+from loraplex.platform.serving.app import create_app
+from loraplex.platform.db.database import Database, migrate
+from loraplex.platform.quotas.limits import quota_status, set_quota
+from loraplex.platform.tenancy.tenants import create_key, create_tenant
+from loraplex.platform.metering.usage import export_usage
+from loraplex.platform.metering.hooks import UsageHooks
+from loraplex.platform.db.usage_tables import QuotaLease
 from sqlalchemy import func, select
 
 from tests.platform.fixtures import BACKENDS, fresh_db_url, pg_schema_url  # noqa: F401 - fixtures
@@ -168,9 +168,9 @@ def export_range() -> tuple[dt.datetime, dt.datetime]:
 
 def counters(db: Database, tenant: str) -> dict:
     """The tenant's quota state: in flight, budget used, tpm used (all windows), live leases."""
-    from loraplex.platform.quotas import tenant_scope
-    from loraplex.platform.tenants import tenant_info
-    from loraplex.platform.usage_models import QuotaCounter
+    from loraplex.platform.quotas.limits import tenant_scope
+    from loraplex.platform.tenancy.tenants import tenant_info
+    from loraplex.platform.db.usage_tables import QuotaCounter
 
     st = quota_status(db, tenant)
     tid = tenant_info(db, tenant).id

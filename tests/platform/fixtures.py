@@ -75,7 +75,7 @@ def empty_db_url(request, tmp_path: Path, pg_schema_url) -> str:
 @pytest.fixture(params=BACKENDS)
 def db(request, tmp_path: Path, pg_schema_url):
     """A migrated, empty `Database` (function scope), on each backend."""
-    from loraplex.platform.db import Database, migrate
+    from loraplex.platform.db.database import Database, migrate
 
     url = fresh_db_url(request.param, tmp_path, pg_schema_url)
     migrate(url)
@@ -96,7 +96,7 @@ def tiny_adapters(tmp_path_factory, tiny_llama_dir) -> dict[str, Path]:
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
     """Run the `loraplex` CLI in process: (exit code, stdout, stderr)."""
-    from loraplex.platform.cli import main
+    from loraplex.platform.cli.main import main
 
     with pytest.raises(SystemExit) as e:
         main(list(argv))

@@ -1,0 +1,2 @@
+"""The admin API (under /admin/api): routes, OpenAPI schemas, admin authentication,
+adapter uploads, and the views of tenants, adapters and usage."""

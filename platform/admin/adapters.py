@@ -1,0 +1,196 @@
+"""Admin API handlers: adapters (upload, replace, access, grants, removal) and where
+their versions reside (device, CPU tier or disk)."""
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import shutil
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from loraplex.adapters import AdapterNotFoundError, AdapterRecord
+from loraplex.adapters.store import validate_name
+
+from loraplex.platform.tenancy.adapter_registry import (
+    AdapterInfo,
+    adapter_info,
+    add_adapter,
+    grant_adapter,
+    list_adapters,
+    remove_adapter,
+    revoke_grant,
+    set_adapter_access,
+)
+from loraplex.platform.admin.auth import Admin
+from loraplex.platform.admin.state import AdminState, json_response
+from loraplex.platform.admin.uploads import bool_field, receive_upload
+from loraplex.platform.errors import BadRequestError, NotFoundError
+from loraplex.platform.serving.gateway import Gateway
+
+# -- serializers ---------------------------------------------------------------------------
+
+def adapter_residency(gw: Gateway) -> dict[str, str]:
+    """digest -> "device" (a device slot) or "cpu" (the CPU tier); absent: on disk only."""
+    lora = getattr(gw.engine.engine, "lora", None)
+    if lora is None:
+        return {}
+    tiers = lora.tiers()
+    where = {d: "cpu" for d in tiers.get("cpu", ())}
+    where.update({d: "device" for d in tiers.get("device", ())})
+    return where
+
+
+def _record_json(r: AdapterRecord, where: dict[str, str]) -> dict:
+    return {"digest": r.digest, "rank": r.rank, "alpha": r.alpha, "target_modules": list(r.target_modules),
+            "size_bytes": r.size_bytes, "created_at": dt.datetime.fromtimestamp(r.created_at, dt.timezone.utc),
+            "residency": where.get(r.digest, "disk")}
+
+
+def _adapter_json(a: AdapterInfo, records: dict[str, AdapterRecord], where: dict[str, str],
+                  versions: list[AdapterRecord] | None = None) -> dict:
+    r = records.get(a.name)
+    d: dict[str, Any] = {"name": a.name, "digest": a.digest, "public": a.public, "owner": a.owner,
+                         "grants": list(a.grants), "created_at": a.created_at, "updated_at": a.updated_at,
+                         "residency": where.get(a.digest, "disk" if r is not None else "missing"),
+                         "rank": None, "alpha": None, "target_modules": [], "size_bytes": None}
+    if r is not None:
+        d.update(rank=r.rank, alpha=r.alpha, target_modules=list(r.target_modules), size_bytes=r.size_bytes)
+    if versions is not None:
+        d["versions"] = [_record_json(v, where) for v in versions]
+    return d
+
+
+async def _adapters_payload(st: AdminState, only: str | None = None) -> Any:
+    def load():
+        infos = [adapter_info(st.db, only)] if only else list_adapters(st.db)
+        records = {r.name: r for r in st.store.list()}
+        vers: dict[str, list[AdapterRecord]] = {}
+        for a in infos:
+            try:
+                vers[a.name] = st.store.versions(a.name)
+            except AdapterNotFoundError:
+                vers[a.name] = []
+        return infos, records, vers
+
+    infos, records, vers = await asyncio.to_thread(load)
+    where = adapter_residency(st.gateway)
+    if only:
+        return _adapter_json(infos[0], records, where, vers[only])
+    return [{**_adapter_json(a, records, where), "num_versions": len(vers[a.name])} for a in infos]
+
+
+# -- handlers: adapters -------------------------------------------------------------------
+
+async def list_adapters_(request: Request, st: AdminState, admin: Admin, query: dict) -> Any:
+    return await _adapters_payload(st)
+
+
+async def get_adapter_(request: Request, st: AdminState, admin: Admin, query: dict, name: str) -> Any:
+    validate_name(name)
+    return await _adapters_payload(st, name)
+
+
+async def upload_adapter(request: Request, st: AdminState, admin: Admin, query: dict) -> Response:
+    def on_field(name: str, value: str) -> None:
+        if name == "name":
+            _check_new_name(st, value)
+
+    up = await receive_upload(request, st, on_field)
+    try:
+        fields = up.fields
+        unknown = set(fields) - {"name", "public", "owner", "grants"}
+        if unknown:
+            raise BadRequestError(f"{sorted(unknown)[0]}: unknown form field (known: name, public, owner, grants)")
+        name = (fields.get("name") or [""])[-1]
+        if not name:
+            raise BadRequestError("name: is required (the adapter's name)", "name")
+        _check_new_name(st, name)
+        public = bool(bool_field(fields, "public"))
+        owner = (fields.get("owner") or [""])[-1].strip() or None
+        grants = [g.strip() for v in fields.get("grants", []) for g in v.split(",") if g.strip()]
+        info = await asyncio.to_thread(add_adapter, st.db, st.store, name, up.source, public=public, owner=owner,
+                                       grants=grants, reserved=(st.settings.model_name,))
+    finally:
+        shutil.rmtree(up.folder, ignore_errors=True)
+    st.adapters_changed()
+    payload = await _adapters_payload(st, info.name)
+    await st.audit(admin, "adapter.upload", f"adapter:{info.name}", digest=info.digest, public=info.public,
+                   owner=info.owner, grants=list(info.grants), rank=payload["rank"], size_bytes=payload["size_bytes"],
+                   upload_bytes=up.total_bytes)
+    return json_response(payload, 201)
+
+
+def _check_new_name(st: AdminState, name: str) -> None:
+    validate_name(name)
+    if name == st.settings.model_name:
+        raise BadRequestError(f"name: {name!r} is the base model's name; pick another adapter name", "name")
+
+
+async def replace_adapter(request: Request, st: AdminState, admin: Admin, query: dict, name: str) -> Response:
+    validate_name(name)
+    before = await asyncio.to_thread(adapter_info, st.db, name)  # 404 before reading the body
+
+    def on_field(field: str, value: str) -> None:
+        raise BadRequestError(f"{field}: unknown form field (send only the adapter files)")
+
+    up = await receive_upload(request, st, on_field)
+    try:
+        info = await asyncio.to_thread(add_adapter, st.db, st.store, name, up.source, replace=True,
+                                       reserved=(st.settings.model_name,))
+    finally:
+        shutil.rmtree(up.folder, ignore_errors=True)
+    st.adapters_changed()
+    payload = await _adapters_payload(st, name)
+    await st.audit(admin, "adapter.replace", f"adapter:{name}", previous_digest=before.digest, digest=info.digest,
+                   rank=payload["rank"], size_bytes=payload["size_bytes"], upload_bytes=up.total_bytes)
+    return json_response(payload, 200)
+
+
+async def update_adapter_(request: Request, st: AdminState, admin: Admin, query: dict, body: dict,
+                          name: str) -> Any:
+    validate_name(name)
+    owner = body["owner"] if "owner" in body else False
+    before = await asyncio.to_thread(adapter_info, st.db, name)
+    info = await asyncio.to_thread(set_adapter_access, st.db, name, public=body.get("public"), owner=owner)
+    st.access_changed()
+    changes = {}
+    if before.public != info.public:
+        changes["public"] = info.public
+    if before.owner != info.owner:
+        changes["owner"] = {"from": before.owner, "to": info.owner}
+    action = ("adapter.make_public" if changes == {"public": True} else
+              "adapter.make_private" if changes == {"public": False} else "adapter.update")
+    await st.audit(admin, action, f"adapter:{name}", **changes)
+    return await _adapters_payload(st, name)
+
+
+async def grant_adapter_(request: Request, st: AdminState, admin: Admin, query: dict, name: str,
+                         tenant: str) -> Any:
+    validate_name(name)
+    before = await asyncio.to_thread(adapter_info, st.db, name)
+    await asyncio.to_thread(grant_adapter, st.db, name, tenant)
+    st.access_changed()
+    if tenant not in before.grants:
+        await st.audit(admin, "adapter.grant", f"adapter:{name}", tenant=tenant)
+    return await _adapters_payload(st, name)
+
+
+async def revoke_grant_(request: Request, st: AdminState, admin: Admin, query: dict, name: str,
+                        tenant: str) -> Any:
+    validate_name(name)
+    had = await asyncio.to_thread(revoke_grant, st.db, name, tenant)
+    if not had:
+        raise NotFoundError(f"tenant {tenant!r} has no grant of adapter {name!r}")
+    st.access_changed()
+    await st.audit(admin, "adapter.revoke_grant", f"adapter:{name}", tenant=tenant)
+    return await _adapters_payload(st, name)
+
+
+async def remove_adapter_(request: Request, st: AdminState, admin: Admin, query: dict, name: str) -> Any:
+    validate_name(name)
+    info = await asyncio.to_thread(remove_adapter, st.db, st.store, name)
+    st.adapters_changed()
+    await st.audit(admin, "adapter.remove", f"adapter:{name}", digest=info.digest)
+    return {"name": info.name, "digest": info.digest, "removed": True}

@@ -1,0 +1,86 @@
+"""The admin API's shared state (`AdminState`, built once in the app's lifespan) and the
+helpers every section of the admin API uses (see admin_api.py for the route table)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+from loraplex.adapters import AdapterStore
+
+from loraplex.platform.tenancy import audit
+from loraplex.platform.tenancy.adapter_registry import open_store
+from loraplex.platform.admin.auth import Admin, AdminAuth
+from loraplex.platform.db.database import Database
+from loraplex.platform.serving.gateway import Gateway
+from loraplex.platform.settings import Settings
+
+# The logger admin_api.py used before this module was split from it.
+log = logging.getLogger(f"{__package__}.admin_api")
+
+
+# -- state -------------------------------------------------------------------------------
+
+@dataclass
+class AdminState:
+    settings: Settings
+    db: Database
+    gateway: Gateway
+    auth: AdminAuth
+    store: AdapterStore
+
+    @classmethod
+    def create(cls, settings: Settings, db: Database, gateway: Gateway) -> AdminState:
+        """Built in the app's lifespan; a bad admin token setting stops the server there."""
+        lora = getattr(gateway.engine.engine, "lora", None)
+        # The engine's own store when it has one: an upload is then servable at once.
+        store = lora.store if lora is not None else open_store(settings)
+        _clean_stale_uploads(store.root / "uploads")
+        auth = AdminAuth.from_settings(settings)
+        if not auth.configured:
+            log.warning("admin API: no admin token configured (set $LORAPLEX_ADMIN_TOKEN); /admin is locked")
+        return cls(settings, db, gateway, auth, store)
+
+    async def audit(self, admin: Admin, action: str, target: str, **details: Any) -> None:
+        def write() -> None:
+            with self.db.session() as s:
+                audit.record(s, admin.actor, action, target, **details)
+
+        await asyncio.to_thread(write)
+        log.info("admin %s: %s %s", admin.actor, action, target)
+
+    def access_changed(self) -> None:
+        self.gateway.auth.invalidate()
+
+    def adapters_changed(self) -> None:
+        """A version was published or removed: this process resolves names afresh at once."""
+        self.access_changed()
+        forget = getattr(self.gateway, "forget_adapter_refs", None)
+        if forget is not None:
+            forget()
+
+
+def _clean_stale_uploads(folder: Path, max_age: float = 3600.0) -> None:
+    """Staging left by uploads a crashed process never finished (never visible anyway)."""
+    import time
+
+    if not folder.is_dir():
+        return
+    cutoff = time.time() - max_age
+    for p in folder.iterdir():
+        try:
+            if p.name.startswith("upload-") and p.lstat().st_mtime < cutoff:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(obj, option=orjson.OPT_UTC_Z), status_code=status, media_type="application/json",
+                    headers={"Cache-Control": "no-store", **(headers or {})})

@@ -1,0 +1,191 @@
+"""Adapter uploads for the admin API: a multipart body streamed to a private staging
+folder with a size limit, its files sniffed and named as the adapter store expects."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from loraplex.platform.admin.state import AdminState
+from loraplex.platform.errors import BadRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
+
+_MAX_FIELD_BYTES = 4096
+_MAX_FIELDS = 32
+_MAX_FILES = 2
+
+
+@dataclass
+class Upload:
+    folder: Path  # staging: adapter_config.json + adapter_model.safetensors, or upload.zip
+    fields: dict[str, list[str]]
+    source: Path  # what the store validates: the folder or the zip
+    total_bytes: int
+
+
+def _sniff(head: bytes) -> str:
+    """"zip", "json", "safetensors", "pickle" or "unknown" from a file's first bytes."""
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+        return "zip"
+    if head.lstrip()[:1] == b"{":
+        return "json"
+    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (100 << 20):
+        return "safetensors"
+    if head[:1] == b"\x80" or head.startswith(b"PK"):
+        return "pickle"
+    return "unknown"
+
+
+async def receive_upload(request: Request, st: AdminState, on_field) -> Upload:
+    """Stream a multipart body to a staging folder; fields go to `on_field(name, value)` as
+    they arrive (so a bad adapter name stops the upload before its files are read)."""
+    import python_multipart
+    from python_multipart.multipart import parse_options_header
+
+    limit = st.settings.admin_max_upload_bytes
+    ctype, params = parse_options_header(request.headers.get("content-type", ""))
+    if ctype != b"multipart/form-data" or b"boundary" not in params:
+        raise UnsupportedMediaTypeError("upload the adapter as multipart/form-data: its two files "
+                                        "(adapter_config.json, adapter_model.safetensors) or a .zip of the folder")
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > limit + 65536:
+        raise PayloadTooLargeError(f"the upload is {int(length)} bytes, over the {limit} byte limit")
+    uploads = st.store.root / "uploads"
+    uploads.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="upload-", dir=uploads))
+    fields: dict[str, list[str]] = {}
+    files: list[tuple[str, Path, bytes]] = []  # (client filename, staged path, first bytes)
+    state: dict[str, Any] = {"headers": [], "name": b"", "value": b"", "part": None, "total": 0, "nfields": 0}
+
+    def on_part_begin():
+        state["headers"], state["part"] = [], None
+
+    def on_header_field(data, start, end):
+        state["name"] += data[start:end]
+
+    def on_header_value(data, start, end):
+        state["value"] += data[start:end]
+
+    def on_header_end():
+        state["headers"].append((state["name"].lower(), state["value"]))
+        state["name"], state["value"] = b"", b""
+
+    def on_headers_finished():
+        disp = dict(state["headers"]).get(b"content-disposition", b"")
+        _, opts = parse_options_header(disp)
+        if b"name" not in opts:
+            raise BadRequestError("a multipart part has no name")
+        fname = opts[b"name"].decode("utf-8", "replace")
+        if b"filename" in opts:
+            if len(files) >= _MAX_FILES:
+                raise BadRequestError("upload at most two files: adapter_config.json and adapter_model.safetensors "
+                                      "(or one .zip)")
+            path = folder / f"part-{len(files)}"
+            client = opts[b"filename"].decode("utf-8", "replace")
+            state["part"] = {"kind": "file", "f": open(path, "xb"), "path": path, "client": client, "head": b""}
+        else:
+            state["nfields"] += 1
+            if state["nfields"] > _MAX_FIELDS:
+                raise BadRequestError("too many form fields")
+            state["part"] = {"kind": "field", "name": fname, "data": bytearray()}
+
+    def on_part_data(data, start, end):
+        part = state["part"]
+        chunk = data[start:end]
+        state["total"] += len(chunk)
+        if state["total"] > limit:
+            raise PayloadTooLargeError(f"the upload is over the {limit} byte limit")
+        if part["kind"] == "file":
+            part["f"].write(chunk)
+            if len(part["head"]) < 16:
+                part["head"] += chunk[: 16 - len(part["head"])]
+        else:
+            part["data"] += chunk
+            if len(part["data"]) > _MAX_FIELD_BYTES:
+                raise BadRequestError(f"form field {part['name']!r} is too long")
+
+    def on_part_end():
+        part = state["part"]
+        if part["kind"] == "file":
+            part["f"].close()
+            files.append((part["client"], part["path"], part["head"]))
+        else:
+            value = part["data"].decode("utf-8", "replace")
+            fields.setdefault(part["name"], []).append(value)
+            on_field(part["name"], value)
+        state["part"] = None
+
+    callbacks = dict(on_part_begin=on_part_begin, on_part_data=on_part_data, on_part_end=on_part_end,
+                     on_header_field=on_header_field, on_header_value=on_header_value,
+                     on_header_end=on_header_end, on_headers_finished=on_headers_finished)
+    parser = python_multipart.MultipartParser(params[b"boundary"], callbacks)
+    try:
+        async for chunk in request.stream():
+            parser.write(chunk)
+        parser.finalize()
+        if state["part"] is not None:
+            raise BadRequestError("the upload ended in the middle of a part (interrupted?)")
+        source = _arrange(folder, files)
+    except BaseException as exc:
+        part = state.get("part")
+        if part and part.get("kind") == "file":
+            part["f"].close()
+        shutil.rmtree(folder, ignore_errors=True)
+        if isinstance(exc, ClientDisconnect):
+            raise BadRequestError("the client went away before the upload completed") from None
+        if isinstance(exc, python_multipart.exceptions.MultipartParseError):
+            raise BadRequestError(f"the multipart body is malformed: {exc}") from None
+        raise
+    return Upload(folder, fields, source, state["total"])
+
+
+def _arrange(folder: Path, files: list[tuple[str, Path, bytes]]) -> Path:
+    """Name the staged files as the adapter store expects; the client's file names are
+    used as hints only, never as paths."""
+    if not files:
+        raise BadRequestError("no adapter files in the upload: send adapter_config.json and "
+                              "adapter_model.safetensors, or a .zip of the adapter folder")
+    kinds = [(_sniff(head), client, path) for client, path, head in files]
+    for kind, client, _ in kinds:
+        low = client.lower()
+        if low.endswith((".bin", ".pt", ".pth", ".ckpt", ".pkl")) or (kind == "pickle" and not low.endswith(".zip")):
+            raise BadRequestError(f"{_show(client)} is a pickled checkpoint; only safetensors is accepted "
+                                  "(adapter_model.safetensors)")
+    if len(kinds) == 1:
+        kind, client, path = kinds[0]
+        if kind == "zip":
+            return path.rename(folder / "upload.zip")
+        if kind in ("json", "safetensors"):
+            missing = "adapter_model.safetensors" if kind == "json" else "adapter_config.json"
+            raise BadRequestError(f"{missing} is missing: upload both files of the adapter, or a .zip of its folder")
+        raise BadRequestError(f"{_show(client)} is neither a .zip nor an adapter file")
+    if "zip" in [k for k, _, _ in kinds]:
+        raise BadRequestError("upload either one .zip, or the two adapter files, not both")
+    by_kind = {k: p for k, _, p in kinds}
+    if set(by_kind) != {"json", "safetensors"}:
+        names = ", ".join(_show(c) for _, c, _ in kinds)
+        raise BadRequestError(f"expected adapter_config.json (JSON) and adapter_model.safetensors, got {names}")
+    adapter = folder / "adapter"
+    adapter.mkdir()
+    by_kind["json"].rename(adapter / "adapter_config.json")
+    by_kind["safetensors"].rename(adapter / "adapter_model.safetensors")
+    return adapter
+
+
+def _show(client_name: str) -> str:
+    return repr(client_name.replace("\\", "/").rsplit("/", 1)[-1][:80])
+
+
+def bool_field(fields: dict[str, list[str]], name: str) -> bool | None:
+    vals = fields.get(name)
+    if not vals:
+        return None
+    v = vals[-1].strip().lower()
+    if v in ("true", "1", "on", "yes"):
+        return True
+    if v in ("false", "0", "off", "no", ""):
+        return False
+    raise BadRequestError(f"{name}: {vals[-1]!r} is not true or false", name)

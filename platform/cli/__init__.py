@@ -1,0 +1,1 @@
+"""The `loraplex` command line: argument parsing (main), the commands, the demo setup."""

@@ -1,0 +1,254 @@
+"""What each `loraplex` CLI command does (argument parsing lives in cli.py)."""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import sys
+import threading
+
+from loraplex.platform.tenancy.adapter_registry import add_adapter, list_adapters, open_store
+from loraplex.platform.db.database import Database, migrate
+from loraplex.platform.settings import Settings
+from loraplex.platform.tenancy.tenants import create_key, create_tenant, list_tenants, revoke_key
+
+log = logging.getLogger("loraplex")
+
+
+def open_db(settings: Settings) -> Database:
+    """Migrate (a no-op when current) and open the database."""
+    migrate(settings.db_url)
+    return Database(settings.db_url)
+
+
+def _out(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def tenant_create(db: Database, name: str, lane: str, allowed: list[str] | None, quotas: dict | None = None) -> int:
+    from loraplex.platform.errors import BadRequestError
+    from loraplex.platform.quotas.limits import set_quota
+
+    if quotas and "budget_period" in quotas and quotas.get("token_budget") is None:
+        raise BadRequestError("--budget-period needs a token budget: give --token-budget too")
+    t = create_tenant(db, name, lane, allowed)
+    _out(f"created tenant {t.name} (lane {t.default_lane}; may ask for {', '.join(t.allowed_lanes)})")
+    if quotas:
+        _out(f"quotas: {_limits_text(set_quota(db, name, **quotas).limits)}")
+    return 0
+
+
+def _limits_text(limits) -> str:
+    parts = [f"rpm {limits.rpm}" if limits.rpm is not None else None,
+             f"tpm {limits.tpm}" if limits.tpm is not None else None,
+             f"max-concurrency {limits.max_concurrency}" if limits.max_concurrency is not None else None,
+             f"token budget {limits.token_budget}/{limits.budget_period}" if limits.token_budget is not None else None]
+    return ", ".join(p for p in parts if p) or "none (unlimited)"
+
+
+def tenant_update(db: Database, name: str, key: str | None, quotas: dict, clear: bool = False) -> int:
+    from loraplex.platform.errors import BadRequestError
+    from loraplex.platform.quotas.limits import set_quota
+
+    if not quotas and not clear:
+        raise BadRequestError("nothing to change: give --rpm, --tpm, --max-concurrency, --token-budget, "
+                              "--budget-period or --clear-quotas")
+    if clear:
+        set_quota(db, name, key_prefix=key, rpm=None, tpm=None, max_concurrency=None, token_budget=None)
+    if "budget_period" in quotas and "token_budget" not in quotas:
+        from loraplex.platform.quotas.limits import get_quota
+
+        if get_quota(db, name, key).limits.token_budget is None:
+            raise BadRequestError("--budget-period needs a token budget: give --token-budget too")
+    info = set_quota(db, name, key_prefix=key, **quotas)
+    who = f"key lpx_{info.key_prefix} of tenant {info.tenant}" if info.key_prefix else f"tenant {info.tenant}"
+    _out(f"quotas of {who}: {_limits_text(info.limits)}")
+    return 0
+
+
+def tenant_show(db: Database, name: str) -> int:
+    from loraplex.platform.quotas.limits import list_quotas, quota_status
+
+    st = quota_status(db, name)
+    lim = st.quota.limits
+    _out(f"tenant {name}")
+    _out(f"  quotas:      {_limits_text(lim)}")
+    _out(f"  this minute: {st.requests_this_minute} requests, {st.tokens_this_minute} tokens")
+    _out(f"  in flight:   {st.in_flight}")
+    if lim.token_budget is not None:
+        _out(f"  budget:      {st.budget_used} of {lim.token_budget} tokens used this {lim.budget_period} "
+             f"(resets {st.budget_period_end.isoformat()})")
+    for q in list_quotas(db, name):
+        if q.key_prefix is not None:
+            _out(f"  key lpx_{q.key_prefix}: {_limits_text(q.limits)}")
+    return 0
+
+
+def usage_export(db: Database, start: str, end: str, *, tenant: str | None, fmt: str, granularity: str,
+                 source: str | None, include_open: bool, output: str | None) -> int:
+    import os
+    from pathlib import Path
+
+    from loraplex.platform.metering.usage import DEFAULT_SOURCE, ExportStats, export_usage, parse_time
+
+    stats = ExportStats()
+    chunks = export_usage(db, parse_time(start, "--from"), parse_time(end, "--to"), fmt=fmt, granularity=granularity,
+                          tenant=tenant, source=source or DEFAULT_SOURCE, include_open=include_open, stats=stats)
+    if output is None:
+        out = sys.stdout.buffer
+        for chunk in chunks:
+            out.write(chunk)
+        out.flush()
+    else:
+        path = Path(output)
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+        os.replace(tmp, path)
+    note = f"exported {stats.records} {dict(event='events', hour='hourly records', day='daily records')[granularity]}"
+    if stats.skipped_open_periods:
+        note += (f"; left out {stats.skipped_open_periods} records of periods not over yet "
+                 "(--include-open to include them)")
+    print(note + (f" to {output}" if output else ""), file=sys.stderr)
+    return 0
+
+
+def usage_show(db: Database, start: str, end: str, *, tenant: str | None, granularity: str) -> int:
+    from loraplex.platform.metering.usage import parse_time, usage_summary
+
+    rows = usage_summary(db, parse_time(start, "--from"), parse_time(end, "--to"), tenant=tenant,
+                         granularity=granularity)
+    _out(f"{'PERIOD START':22} {'TENANT':16} {'ADAPTER':20} {'REQUESTS':>9} {'PROMPT':>12} {'CACHED':>12} "
+         f"{'COMPLETION':>12} {'TOTAL':>12}")
+    for r in rows:
+        _out(f"{r.period_start.strftime('%Y-%m-%dT%H:%MZ'):22} {r.tenant:16} {r.adapter or '-':20} {r.requests:>9} "
+             f"{r.prompt_tokens:>12} {r.cached_tokens:>12} {r.completion_tokens:>12} {r.total_tokens:>12}")
+    return 0
+
+
+def tenant_list(db: Database) -> int:
+    rows = list_tenants(db)
+    _out(f"{'NAME':24} {'LANE':12} {'ALLOWED LANES':28} {'ENABLED':8} KEYS")
+    for t in rows:
+        _out(f"{t.name:24} {t.default_lane:12} {','.join(t.allowed_lanes):28} {str(t.enabled).lower():8} "
+             f"{t.num_keys}")
+    return 0
+
+
+def key_create(db: Database, tenant: str, expires_at: dt.datetime | None, name: str | None) -> int:
+    key = create_key(db, tenant, expires_at, name)
+    _out(key)  # stdout carries only the key, so `KEY=$(loraplex key create t)` works
+    return 0
+
+
+def key_revoke(db: Database, prefix: str) -> int:
+    revoke_key(db, prefix)
+    print(f"revoked key {prefix} (servers stop accepting it within their auth cache TTL, 5 s by default)",
+          file=sys.stderr)
+    return 0
+
+
+def adapter_add(settings: Settings, db: Database, name: str, path: str, *, public: bool, grants: list[str],
+                owner: str | None, replace: bool) -> int:
+    info = add_adapter(db, open_store(settings), name, path, public=public, grants=grants, owner=owner,
+                       replace=replace, reserved=(settings.model_name,))
+    who = "public" if info.public else ", ".join(filter(None, [info.owner and f"owner {info.owner}",
+                                                             info.grants and f"granted to {', '.join(info.grants)}"]))
+    _out(f"registered adapter {info.name} {info.digest} ({who or 'no tenant may use it yet'})")
+    return 0
+
+
+def adapter_list(db: Database) -> int:
+    _out(f"{'NAME':24} {'ACCESS':10} {'OWNER':16} {'GRANTS':24} DIGEST")
+    for a in list_adapters(db):
+        _out(f"{a.name:24} {'public' if a.public else 'private':10} {a.owner or '-':16} "
+             f"{','.join(a.grants) or '-':24} {a.digest}")
+    return 0
+
+
+def _demo_adapters_in_background(settings: Settings, register) -> threading.Thread:
+    """Demo adapters may need training (about a minute, once per machine): the server
+    starts at once and they appear in /v1/models when ready."""
+
+    def run() -> None:
+        db = Database(settings.db_url)
+        try:
+            added = register(settings, db, open_store(settings))
+            if added:
+                log.info("demo adapters ready: %s", ", ".join(added))
+        except Exception:  # noqa: BLE001 - a demo convenience must not stop the server
+            log.exception("registering the demo adapters failed")
+        finally:
+            db.dispose()
+
+    thread = threading.Thread(target=run, name="loraplex-demo-adapters", daemon=True)
+    thread.start()
+    return thread
+
+
+def serve(settings: Settings, access_log: bool = False) -> int:
+    import uvicorn
+
+    from loraplex.platform.admin.auth import ensure_admin_token
+    from loraplex.platform.serving.app import create_app
+    from loraplex.platform.cli.demo import ensure_demo_tenant, register_cli_adapters, register_demo_adapters
+    from loraplex.platform.serving.engine_factory import build_engine
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    db = open_db(settings)
+    log.info("database %s migrated to the latest schema", Database.display_url(settings.db_url))
+    try:
+        demo_key = ensure_demo_tenant(db) if settings.create_demo_tenant else None
+        register_cli_adapters(settings, db, open_store(settings))
+        adapters = [a.name for a in list_adapters(db)]
+    finally:
+        db.dispose()
+    log.info("loading the model (%s)...", settings.engine.model.model)
+    engine = build_engine(settings)
+    admin_token = ensure_admin_token(settings)  # first start without $LORAPLEX_ADMIN_TOKEN
+    app = create_app(settings, engine)
+    url = f"http://{settings.host}:{settings.port}"
+    _out(f"loraplex: serving {settings.model_name}" + (f" + adapters {', '.join(adapters)}" if adapters else ""))
+    _out(f"loraplex: OpenAI-compatible API at {url}/v1  (metrics {url}/metrics)")
+    _out(f"loraplex: data in {settings.data_dir}; database {Database.display_url(settings.db_url)}")
+    if demo_key:
+        _out(f"loraplex: demo tenant 'demo' created; its API key (shown only this once):\n\n    {demo_key}\n")
+    _out(f"loraplex: admin UI at {url}/admin  (API {url}/admin/api, described at {url}/admin/api/openapi.json)")
+    if admin_token:
+        _out(f"loraplex: admin token generated (shown only this once; `loraplex admin-token --reset` makes a new "
+             f"one):\n\n    {admin_token}\n")
+    if settings.create_demo_tenant:
+        _demo_adapters_in_background(settings, register_demo_adapters)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, access_log=access_log,
+                            timeout_graceful_shutdown=30, log_level="info")
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def admin_token(settings: Settings, reset: bool = False) -> int:
+    """Say where the admin token comes from; with `reset`, make a new one (printed once)."""
+    from loraplex.platform.admin.auth import ADMIN_TOKEN_ENV, configured_token_hashes, new_admin_token, write_token_file
+
+    if reset:
+        if os.environ.get(ADMIN_TOKEN_ENV, "").strip():
+            print(f"loraplex: ${ADMIN_TOKEN_ENV} is set, and wins over a generated token: change it there",
+                  file=sys.stderr)
+            return 1
+        token = new_admin_token()
+        path = write_token_file(settings, token)
+        print(f"new admin token (its hash is in {path}; servers using this data dir accept it at once, "
+              "and no longer the old one):", file=sys.stderr)
+        _out(token)  # stdout carries only the token
+        return 0
+    hashes, source = configured_token_hashes(settings)
+    if not hashes:
+        _out(f"no admin token yet: `loraplex serve` generates one at first start, or set ${ADMIN_TOKEN_ENV}")
+    else:
+        _out(f"admin token from {source} (fingerprint token:{hashes[0][:12]}); "
+             "`loraplex admin-token --reset` replaces a generated one")
+    return 0

@@ -1,0 +1,110 @@
+"""The Starlette application factory."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route
+
+from loraplex.engine.async_engine import AsyncEngine
+
+from loraplex.platform.admin.routes import AdminState, admin_routes, openapi
+from loraplex.platform.serving.auth import Authenticator
+from loraplex.platform.db.database import Database
+from loraplex.platform.serving.engine_factory import build_engine
+from loraplex.platform.errors import api_error, error_response
+from loraplex.platform.serving.gateway import Gateway, Hooks
+from loraplex.platform.serving.metrics import CONTENT_TYPE, Metrics
+from loraplex.platform.serving.openai_routes import openai_routes
+from loraplex.platform.settings import Settings
+from loraplex.platform.metering.hooks import UsageHooks
+
+log = logging.getLogger(__name__)
+
+
+async def health(request: Request) -> Response:
+    """Liveness: the process and its engine loop are alive."""
+    gw: Gateway = request.app.state.gateway
+    ok = gw.engine.is_running
+    return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+
+
+async def ready(request: Request) -> Response:
+    """Readiness: serving (not draining), engine alive, database reachable."""
+    gw: Gateway = request.app.state.gateway
+    problems = []
+    if gw.draining:
+        problems.append("shutting down")
+    if not gw.engine.is_running:
+        problems.append("engine stopped")
+    try:
+        await asyncio.wait_for(asyncio.to_thread(gw.auth.db.ping), timeout=2.0)
+    except Exception as exc:  # noqa: BLE001 - any failure means not ready
+        problems.append(f"database unreachable: {type(exc).__name__}")
+    if problems:
+        return JSONResponse({"status": "not ready", "problems": problems}, status_code=503)
+    return JSONResponse({"status": "ready", "model": gw.model_name})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.gateway.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    return error_response(api_error(exc))
+
+
+def create_app(settings: Settings, engine: AsyncEngine | None = None, *, hooks: Hooks | None = None) -> Starlette:
+    """The gateway app. With `engine=None` the lifespan builds the engine from settings
+    (and shuts it down at exit); an engine passed in stays owned by the caller."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        eng = engine if engine is not None else await asyncio.to_thread(build_engine, settings)
+        db = Database(settings.db_url)
+        auth = Authenticator(db, settings.auth_cache_ttl, settings.auth_negative_ttl,
+                             settings.last_used_flush_seconds)
+        m = Metrics(settings.model_name, eng.stats, settings.engine.lora.max_loras)
+        # No hooks passed in: quotas and metering (usage_hooks.py). Hooks with async
+        # start()/close() (UsageHooks do) are started and closed with the app.
+        usage = app.state.usage = UsageHooks(settings) if hooks is None else hooks
+        if hasattr(usage, "start"):
+            await usage.start()
+        if hasattr(usage, "register_metrics"):
+            usage.register_metrics(m.registry)
+        gw = app.state.gateway = Gateway(settings, eng, auth, m, usage)
+        app.state.admin = AdminState.create(settings, db, gw)
+        auth.start()
+        try:
+            yield
+        finally:
+            gw.draining = True
+            if hasattr(usage, "close"):
+                try:
+                    await usage.close()  # finishes what is still open, flushes the usage writer
+                except Exception:  # noqa: BLE001 - must not block shutdown
+                    log.exception("closing quotas/metering failed")
+            try:
+                await auth.close()
+            except Exception:  # noqa: BLE001 - a DB hiccup at exit must not block shutdown
+                log.exception("final last_used flush failed")
+            if engine is None:
+                await asyncio.to_thread(eng.shutdown)
+            db.dispose()
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Mount("/v1", routes=openai_routes()),
+        Mount("/adapters/{adapter}/v1", routes=openai_routes()),
+        *admin_routes(),  # /admin/api/... (JSON) and /admin/ (the UI)
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app.state.admin_openapi = openapi()
+    return app

@@ -1,0 +1,176 @@
+"""Bearer API key -> Principal, with a short in-process cache.
+
+Cost per request on a cache hit: one sha256 and one dict lookup; no database access.
+
+Bounded staleness (documented contract): a validated key is trusted for
+`Settings.auth_cache_ttl` seconds (default 5). A key revoked, a tenant disabled, or an
+adapter grant changed by another process (the CLI, another replica) therefore takes
+effect within that many seconds. Expiry (`expires_at`) is checked on every request
+and is exact. Unknown keys are remembered for `auth_negative_ttl` seconds so a flood of
+bad keys cannot hammer the database; a key created meanwhile is unaffected (it is new).
+
+`last_used_at` is recorded in memory (a set of key ids) and written in one UPDATE for all
+keys used, every `last_used_flush_seconds` (and at shutdown), never per request; the
+stored time is therefore accurate to that interval.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import select, update
+
+from loraplex.engine.request import Lane
+
+from loraplex.platform.tenancy.adapter_registry import adapters_for_tenant
+from loraplex.platform.db.database import Database
+from loraplex.platform.errors import AuthenticationError, BadRequestError, PermissionDeniedError
+from loraplex.platform.db.base import utcnow
+from loraplex.platform.db.tables import ApiKey, Tenant
+from loraplex.platform.tenancy.tenants import hash_key, key_prefix
+
+log = logging.getLogger(__name__)
+_MAX_CACHE = 100_000
+_LANE_NAMES = {lane.name.lower(): lane for lane in Lane}
+
+
+@dataclass(frozen=True)
+class Principal:
+    tenant_id: int
+    tenant: str
+    key_id: int
+    key_prefix: str
+    lane: Lane  # the tenant's lane: requests get it unless they ask for a lower one
+    allowed_lanes: frozenset[Lane]
+    adapters: frozenset[str]  # adapter names this tenant may use
+    expires_at: float | None = None  # unix seconds
+
+    def lane_for(self, requested: Lane | None) -> Lane:
+        """The lane a request runs in; asking for a higher one than the tenant's is a 403."""
+        if requested is None or requested == self.lane:
+            return self.lane
+        if requested < self.lane:
+            raise PermissionDeniedError(
+                f"lane {requested.name.lower()!r} is above this tenant's lane {self.lane.name.lower()!r}; "
+                "a request may only ask for a lower lane")
+        if requested not in self.allowed_lanes:
+            raise PermissionDeniedError(f"lane {requested.name.lower()!r} is not allowed for this tenant")
+        return requested
+
+
+def parse_lane(value: object, param: str) -> Lane:
+    """'interactive'|'standard'|'batch' or 0|1|2 (0 is the highest priority)."""
+    if isinstance(value, str):
+        lane = _LANE_NAMES.get(value.strip().lower())
+        if lane is None and value.strip().isdigit():
+            value = int(value.strip())
+        elif lane is not None:
+            return lane
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 2:
+        return Lane(value)
+    raise BadRequestError(f"{param} must be one of interactive, standard, batch (or 0, 1, 2)", param)
+
+
+class Authenticator:
+    def __init__(self, db: Database, ttl: float = 5.0, negative_ttl: float = 2.0,
+                 flush_seconds: float = 30.0) -> None:
+        self.db = db
+        self.ttl, self.negative_ttl, self.flush_seconds = ttl, negative_ttl, flush_seconds
+        self._cache: dict[str, tuple[Principal, float]] = {}
+        self._negative: dict[str, float] = {}
+        self._inflight: dict[str, asyncio.Future] = {}
+        self._used: set[int] = set()  # key ids used since the last flush
+        self._flusher: asyncio.Task | None = None
+
+    async def authenticate(self, authorization: str | None) -> Principal:
+        if not authorization or not authorization[:7].lower() == "bearer ":
+            raise AuthenticationError("Missing API key: send 'Authorization: Bearer <key>'.")
+        key = authorization[7:].strip()
+        digest = hash_key(key)
+        now = time.monotonic()
+        hit = self._cache.get(digest)
+        if hit is not None and hit[1] > now:
+            principal = hit[0]
+        else:
+            principal = await self._lookup(key, digest, now)
+        if principal.expires_at is not None and principal.expires_at <= time.time():
+            raise AuthenticationError("Invalid API key: this key has expired.")
+        self._used.add(principal.key_id)
+        return principal
+
+    async def _lookup(self, key: str, digest: str, now: float) -> Principal:
+        if self._negative.get(digest, 0.0) > now:
+            raise AuthenticationError("Invalid API key.")
+        fut = self._inflight.get(digest)
+        if fut is None:  # one database lookup per key at a time, however many requests wait
+            fut = asyncio.ensure_future(asyncio.to_thread(self._load, key, digest))
+            self._inflight[digest] = fut
+            fut.add_done_callback(lambda _f: self._inflight.pop(digest, None))
+        principal = await asyncio.shield(fut)
+        if len(self._cache) >= _MAX_CACHE:
+            self._cache.clear()
+        if len(self._negative) >= _MAX_CACHE:
+            self._negative.clear()
+        if principal is None:
+            self._negative[digest] = time.monotonic() + self.negative_ttl
+            raise AuthenticationError("Invalid API key.")
+        if isinstance(principal, AuthenticationError):
+            raise principal
+        self._cache[digest] = (principal, time.monotonic() + self.ttl)
+        return principal
+
+    def _load(self, key: str, digest: str) -> Principal | AuthenticationError | None:
+        prefix = key_prefix(key)
+        if prefix is None:
+            return None
+        with self.db.session() as s:
+            row = s.execute(select(ApiKey, Tenant).join(Tenant).where(ApiKey.prefix == prefix)).first()
+            if row is None or not hmac.compare_digest(row.ApiKey.secret_hash, digest):
+                return None
+            k, t = row.ApiKey, row.Tenant
+            if k.revoked_at is not None:
+                return AuthenticationError("Invalid API key: this key has been revoked.")
+            if not t.enabled:
+                return AuthenticationError("Invalid API key: this key's tenant is disabled.")
+            lane = Lane[t.default_lane.upper()]
+            lanes = frozenset(Lane[x.upper()] for x in t.lanes) | {lane}
+            return Principal(t.id, t.name, k.id, k.prefix, lane, lanes, frozenset(adapters_for_tenant(s, t.id)),
+                             k.expires_at.timestamp() if k.expires_at else None)
+
+    def invalidate(self) -> None:
+        """Forget every cached principal (tests, admin changes made in this process)."""
+        self._cache.clear()
+        self._negative.clear()
+
+    # -- last_used_at ----------------------------------------------------------------
+    def start(self) -> None:
+        if self.flush_seconds > 0 and self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush_loop())
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_seconds)
+            try:
+                await self.flush_last_used()
+            except Exception:  # a DB hiccup must not kill the loop; next round retries
+                log.exception("flushing api key last_used_at failed")
+
+    async def flush_last_used(self) -> None:
+        used, self._used = self._used, set()
+        if used:  # stamped at flush time: accurate to flush_seconds
+            await asyncio.to_thread(self._write_last_used, sorted(used), utcnow())
+
+    def _write_last_used(self, key_ids: list[int], when: dt.datetime) -> None:
+        with self.db.session() as s:
+            s.execute(update(ApiKey).where(ApiKey.id.in_(key_ids)).values(last_used_at=when))
+
+    async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            self._flusher = None
+        await self.flush_last_used()
+

@@ -1,0 +1,181 @@
+"""The gateway's per-request core, shared by every route: model resolution, lanes,
+admission hooks, metrics, and the engine call.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.engine import RequestOutput
+from loraplex.engine.errors import EngineDeadError
+from loraplex.engine.request import AdapterRef, Lane
+
+from loraplex.platform.serving.auth import Authenticator, Principal, parse_lane
+from loraplex.platform.errors import ModelNotFoundError, ShuttingDownError
+from loraplex.platform.serving.metrics import Metrics
+from loraplex.platform.serving.protocol import GenRequest, TokenText
+from loraplex.platform.settings import Settings
+
+LANE_HEADER = "x-loraplex-lane"
+ADAPTER_REF_TTL = 1.0  # seconds an adapter name -> version (digest) lookup is reused
+
+
+@dataclass
+class RequestContext:
+    """One request as admission/metering hooks see it."""
+
+    request_id: str
+    principal: Principal
+    model: str  # what the client sees: the base model's name or the adapter's
+    adapter: str | None
+    lane: Lane
+    num_prompt_tokens: int
+    max_tokens: int
+    received_at: float = field(default_factory=time.time)
+    # Filled in as the request runs.
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    # stop | length | abort (client left or cancelled) | error
+    finish_reason: str | None = None
+    # The adapter version (content digest) the engine runs: the one metered.
+    adapter_digest: str | None = None
+    # What admission hooks keep for finish (a quota reservation); the gateway never reads it.
+    hook_state: object = None
+
+
+class Hooks(Protocol):
+    """Where quotas and metering plug in (issue 5).
+
+    `admit` runs before the engine sees the request and may raise RateLimitedError (429
+    with Retry-After); `finish` runs exactly once for every admitted request, on every
+    path (success, stop, disconnect, engine error, shutdown), with the final counts.
+
+    `admit` raising (CancelledError included: the client left while it ran) means "not
+    admitted": `finish` will not run, so admit must undo whatever it took before raising.
+    `finish` should not raise; it runs inside the request's cleanup.
+    """
+
+    async def admit(self, ctx: RequestContext) -> None: ...
+
+    async def finish(self, ctx: RequestContext) -> None: ...
+
+
+class Gateway:
+    def __init__(self, settings: Settings, engine: AsyncEngine, auth: Authenticator, metrics: Metrics,
+                 hooks: Hooks | None = None) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.auth = auth
+        self.metrics = metrics
+        self.hooks = hooks
+        self.model_name = settings.model_name
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.token_text = TokenText(self.tokenizer)
+        self.draining = False
+        self.started_at = int(time.time())
+        self._adapter_refs: dict[str, tuple[AdapterRef, float]] = {}
+
+    # -- resolution -----------------------------------------------------------------
+    def resolve_model(self, principal: Principal, model: object, path_adapter: str | None) -> str | None:
+        """The adapter a request runs with (None: the base model). Unknown and not-allowed
+        adapters get the same 404, so a tenant cannot probe for another's adapters."""
+        name = path_adapter if path_adapter is not None else model
+        if path_adapter is None and (name is None or name == "" or name == self.model_name):
+            return None
+        if not isinstance(name, str) or name not in principal.adapters:
+            raise ModelNotFoundError(str(name))
+        return name
+
+    @staticmethod
+    def requested_lane(header: str | None, priority: object) -> Lane | None:
+        lanes = []
+        if header:
+            lanes.append(parse_lane(header, LANE_HEADER))
+        if priority is not None:
+            lanes.append(parse_lane(priority, "priority"))
+        return max(lanes) if lanes else None  # both given: the lower of the two
+
+    def check_serving(self) -> None:
+        if self.draining:
+            raise ShuttingDownError("the server is shutting down; retry on another replica")
+        if not self.engine.is_running:
+            raise EngineDeadError("the engine is not running")
+
+    # -- the engine call -------------------------------------------------------------
+    def start(self, principal: Principal, req: GenRequest, adapter: str | None, lane: Lane,
+              prefix: str) -> tuple[RequestContext, AsyncIterator[RequestOutput]]:
+        """The request's context and output stream. Nothing happens until the stream is
+        first awaited: admission runs then, so a stream never started was never admitted."""
+        self.check_serving()
+        ctx = RequestContext(f"{prefix}-{uuid.uuid4().hex}", principal, adapter or self.model_name, adapter,
+                             lane, len(req.prompt), req.sampling.max_tokens)
+        ref = self.adapter_ref(adapter) if adapter is not None else None
+        if ref is not None:
+            ctx.adapter_digest = ref.digest
+        return ctx, self._run(ctx, req, ref)
+
+    def forget_adapter_refs(self) -> None:
+        """Resolve adapter names afresh from now on (the admin API replaced or removed one)."""
+        self._adapter_refs.clear()
+
+    def adapter_ref(self, name: str) -> AdapterRef | None:
+        """The adapter's current version, resolved here (not on the engine thread) so the
+        version metered is the version run; reused for ADAPTER_REF_TTL seconds."""
+        lora = getattr(self.engine.engine, "lora", None)
+        if lora is None:
+            return None  # an engine without LoRA support: it refuses the adapter itself
+        now = time.monotonic()
+        hit = self._adapter_refs.get(name)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        ref = lora.ref(name)  # raises UnknownAdapterError (404) for a name the store lacks
+        if len(self._adapter_refs) > 10_000:
+            self._adapter_refs.clear()
+        self._adapter_refs[name] = (ref, now + ADAPTER_REF_TTL)
+        return ref
+
+    async def _run(self, ctx: RequestContext, req: GenRequest, ref: AdapterRef | None = None
+                   ) -> AsyncIterator[RequestOutput]:
+        if self.hooks is not None:
+            await self.hooks.admit(ctx)  # may raise RateLimitedError: nothing to undo yet
+        m = self.metrics
+        t0 = last = time.perf_counter()
+        first = True
+        m.request_started(ctx.adapter, ctx.lane)
+        stream = self.engine.generate(req.prompt, req.sampling, request_id=ctx.request_id, lane=ctx.lane,
+                                      adapter=ref or ctx.adapter, cache_salt=f"tenant-{ctx.principal.tenant_id}")
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    now = time.perf_counter()
+                    if first:
+                        first = False
+                        ctx.first_token_at = time.time()
+                        ctx.num_cached_tokens = out.num_cached_tokens
+                        ctx.num_prompt_tokens = out.num_prompt_tokens or ctx.num_prompt_tokens
+                        m.first_token(ctx.adapter, now - t0, out.num_prompt_tokens)
+                    else:
+                        m.inter_token(now - last)
+                    last = now
+                    m.generated(len(out.new_token_ids))
+                    ctx.num_output_tokens = out.num_output_tokens
+                    if out.finished:
+                        ctx.finish_reason = out.finish_reason
+                    yield out
+        except Exception:
+            ctx.finish_reason = ctx.finish_reason or "error"
+            raise
+        finally:
+            ctx.finish_reason = ctx.finish_reason or "abort"  # cancelled or closed early
+            ctx.finished_at = time.time()
+            m.request_finished(ctx.adapter, ctx.lane, first, time.perf_counter() - t0, ctx.finish_reason)
+            if self.hooks is not None:
+                await self.hooks.finish(ctx)

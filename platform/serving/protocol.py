@@ -1,0 +1,212 @@
+"""OpenAI request parsing (bodies -> GenRequest) and response/chunk building.
+
+Parsing is hand-written (no pydantic) to keep per-request cost low. Unknown fields are
+ignored, as OpenAI does; fields we cannot honour with a non-default value are refused
+with a 400 naming the field rather than silently ignored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from loraplex.engine.errors import InvalidRequestError, PromptTooLongError
+from loraplex.engine.request import SamplingParams
+
+from loraplex.platform.errors import BadRequestError
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_STOP = 16
+MAX_LOGPROBS = 20
+# Accepted only at their no-op value.
+_UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False, "suffix": None,
+                "logit_bias": None, "tools": None, "functions": None}
+
+
+@dataclass
+class GenRequest:
+    chat: bool
+    model: str | None
+    prompt: list[int]
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    # Top-n logprobs to report per token (0: only the chosen token's); None: no logprobs.
+    logprobs: int | None
+    priority: Any = None  # the raw `priority` field; lanes are resolved by auth
+
+
+def _get_num(body: dict, name: str, default: float | None, lo: float, hi: float) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise BadRequestError(f"{name} must be a number between {lo} and {hi}", name)
+    return float(v)
+
+
+def _get_int(body: dict, name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        bound = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
+        raise BadRequestError(f"{name} must be an integer {bound}", name)
+    return v
+
+
+def _get_bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise BadRequestError(f"{name} must be a boolean", name)
+    return v
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOP:
+        raise BadRequestError(f"stop must be a string or a list of at most {MAX_STOP} strings", "stop")
+    return tuple(s for s in stops if s)
+
+
+def _check_common(body: dict) -> None:
+    if _get_int(body, "n", 1, 1) != 1:
+        raise BadRequestError("n must be 1: one completion per request", "n")
+    for name, ok in _UNSUPPORTED.items():
+        if body.get(name, ok) not in (ok, None, {}, []):
+            raise BadRequestError(f"{name} is not supported", name)
+    if "stream_options" in body and body["stream_options"] is not None and not body.get("stream"):
+        raise BadRequestError("stream_options is only allowed when stream is true", "stream_options")
+
+
+def _include_usage(body: dict) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise BadRequestError("stream_options must be an object", "stream_options")
+    return _get_bool(opts, "include_usage")
+
+
+def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    seed = _get_int(body, "seed", None, -(2**63), 2**63 - 1)
+    stop_ids = body.get("stop_token_ids") or ()
+    if not isinstance(stop_ids, (list, tuple)) or not all(isinstance(t, int) for t in stop_ids):
+        raise BadRequestError("stop_token_ids must be a list of integers", "stop_token_ids")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_get_num(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=_get_num(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
+            top_k=_get_int(body, "top_k", 0, -1) if body.get("top_k") != -1 else 0,
+            seed=None if seed is None else seed & 0x7FFF_FFFF_FFFF_FFFF,
+            stop=_stop(body),
+            stop_token_ids=tuple(stop_ids),
+            ignore_eos=_get_bool(body, "ignore_eos"),
+            logprobs=logprobs,
+            min_tokens=_get_int(body, "min_tokens", 0, 0),
+        )
+    except InvalidRequestError as exc:
+        raise BadRequestError(str(exc)) from None
+
+
+def _max_tokens(body: dict, names: tuple[str, ...], prompt_len: int, max_model_len: int,
+                default: int | None) -> int:
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise PromptTooLongError(
+            f"the prompt has {prompt_len} tokens but this model's context is {max_model_len} tokens")
+    for name in names:
+        v = _get_int(body, name, None, 1)
+        if v is not None:
+            return v  # too long for the context: the engine refuses it with the full story
+    return room if default is None else min(default, room)
+
+
+def parse_chat(body: dict, tokenizer, max_model_len: int) -> GenRequest:
+    _check_common(body)
+    if "messages" not in body:
+        raise BadRequestError("messages is required", "messages")
+    prompt = tokenizer.apply_chat_template(body["messages"])
+    logprobs = None
+    if _get_bool(body, "logprobs"):
+        logprobs = _get_int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+    elif body.get("top_logprobs") is not None:
+        raise BadRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
+    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(prompt), max_model_len, None)
+    return GenRequest(True, body.get("model"), prompt, _sampling(body, max_tokens, logprobs),
+                      _get_bool(body, "stream"), _include_usage(body), logprobs, body.get("priority"))
+
+
+def _prompt_ids(prompt: Any, tokenizer) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise BadRequestError("only one prompt per request is supported", "prompt")
+    raise BadRequestError("prompt must be a non-empty string or a list of token ids", "prompt")
+
+
+def parse_completion(body: dict, tokenizer, max_model_len: int) -> GenRequest:
+    _check_common(body)
+    if "prompt" not in body:
+        raise BadRequestError("prompt is required", "prompt")
+    prompt = _prompt_ids(body["prompt"], tokenizer)
+    if not prompt:
+        raise BadRequestError("the prompt is empty", "prompt")
+    logprobs = _get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    max_tokens = _max_tokens(body, ("max_tokens",), len(prompt), max_model_len, COMPLETION_DEFAULT_MAX_TOKENS)
+    return GenRequest(False, body.get("model"), prompt, _sampling(body, max_tokens, logprobs),
+                      _get_bool(body, "stream"), _include_usage(body), logprobs, body.get("priority"))
+
+
+# -- responses -----------------------------------------------------------------------
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop", "error": "stop"}
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class TokenText:
+    """Token id -> text for logprobs, memoized (the vocabulary is finite)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self._memo: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._memo.get(token_id)
+        if s is None:
+            s = self._memo[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return s
+
+
+def chat_logprobs(token_ids: list[int], lps: list, text: TokenText) -> dict:
+    content = []
+    for tid, (chosen, top) in zip(token_ids, lps):
+        t = text(tid)
+        content.append({"token": t, "logprob": chosen, "bytes": list(t.encode()),
+                        "top_logprobs": [{"token": text(i), "logprob": lp, "bytes": list(text(i).encode())}
+                                         for i, lp in top]})
+    return {"content": content}
+
+
+def completion_logprobs(token_ids: list[int], lps: list, text: TokenText, offset: int = 0) -> dict:
+    tokens, chosen, tops, offsets = [], [], [], []
+    for tid, (lp, top) in zip(token_ids, lps):
+        t = text(tid)
+        tokens.append(t)
+        chosen.append(lp)
+        tops.append({text(i): v for i, v in top})
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}

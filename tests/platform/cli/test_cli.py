@@ -1,0 +1,79 @@
+"""The `loraplex` CLI's management commands, on SQLite and PostgreSQL."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from loraplex.platform.cli.main import parse_size
+from tests.platform.fixtures import run_cli
+from loraplex.platform.tenancy.tenants import KEY_RE
+
+
+
+
+def test_tenants_and_keys(cli):
+    assert cli("tenant", "create", "acme", "--lane", "interactive")[0] == 0
+    assert cli("tenant", "create", "beta")[0] == 0
+    code, out, err = cli("key", "create", "acme")
+    assert code == 0 and KEY_RE.fullmatch(out.strip()) and out.count("\n") == 1  # only the key
+    key = out.strip()
+    code, out, _ = cli("tenant", "list")
+    lines = out.splitlines()
+    assert lines[1].split()[:2] == ["acme", "interactive"] and lines[1].split()[-1] == "1"
+    assert lines[2].split()[:2] == ["beta", "standard"]
+    assert cli("key", "revoke", key.split("_")[1])[0] == 0
+    assert cli("tenant", "list")[1].splitlines()[1].split()[-1] == "0"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("tenant", "create", "bad name"), "invalid tenant name"),
+    (("tenant", "create", "x", "--lane", "turbo"), "unknown lane"),
+    (("key", "create", "nobody"), "no tenant named 'nobody'"),
+    (("key", "revoke", "000000000000"), "no API key with prefix"),
+    (("adapter", "add", "a", "/does/not/exist", "--public"), "does not exist"),
+])
+def test_errors_are_one_line_not_tracebacks(cli, argv, message):
+    code, out, err = cli(*argv)
+    assert code == 1 and message in err and "Traceback" not in err
+    assert err.startswith("loraplex: error: ")
+
+
+def test_duplicate_tenant(cli):
+    cli("tenant", "create", "acme")
+    code, _, err = cli("tenant", "create", "acme")
+    assert code == 1 and "already exists" in err
+
+
+def test_adapters(cli, tiny_llama_dir, tiny_adapters):
+    cli("tenant", "create", "acme")
+    cli("tenant", "create", "beta")
+    model = ("--model", str(tiny_llama_dir))
+    assert cli("adapter", "add", "pub", str(tiny_adapters["ad1"]), "--public", *model)[0] == 0
+    assert cli("adapter", "add", "priv", str(tiny_adapters["ad2"]), "--owner", "acme", "--grant", "beta",
+               *model)[0] == 0
+    code, _, err = cli("adapter", "add", "pub", str(tiny_adapters["ad2"]), *model)
+    assert code == 1 and "already exists" in err
+    assert cli("adapter", "add", "pub", str(tiny_adapters["ad3"]), "--replace", *model)[0] == 0
+    code, _, err = cli("adapter", "add", "x", str(tiny_adapters["ad1"]), "--grant", "nobody", *model)
+    assert code == 1 and "nobody" in err
+    code, out, _ = cli("adapter", "list")
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+    assert rows["pub"][1] == "public" and rows["priv"][1:4] == ["private", "acme", "beta"]
+    assert set(rows) == {"pub", "priv"}
+
+
+def test_bad_database_url_is_a_clean_error(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "tenant", "list", "--database-url", "mysql://nope/x", "--data-dir", str(tmp_path))
+    assert code == 1 and "unsupported database" in err
+
+
+def test_parse_size():
+    assert parse_size("2GiB") == 2 << 30 and parse_size("512MiB") == 512 << 20 and parse_size("1000") == 1000
+
+
+def test_console_script_prints_help():
+    proc = subprocess.run([sys.executable, "-c", "from loraplex.platform.cli.main import main; main()", "--help"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and "serve" in proc.stdout and "adapter" in proc.stdout

@@ -1,0 +1,125 @@
+"""Request parsing and the one error-to-HTTP mapping."""
+from __future__ import annotations
+
+import pytest
+
+from loraplex.adapters.errors import AdapterValidationError
+from loraplex.engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    PromptTooLongError,
+    UnknownAdapterError,
+)
+from loraplex.platform.errors import (
+    AuthenticationError,
+    BadRequestError,
+    ModelNotFoundError,
+    PermissionDeniedError,
+    RateLimitedError,
+    ShuttingDownError,
+    api_error,
+)
+from loraplex.platform.serving.protocol import parse_chat, parse_completion
+
+
+class FakeTokenizer:
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def apply_chat_template(self, messages):
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list")
+        return [1] * sum(len(m["content"]) for m in messages)
+
+
+TOK = FakeTokenizer()
+
+
+def test_completion_defaults_and_fields():
+    r = parse_completion({"model": "m", "prompt": "hello"}, TOK, 100)
+    assert r.prompt == [104, 101, 108, 108, 111] and r.sampling.max_tokens == 16 and not r.stream
+    r = parse_completion({"prompt": [5, 6], "max_tokens": 3, "temperature": 0, "top_p": 0.5, "top_k": 7,
+                          "seed": 3, "stop": "x", "ignore_eos": True, "logprobs": 2, "stream": True,
+                          "stream_options": {"include_usage": True}}, TOK, 100)
+    s = r.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop, s.ignore_eos, s.logprobs) == \
+        (3, 0.0, 0.5, 7, 3, ("x",), True, 2)
+    assert r.stream and r.include_usage and r.logprobs == 2
+    assert parse_completion({"prompt": ["one"]}, TOK, 100).prompt == [111, 110, 101]
+    assert parse_completion({"prompt": "abc"}, TOK, 10).sampling.max_tokens == 7  # clamped to the room left
+
+
+def test_chat_max_tokens_and_logprobs():
+    msgs = [{"role": "user", "content": "abcd"}]
+    r = parse_chat({"messages": msgs}, TOK, 100)
+    assert r.sampling.max_tokens == 96 and r.logprobs is None
+    r = parse_chat({"messages": msgs, "max_tokens": 5, "max_completion_tokens": 3, "logprobs": True,
+                    "top_logprobs": 4, "stop": ["a", "b"]}, TOK, 100)
+    assert r.sampling.max_tokens == 3 and r.logprobs == 4 and r.sampling.stop == ("a", "b")
+    assert parse_chat({"messages": msgs, "logprobs": True}, TOK, 100).logprobs == 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "temperature": 3}, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "stop": [1]}, "stop"),
+    ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": [True]}, "prompt"),
+    ({}, "prompt"),
+])
+def test_completion_bad_requests(body, param):
+    with pytest.raises(BadRequestError) as e:
+        parse_completion(body, TOK, 100)
+    assert e.value.param == param
+    assert api_error(e.value).status == 400
+
+
+def test_chat_bad_requests():
+    with pytest.raises(BadRequestError):
+        parse_chat({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, TOK, 100)
+    with pytest.raises(BadRequestError):
+        parse_chat({}, TOK, 100)
+    with pytest.raises(InvalidRequestError):
+        parse_chat({"messages": []}, TOK, 100)
+
+
+def test_prompt_filling_the_context_is_413():
+    with pytest.raises(PromptTooLongError) as e:
+        parse_completion({"prompt": "x" * 10}, TOK, 10)
+    assert api_error(e.value).status == 413
+
+
+@pytest.mark.parametrize("exc, status, code", [
+    (BadRequestError("x"), 400, None),
+    (InvalidRequestError("x"), 400, None),
+    (AdapterValidationError("bad rank"), 400, None),
+    (AuthenticationError("x"), 401, "invalid_api_key"),
+    (PermissionDeniedError("x"), 403, "permission_denied"),
+    (ModelNotFoundError("m"), 404, "model_not_found"),
+    (UnknownAdapterError("adapter 'secret' is not registered"), 404, "model_not_found"),
+    (PromptTooLongError("x"), 413, "context_length_exceeded"),
+    (RateLimitedError("slow down", retry_after=7.2), 429, "rate_limit_exceeded"),
+    (EngineOverloadedError("x"), 503, "overloaded"),
+    (EngineDeadError("x"), 503, "unavailable"),
+    (ShuttingDownError("x"), 503, "unavailable"),
+    (RuntimeError("secret internals"), 500, "internal_error"),
+])
+def test_error_mapping(exc, status, code):
+    err = api_error(exc)
+    assert err.status == status and err.code == code
+    body = err.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"}
+    assert "secret" not in body["message"]
+    if status == 429:
+        assert err.headers["Retry-After"] == "7"
+    if code == "overloaded":
+        assert "Retry-After" in err.headers
