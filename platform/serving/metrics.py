@@ -112,7 +112,9 @@ class _EngineCollector:
 
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.get("num_running", 0))
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.get("num_waiting", 0))
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", s.get("kv_cache_usage", 0.0))
+        kv = s.get("kv_cache_usage", 0.0)  # the one KV pool, on the GPU or the CPU alike
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", kv)
+        yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (1 = full); vLLM's older name.", kv)
         yield counter("vllm:num_preemptions", "Preemptions.", s.get("num_preemptions", 0))
         yield counter("vllm:prefix_cache_queries", "Prefix-cache queried tokens.", s.get("prefix_cache_queries", 0))
         yield counter("vllm:prefix_cache_hits", "Prefix-cache hit tokens.", s.get("prefix_cache_hits", 0))

@@ -54,11 +54,21 @@ def test_eager_fallbacks():
 
 
 def _step(ids, ctx, tables, slots) -> DecodeInputs:
-    from loraplex.engine.attention import build_metadata
+    """The runner's decode step (DecodeInputs.from_rows), block size 8."""
+    return DecodeInputs.from_rows(list(zip(ids, [c - 1 for c in ctx], tables, slots)), 8)
 
-    meta = build_metadata([(c - 1, 1, t) for c, t in zip(ctx, tables)], 8, torch.float32)
-    return DecodeInputs(torch.tensor(ids), torch.tensor([c - 1 for c in ctx]), meta.slot_mapping, meta.seq_lens,
-                        meta.block_tables, torch.tensor(slots, dtype=torch.int32), meta.query_start_loc)
+
+def test_a_step_from_rows_matches_the_ragged_metadata():
+    from loraplex.engine.attention import build_ragged_metadata
+
+    ctx, tables = [3, 17, 24], [[10, 4], [11, 12, 13], [14, 15, 16, 17]]  # tables may run past the context
+    step = _step([11, 12, 13], ctx, tables, [-1, 0, 2])
+    meta = build_ragged_metadata([(c - 1, 1, t[:-(-c // 8)]) for c, t in zip(ctx, tables)], 8, torch.float32)
+    assert step.slot_mapping.tolist() == meta.slot_mapping.tolist() == [10 * 8 + 2, 13 * 8 + 0, 16 * 8 + 7]
+    assert step.context_lens.tolist() == meta.seq_lens.tolist() == ctx
+    assert step.block_tables.tolist() == meta.block_tables.tolist()
+    assert step.query_start_loc.tolist() == meta.query_start_loc.tolist() == [0, 1, 2, 3]
+    assert step.adapter_slots.dtype == torch.int32 and step.adapter_slots.tolist() == [-1, 0, 2]
 
 
 def test_stage_fills_rows_and_makes_padding_inert():
@@ -116,9 +126,9 @@ def test_padded_static_decode_equals_the_eager_step(decode_setup):
     model, stacks, kv = decode_setup
     ctx, tables, slots = [5, 17, 30, 9], [[3], [7, 1, 12], [2, 9, 4, 11], [5, 6]], [-1, 0, 2, 1]
     step = _step([101, 202, 303, 404], ctx, tables, slots)
-    from loraplex.engine.attention import build_metadata
+    from loraplex.engine.attention import build_ragged_metadata
 
-    meta = build_metadata([(c - 1, 1, t) for c, t in zip(ctx, tables)], 8, torch.float32)
+    meta = build_ragged_metadata([(c - 1, 1, t) for c, t in zip(ctx, tables)], 8, torch.float32)
     kv_ref = [(k.clone(), v.clone()) for k, v in kv]
     lora = stacks.batch(segments_of([(1, s) for s in slots]))
     expect = model(step.input_ids, step.positions, meta, kv_ref, lora)
