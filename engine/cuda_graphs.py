@@ -66,6 +66,10 @@ class GraphPolicy:
             return None
         return self.widths[bisect.bisect_left(self.widths, num_seqs)]
 
+    def width_for_step(self, token_counts: list[int]) -> int | None:
+        """`width_for` a scheduled step: the tokens each of its sequences computes."""
+        return self.width_for(sum(token_counts), len(token_counts))
+
 
 @dataclass
 class DecodeInputs:

@@ -136,7 +136,7 @@ class ModelRunner:
         prefill chunk in it, wider than the widest graph, no graphs)."""
         if self.graphs is None:
             return None
-        if self.graphs.policy.width_for(sum(len(s.token_ids) for s in seqs), len(seqs)) is None:
+        if self.graphs.policy.width_for_step([len(s.token_ids) for s in seqs]) is None:
             return None
         step = DecodeInputs.from_rows([(s.token_ids[0], s.start_pos, s.block_ids, s.adapter_slot) for s in seqs],
                                       self.block_size)
