@@ -42,6 +42,8 @@ class ModelRunner:
                                  arch.max_position_embeddings)
         at_start = None
         if self.device.type == "cuda":
+            if self.device.index is None:  # torch.cuda's memory and device calls want an index
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)  # Triton launches on the current device
             at_start = device_memory(self.device)  # before anything of ours is on it
         keep_freed_memory_in_heap()

@@ -101,49 +101,62 @@ class LoRAManager:
             if d in self._staged:
                 staged = self._staged[d]
                 return staged is not None and staged.done()
-            if d not in self._pending:
-                if d in self._cpu and len(self._staged) >= self.max_staged:
-                    return False  # staging is full; asked again next step
-                if d in self._cpu:
-                    self._staged[d] = None
-                self._pending[d] = self._pool.submit(self._load, d)
+            if d in self._cpu:
+                # Staging may be full: asked again at the next step.
+                if self._reserve_staging(d):
+                    self._pool.submit(self._stage, d, self._cpu[d])
+            elif d not in self._pending:
+                self._pending[d] = self._pool.submit(self._load_to_cpu, d)
         return False
 
     def failed(self) -> dict[str, str]:
         with self._lock:
             return dict(self._failed)
 
-    def _load(self, digest: str) -> None:
-        """The loader thread: into the CPU tier if not there, then, with a stager and
-        room, on its way to the device."""
+    def _load_to_cpu(self, digest: str) -> None:
         try:
-            with self._lock:
-                adapter = self._cpu.get(digest)
-            if adapter is None:
-                adapter = self.store.load(digest, dtype=self.dtype)
-            with self._lock:
-                self._cpu[digest] = adapter
-                self._cpu.move_to_end(digest)
-                self._trim()
-                stage = self.stager is not None and (digest in self._staged or len(self._staged) < self.max_staged)
-                if stage:
-                    self._staged[digest] = None
-            if stage:
-                staged = self.stager.stage(pack_adapter(adapter, self.out_sizes, self.num_layers, self.dtype,
-                                                        torch.device("cpu")))
-                with self._lock:
-                    if digest in self._live:
-                        self._staged[digest] = staged
-                    else:
-                        self._staged.pop(digest, None)  # released while it was copied
+            adapter = self.store.load(digest, dtype=self.dtype)
         except Exception as exc:  # the request fails, the engine does not
             log.warning("loading adapter %s failed: %s", digest, exc)
             with self._lock:
                 self._failed[digest] = str(exc)
-                self._staged.pop(digest, None)
-        finally:
-            with self._lock:
                 self._pending.pop(digest, None)
+            return
+        with self._lock:
+            self._cpu[digest] = adapter
+            self._cpu.move_to_end(digest)
+            self._pending.pop(digest, None)
+            stage = self._reserve_staging(digest)
+            self._trim()
+        if stage:
+            self._stage(digest, adapter)
+
+    # -- staging (CUDA): copies to the device ahead of a slot ----------------------------
+    def _reserve_staging(self, digest: str) -> bool:
+        """Under the lock: room for the copy of `digest`, which a request waits for,
+        reserved (None until it is issued)."""
+        if (self.stager is None or digest in self._staged or digest not in self._live
+                or len(self._staged) >= self.max_staged):
+            return False
+        self._staged[digest] = None
+        return True
+
+    def _stage(self, digest: str, adapter) -> None:
+        """The loader thread: issue the reserved copy of `adapter` to the device."""
+        try:
+            staged = self.stager.stage(pack_adapter(adapter, self.out_sizes, self.num_layers, self.dtype,
+                                                    torch.device("cpu")))
+        except Exception as exc:  # the request fails, the engine does not
+            log.warning("copying adapter %s to the device failed: %s", digest, exc)
+            with self._lock:
+                self._failed[digest] = str(exc)
+                self._staged.pop(digest, None)
+            return
+        with self._lock:
+            if digest in self._live:
+                self._staged[digest] = staged
+            else:
+                self._staged.pop(digest, None)  # released while it was copied
 
     def _trim(self) -> None:
         # LRU, skipping adapters that live requests still need.

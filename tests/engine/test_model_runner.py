@@ -114,3 +114,19 @@ def test_enforce_eager_is_honoured_by_the_runner(tiny_llama_dir):
     assert eng.runner.graphs is None and eng.runner.num_blocks == 32
     out = eng.generate([[100, 101, 102]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(out[0].new_token_ids) == 3
+
+
+def test_the_runner_reserves_staged_copies_only_where_the_manager_stages(tiny_llama_dir):
+    from loraplex.engine.lora import LoRAManager
+    from tests.engine.lora.test_staging import GatedStager
+
+    def plan(manager):
+        return LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
+                                      cache=CacheConfig(num_blocks=16), lora=LoRAConfig(max_loras=3),
+                                      kernels="torch"), manager).runner.memory_plan_config()
+
+    assert (plan(None).max_loras, plan(None).staged_loras) == (0, 0)
+    cpu = plan(LoRAManager(None, LoRAConfig(max_loras=3)))  # a CPU manager stages nothing
+    assert (cpu.max_loras, cpu.staged_loras, cpu.max_model_len, cpu.dtype_bytes) == (3, 0, 2048, 4)
+    staged = plan(LoRAManager(None, LoRAConfig(max_loras=3), stager=GatedStager()))
+    assert (staged.max_loras, staged.staged_loras) == (3, 3)
