@@ -117,10 +117,7 @@ class LoRAManager:
         try:
             adapter = self.store.load(digest, dtype=self.dtype)
         except Exception as exc:  # the request fails, the engine does not
-            log.warning("loading adapter %s failed: %s", digest, exc)
-            with self._lock:
-                self._failed[digest] = str(exc)
-                self._pending.pop(digest, None)
+            self._load_failed(digest, "loading", exc)
             return
         with self._lock:
             self._cpu[digest] = adapter
@@ -146,17 +143,21 @@ class LoRAManager:
         try:
             staged = self.stager.stage(pack_adapter(adapter, self.out_sizes, self.num_layers, self.dtype,
                                                     torch.device("cpu")))
-        except Exception as exc:  # the request fails, the engine does not
-            log.warning("copying adapter %s to the device failed: %s", digest, exc)
-            with self._lock:
-                self._failed[digest] = str(exc)
-                self._staged.pop(digest, None)
+        except Exception as exc:
+            self._load_failed(digest, "copying to the device", exc)
             return
         with self._lock:
             if digest in self._live:
                 self._staged[digest] = staged
             else:
                 self._staged.pop(digest, None)  # released while it was copied
+
+    def _load_failed(self, digest: str, doing: str, exc: Exception) -> None:
+        log.warning("%s adapter %s failed: %s", doing, digest, exc)
+        with self._lock:
+            self._failed[digest] = str(exc)
+            self._pending.pop(digest, None)
+            self._staged.pop(digest, None)
 
     def _trim(self) -> None:
         # LRU, skipping adapters that live requests still need.
