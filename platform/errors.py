@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import orjson
+from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
@@ -147,6 +148,9 @@ def api_error(exc: BaseException) -> ApiError:
         return ApiError(503, msg, "server_error", "metering_unavailable", headers={"Retry-After": "5"})
     if isinstance(exc, (EngineDeadError, ShuttingDownError)):
         return ApiError(503, msg, "server_error", "unavailable")
+    if isinstance(exc, (OperationalError, InterfaceError)):  # the database is unreachable: retry later
+        return ApiError(503, "the database is unavailable; retry shortly", "server_error", "database_unavailable",
+                        headers={"Retry-After": "5"})
     if isinstance(exc, HTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return ApiError(exc.status_code, str(exc.detail), kind, headers=dict(exc.headers or {}))
