@@ -151,8 +151,8 @@ QUOTAS_IN = {"type": ["object", "null"], "additionalProperties": False,
                             "max_concurrency": {**_LIMIT, "description": "requests in flight at once"},
                             "token_budget": {**_LIMIT, "description": "tokens per budget period"},
                             "budget_period": {"type": ["string", "null"], "enum": ["day", "month", None]}}}
-QUOTAS = {"type": ["object", "null"], "description": "The tenant's limits (null fields: no limit) and where it "
-          "stands now; null when this build has no quotas",
+QUOTAS = {"type": "object", "description": "The tenant's limits (null fields: no limit) and where it "
+          "stands now",
           "properties": {**QUOTAS_IN["properties"],
                          "requests_this_minute": {"type": "integer"}, "tokens_this_minute": {"type": "integer"},
                          "in_flight": {"type": "integer"}, "budget_used": {"type": "integer"},

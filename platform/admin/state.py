@@ -38,9 +38,8 @@ class AdminState:
     @classmethod
     def create(cls, settings: Settings, db: Database, gateway: Gateway) -> AdminState:
         """Built in the app's lifespan; a bad admin token setting stops the server there."""
-        lora = getattr(gateway.engine.engine, "lora", None)
-        # The engine's own store when it has one: an upload is then servable at once.
-        store = lora.store if lora is not None else open_store(settings)
+        # The folder the engine serves adapters from: an upload is servable at once.
+        store = open_store(settings)
         _clean_stale_uploads(store.root / "uploads")
         auth = AdminAuth.from_settings(settings)
         if not auth.configured:

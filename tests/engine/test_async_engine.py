@@ -159,9 +159,9 @@ def test_call_runs_on_the_engine_thread(aengine):
         return stats, thread, again
 
     stats, thread, again = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
-    assert stats["num_running"] == 0 and stats["num_blocks"] == 256
+    assert stats.running == 0 and stats.num_blocks == 256
     assert thread is aengine._thread
-    assert again["time"] >= stats["time"]
+    assert again.time >= stats.time
     assert aengine.is_running
 
 

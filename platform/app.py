@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
-from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.client import EngineClient
 
 from loraplex.platform.admin.routes import AdminState, admin_routes, openapi
 from loraplex.platform.serving.auth import Authenticator
@@ -59,7 +59,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(api_error(exc))
 
 
-def create_app(settings: Settings, engine: AsyncEngine | None = None, *, hooks: Hooks | None = None) -> Starlette:
+def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks: Hooks | None = None) -> Starlette:
     """The gateway app. With `engine=None` the lifespan builds the engine from settings
     (and shuts it down at exit); an engine passed in stays owned by the caller."""
 
