@@ -6,7 +6,6 @@ import logging
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -17,7 +16,7 @@ from loraplex.platform.admin.routes import AdminState, admin_routes, openapi
 from loraplex.platform.serving.auth import Authenticator
 from loraplex.platform.db.database import Database
 from loraplex.platform.serving.engine_factory import build_engine
-from loraplex.platform.errors import api_error, error_response
+from loraplex.platform.errors import ERRORS, api_error, error_response
 from loraplex.platform.serving.gateway import Gateway, Hooks
 from loraplex.platform.serving.metrics import CONTENT_TYPE, Metrics
 from loraplex.platform.serving.openai_routes import openai_routes
@@ -55,8 +54,14 @@ async def metrics(request: Request) -> Response:
     return Response(request.app.state.gateway.metrics.render(), media_type=CONTENT_TYPE)
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
-    return error_response(api_error(exc))
+async def _domain_error(request: Request, exc: Exception) -> Response:
+    """Renders a domain error as OpenAI's error body; Starlette picks this handler by the
+    exception's class hierarchy. An OpenAI endpoint's answer is counted in the metrics."""
+    resp = error_response(api_error(exc))
+    endpoint = getattr(request.state, "api_endpoint", None)
+    if endpoint is not None:
+        request.app.state.gateway.metrics.api_request(endpoint, resp.status_code)
+    return resp
 
 
 def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks: Hooks | None = None) -> Starlette:
@@ -105,6 +110,6 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
         Mount("/adapters/{adapter}/v1", routes=openai_routes()),
         *admin_routes(),  # /admin/api/... (JSON) and /admin/ (the UI)
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=dict.fromkeys(ERRORS, _domain_error))
     app.state.admin_openapi = openapi()
     return app

@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from loraplex.engine.engine import RequestOutput
 
-from loraplex.platform.errors import BadRequestError, PlatformError, api_error, error_response
+from loraplex.platform.errors import BadRequestError, PlatformError, api_error, error_response, mapping_of
 from loraplex.platform.serving.gateway import LANE_HEADER, Gateway, RequestContext
 from loraplex.platform.serving.protocol import (
     FINISH_REASONS,
@@ -53,21 +53,23 @@ def json_response(obj: object, status: int = 200) -> Response:
 
 
 def api_endpoint(endpoint: str) -> Callable:
-    """Wraps a handler: every exception becomes an OpenAI error response, counted once."""
+    """Wraps a handler: a domain error goes to the app's exception handlers (which count
+    it under `endpoint`); an unexpected one becomes a 500 here."""
 
     def deco(fn: Callable[[Request, Gateway], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         async def handler(request: Request) -> Response:
             gw: Gateway = request.app.state.gateway
+            request.state.api_endpoint = endpoint
             try:
                 resp = await fn(request, gw)
             except ClientDisconnected:
                 gw.metrics.api_request(endpoint, _CLIENT_CLOSED)
                 return Response(status_code=_CLIENT_CLOSED)
-            except Exception as exc:  # noqa: BLE001 - mapped to a status in one place
-                err = api_error(exc)
-                if err.status == 500:
-                    log.exception("unhandled error in %s", endpoint)
-                resp = error_response(err)
+            except Exception as exc:
+                if mapping_of(exc) is not None:
+                    raise  # rendered by the app's exception handlers
+                log.exception("unhandled error in %s", endpoint)
+                resp = error_response(api_error(exc))
             gw.metrics.api_request(endpoint, resp.status_code)
             return resp
 
