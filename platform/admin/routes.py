@@ -70,7 +70,7 @@ from loraplex.platform.errors import (
     api_error,
     error_response,
 )
-from loraplex.platform.db.tables import LANES
+from loraplex.platform.lanes import LANES
 
 log = logging.getLogger(__name__)
 API_VERSION = "1"

@@ -16,6 +16,7 @@ from loraplex.platform.admin.auth import Admin
 from loraplex.platform.admin.state import AdminState
 from loraplex.platform.errors import BadRequestError
 from loraplex.platform.db.base import utcnow
+from loraplex.platform.lanes import lane_name
 
 BASE_MODEL_KEY = "(base model)"
 
@@ -43,7 +44,7 @@ async def engine_status(request: Request, st: AdminState, admin: Admin, query: d
     return {
         "model": gw.model_name, "running": gw.engine.is_running and not gw.draining,
         "device": stats.device, "num_running": stats.running, "num_waiting": stats.waiting,
-        "lanes": {lane.name.lower(): {"running": depth.running, "waiting": depth.waiting}
+        "lanes": {lane_name(lane): {"running": depth.running, "waiting": depth.waiting}
                   for lane, depth in stats.lanes.items()},
         "kv_cache_usage": stats.kv_cache_usage, "num_kv_blocks": stats.num_blocks,
         "block_size": stats.block_size, "num_preemptions": stats.num_preemptions,

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from loraplex.engine.client import EngineStats
-from loraplex.engine.request import Lane
+from loraplex.platform.lanes import Lane, lane_name
 
 BASE_ADAPTER_LABEL = "_base"  # adapter label of base-model requests (adapter names cannot start with _)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -120,7 +120,7 @@ class _EngineCollector:
         for kind in ("running", "waiting"):
             g = GaugeMetricFamily(f"loraplex:lane_requests_{kind}", f"Requests {kind} by lane.", labels=["lane"])
             for lane in Lane:
-                g.add_metric([lane.name.lower()], getattr(s.lanes[lane], kind))
+                g.add_metric([lane_name(lane)], getattr(s.lanes[lane], kind))
             yield g
         state = self.m.lora_state
         info = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters.",
