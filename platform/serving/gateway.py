@@ -18,7 +18,8 @@ from loraplex.engine.request import AdapterRef, Lane
 from loraplex.platform.serving.auth import Authenticator, Principal, parse_lane
 from loraplex.platform.errors import ModelNotFoundError, ShuttingDownError
 from loraplex.platform.serving.metrics import Metrics
-from loraplex.platform.serving.protocol import GenRequest, TokenText
+from loraplex.platform.serving.protocol import GenRequest
+from loraplex.platform.serving.wire import TokenText
 from loraplex.platform.settings import Settings
 
 LANE_HEADER = "x-loraplex-lane"
