@@ -1,4 +1,4 @@
-"""What each `loraplex` CLI command does (argument parsing lives in cli.py)."""
+"""What each `loraplex` CLI command does (argument parsing lives in cli/main.py)."""
 from __future__ import annotations
 
 import datetime as dt

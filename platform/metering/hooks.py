@@ -4,7 +4,7 @@ quota settlement at finish. `create_app` builds one per app unless hooks are pas
 Per request, for a tenant (and key) without limits: one cache lookup at admission and a
 deque append at finish, no database work. With limits: one transaction at admission
 (counters + lease), one at finish (lease + counters). Usage events always go through
-the batched writer (metering.py).
+the batched writer (metering/writer.py).
 """
 from __future__ import annotations
 

@@ -5,16 +5,18 @@ pytest-asyncio is not installed: each test drives its own loop with asyncio.run.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
 import pytest
 
 from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.client import AdapterResidency, EngineClient, EngineStats, LaneDepth
 from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
-from loraplex.engine.request import SamplingParams
+from loraplex.engine.request import Lane, SamplingParams
 
 TIMEOUT = 120  # seconds: generous on a busy 2-core machine, but a hang fails instead of blocking
 
@@ -267,3 +269,17 @@ def test_call_from_a_loop_that_closed_does_not_kill_the_engine(tiny_llama_dir):
     finally:
         release.set()
         ae.shutdown()
+
+
+def test_the_in_process_engine_is_an_engine_client(aengine):
+    """The stats a client sees are plain frozen data, for the gateway and for a remote worker alike."""
+    assert isinstance(aengine, EngineClient)
+    s = aengine.stats()
+    assert isinstance(s, EngineStats) and s.running == 0 and s.waiting == 0 and s.num_blocks == 256
+    assert s.block_size == 16 and s.device == "cpu" and s.max_loras == 0
+    assert s.lanes == {lane: LaneDepth(0, 0) for lane in Lane}
+    assert s.adapters == AdapterResidency() and aengine.adapter_residency() == AdapterResidency()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.running = 1  # type: ignore[misc]
+    assert aengine.resolve_adapter("anything") is None  # no LoRA manager: the engine refuses adapters itself
+    assert aengine.max_model_len == aengine.engine.max_model_len
