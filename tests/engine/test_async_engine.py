@@ -283,3 +283,40 @@ def test_the_in_process_engine_is_an_engine_client(aengine):
         s.running = 1  # type: ignore[misc]
     assert aengine.resolve_adapter("anything") is None  # no LoRA manager: the engine refuses adapters itself
     assert aengine.max_model_len == aengine.engine.max_model_len
+
+
+def test_adapters_through_the_client(tiny_llama_dir, tmp_path):
+    """add (and replace) -> resolve -> run -> residency -> remove, through the client only."""
+    from loraplex.adapters import AdapterError, AdapterStore, BaseShapes
+    from loraplex.adapters.synth import make_random_peft_adapter
+    from loraplex.engine.config import LoRAConfig
+    from loraplex.engine.errors import UnknownAdapterError
+    from loraplex.engine.lora import LoRAManager
+
+    first = make_random_peft_adapter(tiny_llama_dir, tmp_path / "a", rank=4, seed=1, init_scale=0.3)
+    second = make_random_peft_adapter(tiny_llama_dir, tmp_path / "b", rank=4, seed=2, init_scale=0.3)
+    store = AdapterStore(tmp_path / "store", BaseShapes.from_model_dir(tiny_llama_dir))
+    cfg = EngineConfig(model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
+                       cache=CacheConfig(block_size=16, num_blocks=64), lora=LoRAConfig(max_loras=2))
+    ae = AsyncEngine(LLMEngine(cfg, LoRAManager(store, cfg.lora)))
+    try:
+        ref = ae.add_adapter("x", first)
+        assert ae.resolve_adapter("x") == ref
+        with pytest.raises(AdapterError, match="already exists"):
+            ae.add_adapter("x", second)  # replacing takes replace=True
+        newer = ae.add_adapter("x", second, replace=True)
+        assert newer.digest != ref.digest and ae.resolve_adapter("x") == newer
+
+        async def run():
+            async for out in ae.generate([5, 6, 7], _greedy(2), adapter=newer):
+                last = out
+            return last
+
+        assert asyncio.run(asyncio.wait_for(run(), TIMEOUT)).finished
+        assert ae.stats().max_loras == 2
+        assert ae.adapter_residency().where().get(newer.digest) in ("device", "cpu")
+        ae.remove_adapter("x")
+        with pytest.raises(UnknownAdapterError):
+            ae.resolve_adapter("x")
+    finally:
+        ae.shutdown()
