@@ -28,7 +28,8 @@ from loraplex.platform.metering.writer import STATUS, Event, UsageWriter
 from loraplex.platform.quotas.admission import Reservation, plan_admission
 from loraplex.platform.quotas.cache import QuotaCache
 from loraplex.platform.quotas.limits import key_scope, tenant_scope
-from loraplex.platform.quotas.store import open_quota_store, quota_engine
+from loraplex.platform.quotas.dialects import open_quota_store
+from loraplex.platform.quotas.store import quota_engine
 from loraplex.platform.settings import Settings
 
 log = logging.getLogger(__name__)
