@@ -17,7 +17,7 @@ from loraplex.platform.metering.ledger import JournalConfig, Ledger, final_event
 from loraplex.platform.metering.writer import Event, EventStore, UsageWriter
 from loraplex.platform.quotas.admission import plan_admission
 from loraplex.platform.quotas.limits import quota_status, set_quota, tenant_scope
-from loraplex.platform.quotas.store import open_quota_store
+from loraplex.platform.quotas.dialects import open_quota_store
 from loraplex.platform.tenancy.tenants import create_tenant
 from sqlalchemy import func, select
 
