@@ -187,8 +187,7 @@ class UsageHooks:
     def progress(self, ctx: RequestContext, out: RequestOutput) -> Awaitable[None] | None:
         """Record the prompt tokens the engine processed; checkpoint when one is due (the
         output waits for it). See ledger.py for the bound this gives."""
-        if out.num_processed_prompt_tokens > ctx.num_processed_prompt_tokens:
-            ctx.num_processed_prompt_tokens = out.num_processed_prompt_tokens
+        ctx.num_processed_prompt_tokens = max(ctx.num_processed_prompt_tokens, out.num_processed_prompt_tokens)
         if not out.new_token_ids or ctx.request_id not in self._open:
             return None
         now = time.monotonic()

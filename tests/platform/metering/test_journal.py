@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 from loraplex.platform.db.database import make_db_engine
 from loraplex.platform.db.usage_tables import QuotaLease, UsageEvent
 from loraplex.platform.metering.journal import Journal, read_records
