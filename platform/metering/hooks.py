@@ -127,7 +127,7 @@ class UsageHooks:
 
     async def _maintain(self) -> None:
         """Renew the leases of this process's live requests; reap other (dead) processes'
-        expired ones. A lease whose request is gone here is not renewed: if its settlement
+        expired ones and recover their usage journals. A lease whose request is gone here is not renewed: if its settlement
         was lost, it expires and a reaper gives its reservation back."""
         ttl = self.store.lease_ttl
         renew_every = max(0.05, ttl / 3)
@@ -143,6 +143,8 @@ class UsageHooks:
                 if time.monotonic() >= next_reap:
                     next_reap = time.monotonic() + reap_every
                     await asyncio.to_thread(self.store.reap)
+                    # A sibling process on this data dir that died meanwhile: its journal now.
+                    await asyncio.to_thread(self.ledger.recover)
             except Exception:  # a DB hiccup: the next round retries
                 log.exception("quota lease maintenance failed")
 
