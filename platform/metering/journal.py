@@ -231,7 +231,9 @@ class Journal:
                 j += 1
             if seg != self._fd_seq:
                 self._switch(seg)
-            os.write(self._fd, b"".join(d for _s, d in buf[i:j]))
+            data = memoryview(b"".join(d for _s, d in buf[i:j]))
+            while data:  # a short write (the disk filling up) is followed by one that raises
+                data = data[os.write(self._fd, data):]
             i = j
         os.fsync(self._fd)
 

@@ -149,3 +149,37 @@ def test_final_event_wins_over_checkpoints():
     ((got, charges),) = final_events(recs)
     assert got == e and charges == [("t:1", "conc", 0, 1)]
     assert final_events([record("c", ck, None)]) == [(ck, None)]
+
+
+_FULL = textwrap.dedent("""
+    import asyncio, resource, signal, sys
+    from loraplex.platform.metering.journal import Journal, JournalError
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+    j = Journal(sys.argv[1], "full")
+    acked = 0
+    try:
+        while True:
+            lsn, _ = j.append({"pad": "x" * 100}, pins=1)
+            asyncio.run(j.durable(lsn))
+            acked += 1
+    except JournalError as exc:
+        print("acked", acked, "error", exc)
+    try:
+        j.append({"after": 1})
+        print("appended after the failure")
+    except JournalError:
+        print("refused after the failure")
+""")
+
+
+def test_a_full_disk_fails_loudly_and_acknowledges_nothing_more(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc = subprocess.run([sys.executable, "-c", _FULL, str(tmp_path)], cwd=root, capture_output=True, text=True,
+                          timeout=120, check=True)
+    first, second = proc.stdout.splitlines()
+    acked = int(first.split()[1])
+    assert 0 < acked and "cannot be written" in first and second == "refused after the failure"
+    (path,) = tmp_path.glob("usage-full-*.journal")
+    recs, _clean = read_records(path)
+    assert len(recs) >= acked, "every acknowledged record is on disk"
