@@ -110,8 +110,10 @@ class Journal:
         self.max_segment_bytes = max_segment_bytes
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock_path = self.dir / f"usage-{owner}.lock"
-        self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = None
+        while fd is None:
+            fd = _lock(self._lock_path, blocking=True)
+        self._lock_fd = fd
         self._mu = threading.Lock()
         self._cond = threading.Condition(self._mu)
         self._buf: list[tuple[int, bytes]] = []  # (segment seq, framed record)
@@ -293,18 +295,38 @@ class Journal:
             owner = path.name[len("usage-"):].rsplit("-", 1)[0]
             if owner != self.owner:
                 owners.setdefault(owner, []).append(path)
+        for lock_path in self.dir.glob("usage-*.lock"):
+            owner = lock_path.name[len("usage-"):-len(".lock")]
+            if owner != self.owner and owner not in owners:
+                owners[owner] = []  # nothing left to recover: its lock file goes once free
         out = []
         for owner, segments in owners.items():
             lock_path = self.dir / f"usage-{owner}.lock"
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)  # alive (or being claimed by another process)
-                continue
+            fd = _lock(lock_path, blocking=False)
+            if fd is None:
+                continue  # alive (or being claimed by another process)
             segments = [p for p in segments if p.exists()]  # another claimer may have finished first
+            if not segments:
+                lock_path.unlink(missing_ok=True)
+                os.close(fd)
+                continue
             out.append(Orphan(owner, segments, fd, lock_path))
         return out
+
+
+def _lock(path: Path, blocking: bool) -> int | None:
+    """An fd holding `flock` on the file at `path`, or None if another process holds it
+    (`blocking`: wait for it) or `path` was removed or replaced meanwhile (a claimer
+    deleting a dead owner's lock file): the caller tries again or skips."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            return fd
+    except (BlockingIOError, FileNotFoundError):
+        pass
+    os.close(fd)
+    return None
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, err: BaseException | None) -> None:

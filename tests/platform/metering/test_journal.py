@@ -183,3 +183,17 @@ def test_a_full_disk_fails_loudly_and_acknowledges_nothing_more(tmp_path):
     (path,) = tmp_path.glob("usage-full-*.journal")
     recs, _clean = read_records(path)
     assert len(recs) >= acked, "every acknowledged record is on disk"
+
+
+def test_live_journals_are_never_claimed_and_empty_dead_ones_are_swept(tmp_path):
+    a, b = Journal(tmp_path, "a"), Journal(tmp_path, "b")
+    assert a.wait_durable(a.append({"x": 1}, pins=1)[0])
+    (tmp_path / "usage-gone.lock").touch()  # a process that died with nothing journalled
+    assert b.orphans() == [], "a is alive: its flock is held"
+    assert not (tmp_path / "usage-gone.lock").exists()
+    assert not a.close()  # a record still pinned: kept, and a's lock is free now
+    (orphan,) = b.orphans()
+    assert orphan.owner == "a" and list(orphan.records()) == [{"x": 1}]
+    assert b.orphans() == [], "claimed by one process at a time"
+    orphan.release(delete=True)
+    assert b.close() and not list(tmp_path.iterdir())
