@@ -163,9 +163,9 @@ class LLMEngine:
                                           - s.start_pos)
         self.num_generation_tokens += len(sampled)
         outs = [self._output(reqs[rid], tok, logprobs.get(rid), rid in done) for rid, tok in sampled.items()]
-        if self.report_prefill:
-            outs += [self._prefill_output(reqs[s.request_id]) for s in plan.seqs
-                     if s.request_id not in sampled and s.request_id not in done and not reqs[s.request_id].num_output_tokens]
+        if self.report_prefill:  # prompt chunks that sampled nothing (a first prefill, not a recompute)
+            outs += [self._prefill_output(r) for r in (reqs[s.request_id] for s in plan.seqs)
+                     if r.request_id not in sampled and r.request_id not in done and not r.num_output_tokens]
         return failed + outs
 
     @staticmethod

@@ -127,8 +127,9 @@ class UsageHooks:
 
     async def _maintain(self) -> None:
         """Renew the leases of this process's live requests; reap other (dead) processes'
-        expired ones and recover their usage journals. A lease whose request is gone here is not renewed: if its settlement
-        was lost, it expires and a reaper gives its reservation back."""
+        expired ones and recover their usage journals. A lease whose request is gone here is
+        not renewed: if its settlement was lost, it expires and a reaper gives its
+        reservation back."""
         ttl = self.store.lease_ttl
         renew_every = max(0.05, ttl / 3)
         reap_every = max(0.1, ttl / 2)

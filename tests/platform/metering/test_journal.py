@@ -67,7 +67,8 @@ _DEAD = textwrap.dedent("""
     from loraplex.platform.metering.ledger import record
     from loraplex.platform.metering.writer import Event
     from tests.platform.metering.test_writer import T0, ev
-    tid, charges = int(sys.argv[2]), [["t:" + sys.argv[2], "conc", 0, 1], ["t:" + sys.argv[2], "budget", int(sys.argv[3]), 100]]
+    tid, scope = int(sys.argv[2]), "t:" + sys.argv[2]
+    charges = [[scope, "conc", 0, 1], [scope, "budget", int(sys.argv[3]), 100]]
     j = Journal(sys.argv[1], "dead")
     for i in range(6):
         e = ev(i, tid, T0 + i)
