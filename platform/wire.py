@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from starlette.exceptions import HTTPException
 
 from loraplex.adapters.errors import (
     AdapterCorruptedError,
@@ -59,6 +60,9 @@ def error_status(exc: BaseException) -> tuple[int, dict[str, Any]]:
         return 503, _body("BlobStoreError", "the adapter store is unreachable")
     if isinstance(exc, AdapterCorruptedError):
         return 502, _body("AdapterCorruptedError", str(exc))
+    if isinstance(exc, HTTPException):  # no such route or method
+        kind = "InvalidRequestError" if exc.status_code < 500 else "WorkerError"
+        return exc.status_code, _body(kind, str(exc.detail))
     err = api_error(exc)
     name = next((c.__name__ for c in type(exc).__mro__ if c.__name__ in WIRE_ERRORS), None)
     if name is None:
