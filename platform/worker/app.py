@@ -16,7 +16,7 @@ from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.errors import EngineError
 
 from loraplex.platform.errors import PlatformError
-from loraplex.platform.wire import error_status
+from loraplex.platform.worker_wire import error_status
 from loraplex.platform.worker.adapters import BlobAdapterSource
 from loraplex.platform.worker.routes import json_response, worker_routes
 from loraplex.platform.worker.state import WorkerState

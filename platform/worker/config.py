@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.platform.errors import ConfigError
-from loraplex.platform.wire import TOKEN_ENV
+from loraplex.platform.worker_wire import TOKEN_ENV
 
 
 @dataclass(frozen=True)

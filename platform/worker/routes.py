@@ -16,7 +16,7 @@ from loraplex.engine.errors import InvalidRequestError
 
 from loraplex.platform.errors import AuthenticationError
 from loraplex.platform.serving.metrics import CONTENT_TYPE
-from loraplex.platform.wire import STATS_HEADER, GenerateRequest, adapter_from_json
+from loraplex.platform.worker_wire import STATS_HEADER, GenerateRequest, adapter_from_json
 from loraplex.platform.worker.state import WorkerState
 from loraplex.platform.worker.stream import ClientGone, NdjsonResponse, Relay, unless_gone, wait_disconnect
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import RequestOutput
 
-from loraplex.platform.wire import NDJSON, GenerateRequest, coalesce, dumps_line, error_status, output_to_json
+from loraplex.platform.worker_wire import NDJSON, GenerateRequest, coalesce, dumps_line, error_status, output_to_json
 
 if TYPE_CHECKING:
     from loraplex.platform.worker.state import WorkerState

@@ -36,6 +36,7 @@ from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.structured.spec import StructuredOutput
 
 from loraplex.platform.errors import AuthenticationError, ShuttingDownError, api_error
+from loraplex.platform.lanes import lane_name
 
 STATS_HEADER = "x-loraplex-stats"  # the worker's WorkerStats JSON at admission
 NDJSON = "application/x-ndjson"
@@ -100,7 +101,7 @@ class GenerateRequest:
 
     def to_json(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
-                "sampling": sampling_to_json(self.sampling), "lane": self.lane.name.lower(),
+                "sampling": sampling_to_json(self.sampling), "lane": lane_name(self.lane),
                 "adapter": None if self.adapter is None else {"name": self.adapter.name,
                                                               "digest": self.adapter.digest},
                 "cache_salt": self.cache_salt, "tenant": self.tenant}
