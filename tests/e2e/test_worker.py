@@ -21,7 +21,8 @@ import pytest
 
 from loraplex.platform.routing.view import WorkerStats
 from tests.e2e.conftest import MAX_MODEL_LEN
-from tests.platform.fixtures import tiny_adapters  # noqa: F401
+from tests.adapters.test_blobs import BUCKET, s3_endpoint  # noqa: F401 - moto's server on loopback
+from tests.platform.fixtures import pg_schema_url, tiny_adapters  # noqa: F401
 
 TOKEN = "worker-test-secret"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -38,11 +39,11 @@ def _free_port() -> int:
 class Worker:
     """One `loraplex worker` process; its output goes to a log file (read on failure)."""
 
-    def __init__(self, tmp: Path, *args: str, token: str | None = TOKEN) -> None:
+    def __init__(self, tmp: Path, *args: str, token: str | None = TOKEN, env: dict[str, str] | None = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"worker-{self.port}.log"
-        env = {k: v for k, v in os.environ.items() if k != "LORAPLEX_INTERNAL_TOKEN"}
+        env = {**{k: v for k, v in os.environ.items() if k != "LORAPLEX_INTERNAL_TOKEN"}, **(env or {})}
         if token is not None:
             env["LORAPLEX_INTERNAL_TOKEN"] = token
         cmd = [sys.executable, "-u", "-c", "from loraplex.platform.cli.main import main; main()", "worker",
@@ -74,23 +75,30 @@ class Worker:
             self.proc.wait(30)
 
 
+def publish(url: str, tmp: Path, model_dir: Path, adapters: dict[str, Path], endpoint: str | None = None
+            ) -> dict[str, str]:
+    """Validate ad1 and ad2 and put their blobs in the shared store at `url`: name -> digest."""
+    from loraplex.adapters import AdapterStore, BaseShapes, BlobStoreConfig, open_blob_store
+
+    local = AdapterStore(tmp / "validated", BaseShapes.from_model_dir(model_dir))
+    shared = open_blob_store(BlobStoreConfig(url, cache_dir=tmp / "writer-cache", s3_endpoint_url=endpoint))
+    digests = {}
+    for name in ("ad1", "ad2"):
+        digest = local.add(name, adapters[name]).digest
+        shared.put(digest, local.blob_files(digest))
+        digests[name] = digest
+    return digests
+
+
 @pytest.fixture(scope="module")
 def blob_store(tmp_path_factory, tiny_llama_dir, tiny_adapters) -> tuple[str, dict[str, str]]:  # noqa: F811
     """A migrated SQLite database whose adapter_blobs hold ad1 and ad2: (URL, name -> digest)."""
-    from loraplex.adapters import AdapterStore, BaseShapes, BlobStoreConfig, open_blob_store
     from loraplex.platform.db import migrate
 
     tmp = tmp_path_factory.mktemp("blobs")
     url = f"sqlite:///{tmp / 'fleet.db'}"
     migrate(url)
-    local = AdapterStore(tmp / "validated", BaseShapes.from_model_dir(tiny_llama_dir))
-    shared = open_blob_store(BlobStoreConfig(url, cache_dir=tmp / "writer-cache"))
-    digests = {}
-    for name in ("ad1", "ad2"):
-        digest = local.add(name, tiny_adapters[name]).digest
-        shared.put(digest, local.blob_files(digest))
-        digests[name] = digest
-    return url, digests
+    return url, publish(url, tmp, tiny_llama_dir, tiny_adapters)
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +167,34 @@ def test_streamed_generate_equals_the_in_process_engine(worker, oracle, blob_sto
     if adapter:  # fetched from the blob store by digest, now resident
         assert stats.residency(digests[adapter]) > 0
     assert stats.max_loras == 2 and stats.prefix_keys
+
+
+@pytest.mark.parametrize("store", ["postgresql", "s3"])
+def test_adapters_from_each_shared_store(request, tmp_path, tiny_llama_dir, tiny_adapters, oracle, store):  # noqa: F811
+    from loraplex.engine.request import AdapterRef, SamplingParams
+    from loraplex.platform.db import migrate
+
+    if store == "postgresql":
+        url = request.getfixturevalue("pg_schema_url")()
+        migrate(url)
+        args, env, endpoint = ["--database-url", url], {}, None
+    else:
+        endpoint = request.getfixturevalue("s3_endpoint")
+        url = f"s3://{BUCKET}/{tmp_path.name}"
+        args, env = ["--adapter-store", url], {"AWS_ENDPOINT_URL": endpoint}
+    digests = publish(url, tmp_path, tiny_llama_dir, tiny_adapters, endpoint)
+    w = Worker(tmp_path, "--model", str(tiny_llama_dir), *args, *ENGINE_ARGS, env=env)
+    try:
+        w.wait_ready()
+        ids = oracle.tokenizer.encode("served from the shared store")
+        ref = {"name": "ad2", "digest": digests["ad2"]}
+        r, lines = stream_lines(w.http, gen_body("shared", ids, 8, ref))
+        assert r.status_code == 200, r.text
+        (want,) = oracle.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                                  adapter=AdapterRef("ad2", digests["ad2"]))
+        assert [t for o in lines[:-1] for t in o["new_token_ids"]] == want.new_token_ids
+    finally:
+        w.stop()
 
 
 def test_internal_routes_need_the_token(worker):
