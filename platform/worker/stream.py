@@ -63,6 +63,10 @@ class Relay:
         self._task: asyncio.Task | None = None
 
     def start(self, engine: AsyncEngine) -> None:
+        if self.aborted:  # aborted while its adapter was fetched: it never reaches the engine
+            self.done = True
+            self._ready.set()
+            return
         r = self.req
         stream = engine.generate(r.prompt_token_ids, r.sampling, request_id=r.request_id, lane=r.lane,
                                  adapter=r.adapter, cache_salt=r.cache_salt)

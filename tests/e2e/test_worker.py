@@ -293,6 +293,24 @@ def test_adapter_load_and_unload_by_digest(worker, blob_store):
     assert r.status_code == 200 and lines[-2]["finished"]
 
 
+def test_a_version_in_use_keeps_serving_when_unloaded(worker, oracle, blob_store):
+    from loraplex.engine.request import AdapterRef, SamplingParams
+
+    digest = blob_store[1]["ad1"]
+    ids = oracle.tokenizer.encode("keep my version")
+    n = MAX_MODEL_LEN - len(ids) - 1
+    with worker.http.stream("POST", "/internal/v1/generate", json=gen_body("held", ids, n, {"name": "ad1",
+                            "digest": digest}), headers=AUTH) as r:
+        lines = r.iter_lines()
+        got = [orjson.loads(next(line for line in lines if line))]
+        assert worker.http.delete(f"/internal/v1/adapters/{digest}", headers=AUTH).status_code == 204
+        got += [orjson.loads(line) for line in lines if line]
+    (want,) = oracle.generate([ids], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                              adapter=AdapterRef("ad1", digest))
+    assert got[-2]["finish_reason"] == "length"
+    assert [t for o in got[:-1] for t in o["new_token_ids"]] == want.new_token_ids
+
+
 def test_metrics_have_vllms_names_and_requests_per_adapter(worker, blob_store):
     stream_lines(worker.http, gen_body("metered", [5, 6, 7], 2, {"name": "ad1", "digest": blob_store[1]["ad1"]}))
     text = worker.http.get("/metrics").text
