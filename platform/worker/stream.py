@@ -145,8 +145,9 @@ class NdjsonResponse:
             if not writer.done():  # the client left: stop writing, abort in the engine
                 writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
-            if writer.cancelled() or writer.exception() is not None:
-                self.relay.cancel()
+            failed = None if writer.cancelled() else writer.exception()
+            if failed is not None and not isinstance(failed, OSError):  # OSError: the client left
+                log.error("streaming %s failed", self.relay.req.request_id, exc_info=failed)
         finally:
             self.watcher.cancel()
             self.relay.cancel()
