@@ -237,6 +237,8 @@ def test_other_malformed_bodies_and_unknown_digests(worker):
     r = worker.http.post("/internal/v1/generate", json=gen_body("ghost", [1, 2], adapter=missing), headers=AUTH)
     assert r.status_code == 404 and r.json()["error"]["type"] == "AdapterNotFoundError"
     assert worker.http.get("/internal/v1/nothing", headers=AUTH).status_code == 404
+    r = worker.http.post("/internal/v1/generate", json=gen_body("long", [1] * (MAX_MODEL_LEN + 1)), headers=AUTH)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "PromptTooLongError"
 
 
 def _idle_stats(http: httpx.Client, timeout: float = 30) -> WorkerStats:
