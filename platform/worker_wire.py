@@ -255,10 +255,20 @@ def _list_of(v: Any, kind: type, key: str) -> list:
     return v
 
 
-def is_error_body(doc: Any) -> bool:
-    return isinstance(doc, Mapping) and isinstance(doc.get("error"), Mapping)
-
-
-__all__ = ["GenerateRequest", "NDJSON", "STATS_HEADER", "TOKEN_ENV", "WIRE_ERRORS", "WorkerError",
-           "adapter_from_json", "coalesce", "dumps_line", "error_from_body", "error_status", "is_error_body",
-           "output_from_json", "output_to_json", "sampling_from_json", "sampling_to_json"]
+__all__ = [
+    "NDJSON",
+    "STATS_HEADER",
+    "TOKEN_ENV",
+    "WIRE_ERRORS",
+    "GenerateRequest",
+    "WorkerError",
+    "adapter_from_json",
+    "coalesce",
+    "dumps_line",
+    "error_from_body",
+    "error_status",
+    "output_from_json",
+    "output_to_json",
+    "sampling_from_json",
+    "sampling_to_json",
+]

@@ -95,7 +95,7 @@ class Relay:
         except asyncio.CancelledError:
             reason = "abort"
             raise
-        except Exception as exc:  # the engine refused or failed this request
+        except Exception as exc:  # noqa: BLE001 - the engine refused or failed this request
             reason, self.error = "error", exc
         finally:
             self.done = True

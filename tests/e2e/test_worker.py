@@ -113,16 +113,14 @@ def worker(tmp_path_factory, tiny_llama_dir, blob_store) -> Iterator[Worker]:
 
 
 @pytest.fixture(scope="module")
-def oracle(tiny_llama_dir, tiny_adapters):
+def oracle(tmp_path_factory, tiny_llama_dir, tiny_adapters):  # noqa: F811
     """The in-process engine over the same model and adapters (from a local store)."""
     from loraplex.adapters import AdapterStore, BaseShapes
     from loraplex.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
     from loraplex.engine.engine import LLMEngine
     from loraplex.engine.lora import LoRAManager
 
-    import tempfile
-
-    tmp = Path(tempfile.mkdtemp(prefix="oracle-"))
+    tmp = tmp_path_factory.mktemp("oracle")
     store = AdapterStore(tmp, BaseShapes.from_model_dir(tiny_llama_dir))
     for name in ("ad1", "ad2"):
         store.add(name, tiny_adapters[name])
