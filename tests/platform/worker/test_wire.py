@@ -30,6 +30,13 @@ def test_generate_request_round_trip():
     req = GenerateRequest("r1", [1, 2, 3], sp, Lane.BATCH, AdapterRef("ad", "sha256:" + "a" * 64), "salt", "acme")
     assert GenerateRequest.from_json(req.to_json()) == req
     assert sampling_from_json({}) == SamplingParams()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"z": {"type": "string"}, "a": {"type": "integer"}}}}},
+        {"type": "function", "function": {"name": "g"}}]
+    for so in (StructuredOutput.tool_call(tools, "required", True), StructuredOutput.json_object(),
+               StructuredOutput.tool_call(tools, {"type": "function", "function": {"name": "g"}})):
+        sp = SamplingParams(structured_output=so)
+        assert sampling_from_json(sampling_to_json(sp)) == sp
     assert sampling_from_json(sampling_to_json(SamplingParams())) == SamplingParams()
 
 
@@ -39,6 +46,10 @@ def test_generate_request_round_trip():
     ({"stop_token_ids": [1.0]}, "stop_token_ids"), ({"logit_bias": {"1": 2}}, "logit_bias"),
     ({"structured_output": {"kind": "regex"}}, "structured_output"), ({"best_of": 2}, "best_of"),
     ({"max_tokens": 0}, "max_tokens"), ({"logit_bias": [[1, 2, 3]]}, "logit_bias"),
+    ({"structured_output": {"kind": "tool_call", "spec": "garbage", "strict": True}}, "spec"),
+    ({"structured_output": {"kind": "tool_call", "spec": '{"functions": [1], "parallel": true}', "strict": True}},
+     "tools"),
+    ({"structured_output": {"kind": "json_schema", "spec": '{"type": "object", "not": {}}'}}, "not"),
 ])
 def test_bad_sampling_is_refused_by_name(sampling, field):
     with pytest.raises(InvalidRequestError, match=field):
