@@ -43,7 +43,7 @@ def internal(handler: Handler) -> Handler:
 
     @functools.wraps(handler)
     async def checked(request: Request) -> Response:
-        expected = _state(request).config.token
+        expected = _state(request).token
         if expected is not None:
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):

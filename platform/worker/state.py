@@ -33,6 +33,7 @@ class WorkerState:
 
     def __init__(self, config: WorkerConfig, model_name: str) -> None:
         self.config = config
+        self.token = config.token  # the shared secret, read once
         self.model_name = model_name
         self.engine: AsyncEngine | None = None
         self.source: BlobAdapterSource | None = None
