@@ -1,17 +1,18 @@
 """The LoRA manager: adapter names, the CPU tier, device slots.
 
-Adapters have three tiers: the disk store, a CPU tier (LRU, loaded in the background)
-and the device slots, whose weights the LoRA backend (`backend.LoRABackend`, chosen once
-by the engine's kernel backend) holds in its kernels' layout. On CUDA an adapter also
-passes through staging (staging.py): copied to the device in the background, it is
-`ready` only once that copy has completed.
+Adapters have three tiers: their source (the disk store, or a worker's shared blob
+store), a CPU tier (LRU, loaded in the background) and the device slots, whose weights
+the LoRA backend (`backend.LoRABackend`, chosen once by the engine's kernel backend) holds
+in its kernels' layout. On CUDA an adapter also passes through staging (staging.py):
+copied to the device in the background, it is `ready` only once that copy has completed.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -23,13 +24,42 @@ from .packing import pack_adapter, projection_sizes, segments_of
 from .staging import CudaStager, StagedAdapter, Stager
 from .torch_backend import TorchLoRABackend
 
+if TYPE_CHECKING:
+    from loraplex.adapters import AdapterRecord, LoRAAdapter
+
 log = logging.getLogger(__name__)
 
 
-class LoRAManager:
-    """Resolves adapter names, keeps the CPU tier, fills device slots."""
+@runtime_checkable
+class AdapterSource(Protocol):
+    """Where the manager gets adapter weights: by content digest.
 
-    def __init__(self, store, config: LoRAConfig | None = None, stager: Stager | None = None) -> None:
+    `load(digest, dtype)` returns the adapter whose content hashes to `digest`, verified,
+    or raises (an `AdapterError`: not found, corrupted, invalid, store unreachable). It may
+    do I/O: the manager calls it on its loader thread, and on the engine thread only when
+    a CPU-tier copy was evicted between `ready()` and the slot load.
+    """
+
+    def load(self, digest: str, dtype: torch.dtype) -> LoRAAdapter: ...
+
+
+@runtime_checkable
+class NamedAdapterSource(AdapterSource, Protocol):
+    """A source that also resolves names to their current version (the disk store)."""
+
+    def get(self, name: str) -> AdapterRecord: ...
+
+
+class LoRAManager:
+    """Resolves adapter names, keeps the CPU tier, fills device slots.
+
+    `store`: an `AdapterSource`; names resolve (`ref`) only through a `NamedAdapterSource`.
+    A source without names (a worker's blob store) serves requests that carry an
+    `AdapterRef`, whose digest the manager fetches on first use.
+    """
+
+    def __init__(self, store: AdapterSource, config: LoRAConfig | None = None,
+                 stager: Stager | None = None) -> None:
         self.store = store
         self.config = config or LoRAConfig()
         self._cpu: OrderedDict[str, object] = OrderedDict()  # digest -> LoRAAdapter (LRU)
@@ -60,6 +90,8 @@ class LoRAManager:
     def ref(self, name: str) -> AdapterRef:
         from loraplex.adapters import AdapterError, AdapterNotFoundError
 
+        if not isinstance(self.store, NamedAdapterSource):
+            raise UnknownAdapterError(f"the adapter {name!r} does not exist (this engine resolves no names)")
         try:
             record = self.store.get(name)
         except (AdapterNotFoundError, AdapterError):
@@ -109,6 +141,32 @@ class LoRAManager:
                 self._pending[d] = self._pool.submit(self._load_to_cpu, d)
         return False
 
+    def prefetch(self, digest: str) -> Future:
+        """Bring `digest` into the CPU tier off the engine thread. The future's result is
+        None once it is there; its exception is the source's when it cannot be loaded."""
+        with self._lock:
+            done: Future = Future()
+            if digest in self._cpu or any(r and r.digest == digest for r in self.slot_refs):
+                done.set_result(None)
+                return done
+            if digest in self._failed:
+                if digest in self._live:  # requests wait on this failure: they fail first
+                    done.set_exception(UnknownAdapterError(
+                        f"adapter {digest} could not be loaded: {self._failed[digest]}"))
+                    return done
+                del self._failed[digest]  # nobody holds it: try again
+            if digest not in self._pending:
+                self._pending[digest] = self._pool.submit(self._load_to_cpu, digest)
+            return self._pending[digest]
+
+    def drop(self, digest: str) -> bool:
+        """Forget the CPU-tier copy of `digest` unless a request holds it; True if dropped."""
+        with self._lock:
+            if digest in self._live:
+                return False
+            self._failed.pop(digest, None)
+            return self._cpu.pop(digest, None) is not None
+
     def failed(self) -> dict[str, str]:
         with self._lock:
             return dict(self._failed)
@@ -118,7 +176,7 @@ class LoRAManager:
             adapter = self.store.load(digest, dtype=self.dtype)
         except Exception as exc:  # the request fails, the engine does not
             self._load_failed(digest, "loading", exc)
-            return
+            raise  # into the future, for prefetch() callers
         with self._lock:
             self._cpu[digest] = adapter
             self._cpu.move_to_end(digest)
