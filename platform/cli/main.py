@@ -18,6 +18,7 @@ from loraplex.adapters.errors import AdapterError
 from loraplex.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from loraplex.engine.errors import EngineError
 
+from loraplex.platform.cli import gateway as gateway_cli
 from loraplex.platform.errors import PlatformError
 from loraplex.platform.settings import Settings, default_data_dir
 
@@ -187,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--reset", action="store_true",
                     help="generate a new admin token (printed once); the old one and its sessions stop working")
     _db_options(at)  # (only --data-dir matters: the generated token's hash lives there)
+    gateway_cli.add_parser(sub, _db_options)
     return parser
 
 
@@ -238,6 +240,8 @@ def _fail(message: str) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     from loraplex.platform.cli import commands
 
+    if args.command == "gateway":
+        return gateway_cli.gateway(args)
     settings = settings_from_args(args)
     if args.command == "serve":
         return commands.serve(settings, access_log=args.access_log)
