@@ -66,8 +66,12 @@ class AdapterInfo:
 
 def add_adapter(db: Database, store: AdapterStore, name: str, path: str | Path, *, public: bool = False,
                 owner: str | None = None, grants: list[str] | tuple[str, ...] = (), replace: bool = False,
-                reserved: tuple[str, ...] = ()) -> AdapterInfo:
-    """Validate and store the PEFT adapter at `path` as `name`, then record who may use it."""
+                reserved: tuple[str, ...] = (), blobs: BlobStore | None = None) -> AdapterInfo:
+    """Validate and store the PEFT adapter at `path` as `name`, then record who may use it.
+
+    With `blobs` (`shared_blob_store`), the version is published there too, before the
+    registry row that names it commits (in that row's transaction for a database store),
+    so no replica resolves the name to a digest its workers cannot fetch."""
     if name in reserved:
         raise BadRequestError(f"{name!r} is the base model's name; pick another adapter name")
     if not Path(path).exists():
