@@ -13,6 +13,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from pathlib import Path
 
 import httpx
@@ -187,19 +188,20 @@ class RemoteEngineClient:
         body["prefix_key"] = key
         payload = orjson.dumps(body)
         lease = self.pool.acquire(RouteRequest(adapter=digest, prefix_key=key))
-        stats: WorkerStats | None = None
+        stats: list[WorkerStats | None] = [None]  # the worker's latest report, set by _read
         retried = False
         try:
             while True:
-                stats = None  # a report from the worker that failed is not this one's
+                stats[0] = None  # a report from a worker that failed is not this one's
+                got_output = False
                 try:
                     resp = await self._send(lease, payload)
                     self._placed[rid] = lease.url
-                    stats = _header_stats(resp)
-                    got_output = False
-                    async for out, stats in self._read(resp, lease, rid, stats):
-                        got_output = True
-                        yield out
+                    stats[0] = _header_stats(resp)
+                    async with aclosing(self._read(resp, lease, rid, stats)) as outputs:
+                        async for out in outputs:
+                            got_output = True
+                            yield out
                     return
                 except _Refused as refused:
                     if retried or not isinstance(refused.error, RETRYABLE):
@@ -214,7 +216,7 @@ class RemoteEngineClient:
                 retried = True
         finally:
             self._placed.pop(rid, None)
-            self.pool.release(lease, stats)
+            self.pool.release(lease, stats[0])
 
     def _replace(self, lease: Lease, refused: _Refused) -> Lease:
         """Another worker for a request `lease`'s worker refused before any output."""
@@ -244,9 +246,10 @@ class RemoteEngineClient:
             await resp.aclose()
         raise _Refused(error_from_body(body, resp.status_code), _header_stats(resp), transport=False)
 
-    async def _read(self, resp: httpx.Response, lease: Lease, rid: str, stats: WorkerStats | None
-                    ) -> AsyncIterator[tuple[RequestOutput, WorkerStats | None]]:
-        finished = False
+    async def _read(self, resp: httpx.Response, lease: Lease, rid: str, stats: list[WorkerStats | None]
+                    ) -> AsyncIterator[RequestOutput]:
+        """The outputs of a worker's response; its stats lines land in `stats[0]`."""
+        finished: bool | None = None  # None until the first output
         try:
             async for line in resp.aiter_lines():
                 if not line:
@@ -256,18 +259,25 @@ class RemoteEngineClient:
                 if kind == "output":
                     out = wire.output_from_json(msg, rid)
                     finished = out.finished
-                    yield out, stats
+                    yield out
                 elif kind == "stats":
-                    stats = _stats_or_none(msg)
+                    stats[0] = _stats_or_none(msg) or stats[0]
                 elif kind == "error":
-                    raise error_from_body(msg, 500)
+                    err = error_from_body(msg, 500)
+                    if finished is None:  # nothing sent yet: another worker may take it
+                        raise _Refused(err, stats[0], transport=False)
+                    raise err
         except httpx.HTTPError as exc:
             self.pool.fail(lease)
             raise WorkerLostError(f"the engine worker serving this request went away ({type(exc).__name__})"
                                   ) from exc
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a line that is not the wire's
+            self.pool.fail(lease)
+            log.warning("worker %s sent a malformed response line: %r", lease.url, exc)
+            raise WorkerLostError("the engine worker serving this request sent a malformed response") from exc
         finally:
             await resp.aclose()
-        if not finished:
+        if finished is not True:
             self.pool.fail(lease)
             raise WorkerLostError("the engine worker serving this request ended its response early")
 
