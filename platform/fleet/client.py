@@ -254,10 +254,8 @@ class RemoteEngineClient:
             async for line in resp.aiter_lines():
                 if not line:
                     continue
-                msg = orjson.loads(line)
-                kind = msg.get("type")
-                if kind == "output":
-                    out = wire.output_from_json(msg, rid)
+                kind, msg, out = _decode(line, rid)
+                if out is not None:
                     finished = out.finished
                     yield out
                 elif kind == "stats":
@@ -267,19 +265,27 @@ class RemoteEngineClient:
                     if finished is None:  # nothing sent yet: another worker may take it
                         raise _Refused(err, stats[0], transport=False)
                     raise err
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, _Malformed) as exc:
             self.pool.fail(lease)
-            raise WorkerLostError(f"the engine worker serving this request went away ({type(exc).__name__})"
-                                  ) from exc
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # a line that is not the wire's
-            self.pool.fail(lease)
-            log.warning("worker %s sent a malformed response line: %r", lease.url, exc)
-            raise WorkerLostError("the engine worker serving this request sent a malformed response") from exc
+            raise WorkerLostError(f"the engine worker serving this request failed ({exc})") from exc
         finally:
             await resp.aclose()
         if finished is not True:
             self.pool.fail(lease)
             raise WorkerLostError("the engine worker serving this request ended its response early")
+
+
+class _Malformed(Exception):
+    """A response line that is not the wire's."""
+
+
+def _decode(line: str, rid: str) -> tuple[object, dict, RequestOutput | None]:
+    try:
+        msg = orjson.loads(line)
+        kind = msg.get("type")
+        return kind, msg, wire.output_from_json(msg, rid) if kind == "output" else None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _Malformed(f"a malformed response line: {type(exc).__name__}") from None
 
 
 def _header_stats(resp: httpx.Response) -> WorkerStats | None:
