@@ -267,7 +267,7 @@ class RemoteEngineClient:
                     raise err
         except (httpx.HTTPError, _Malformed) as exc:
             self.pool.fail(lease)
-            raise WorkerLostError(f"the engine worker serving this request failed ({exc})") from exc
+            raise WorkerLostError(f"the engine worker serving this request failed ({type(exc).__name__})") from exc
         finally:
             await resp.aclose()
         if finished is not True:
