@@ -54,9 +54,9 @@ def test_eager_fallbacks():
 
 
 def _step(ids, ctx, tables, slots) -> DecodeInputs:
-    from loraplex.engine.attention import build_metadata
+    from loraplex.engine.attention import build_ragged_metadata
 
-    meta = build_metadata([(c - 1, 1, t) for c, t in zip(ctx, tables)], 8, torch.float32)
+    meta = build_ragged_metadata([(c - 1, 1, t) for c, t in zip(ctx, tables)], 8, torch.float32)
     return DecodeInputs(torch.tensor(ids), torch.tensor([c - 1 for c in ctx]), meta.slot_mapping, meta.seq_lens,
                         meta.block_tables, torch.tensor(slots, dtype=torch.int32), meta.query_start_loc)
 
@@ -116,9 +116,9 @@ def test_padded_static_decode_equals_the_eager_step(decode_setup):
     model, stacks, kv = decode_setup
     ctx, tables, slots = [5, 17, 30, 9], [[3], [7, 1, 12], [2, 9, 4, 11], [5, 6]], [-1, 0, 2, 1]
     step = _step([101, 202, 303, 404], ctx, tables, slots)
-    from loraplex.engine.attention import build_metadata
+    from loraplex.engine.attention import build_ragged_metadata
 
-    meta = build_metadata([(c - 1, 1, t) for c, t in zip(ctx, tables)], 8, torch.float32)
+    meta = build_ragged_metadata([(c - 1, 1, t) for c, t in zip(ctx, tables)], 8, torch.float32)
     kv_ref = [(k.clone(), v.clone()) for k, v in kv]
     lora = stacks.batch(segments_of([(1, s) for s in slots]))
     expect = model(step.input_ids, step.positions, meta, kv_ref, lora)
