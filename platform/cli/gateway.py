@@ -46,7 +46,7 @@ def gateway(args: argparse.Namespace) -> int:
     from loraplex.platform.fleet.directory import AdapterDirectory
     from loraplex.platform.fleet.model_info import fetch_model_info
     from loraplex.platform.routing import RouterConfig
-    from loraplex.platform.serving.app import create_app
+    from loraplex.platform.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
