@@ -25,7 +25,6 @@ from loraplex.engine.errors import EngineDeadError
 from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.tokenizer import Tokenizer
 
-from loraplex.platform.fleet import wire
 from loraplex.platform.fleet.config import FleetConfig
 from loraplex.platform.fleet.directory import AdapterDirectory
 from loraplex.platform.fleet.errors import (
@@ -36,6 +35,7 @@ from loraplex.platform.fleet.errors import (
     error_from_body,
 )
 from loraplex.platform.fleet.model_info import ModelInfo
+from loraplex.platform import worker_wire
 from loraplex.platform.routing import (
     HealthPoller,
     Lease,
@@ -184,9 +184,8 @@ class RemoteEngineClient:
         rid = request_id or uuid.uuid4().hex
         digest = ref.digest if ref is not None else None
         key = prefix_key(cache_salt, digest, ids)
-        body = wire.generate_body(rid, ids, sampling, lane, ref, cache_salt, tenant=cache_salt)
-        body["prefix_key"] = key
-        payload = orjson.dumps(body)
+        payload = orjson.dumps(worker_wire.GenerateRequest(rid, ids, sampling, lane, ref, cache_salt,
+                                                           tenant=cache_salt).to_json())
         lease = self.pool.acquire(RouteRequest(adapter=digest, prefix_key=key))
         stats: list[WorkerStats | None] = [None]  # the worker's latest report, set by _read
         retried = False
@@ -283,13 +282,13 @@ def _decode(line: str, rid: str) -> tuple[object, dict, RequestOutput | None]:
     try:
         msg = orjson.loads(line)
         kind = msg.get("type")
-        return kind, msg, wire.output_from_json(msg, rid) if kind == "output" else None
+        return kind, msg, worker_wire.output_from_json(rid, msg) if kind == "output" else None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise _Malformed(f"a malformed response line: {type(exc).__name__}") from None
 
 
 def _header_stats(resp: httpx.Response) -> WorkerStats | None:
-    raw = resp.headers.get(wire.STATS_HEADER)
+    raw = resp.headers.get(worker_wire.STATS_HEADER)
     if not raw:
         return None
     try:
