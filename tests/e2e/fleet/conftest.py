@@ -18,7 +18,7 @@ from loraplex.platform.tenancy.tenants import create_key, create_tenant
 from tests.e2e.fleet import processes as P
 from tests.platform.fixtures import pg_schema_url, tiny_adapters  # noqa: F401 - fixtures
 
-ENGINE_FLAGS = ("--max-model-len", "256", "--num-kv-blocks", "128", "--max-loras", "2")
+ENGINE_FLAGS = ("--max-model-len", "256", "--num-kv-blocks", "128", "--max-loras", "2", "--max-num-seqs", "16")
 
 
 @dataclass
