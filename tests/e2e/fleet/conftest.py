@@ -68,17 +68,13 @@ def fleet(pg_schema_url, tiny_llama_dir, tiny_adapters, tmp_path_factory) -> Ite
     workers = [P.worker(tiny_llama_dir, url, logs, f"worker{i}", *ENGINE_FLAGS) for i in range(2)]
     serve = P.serve(tiny_llama_dir, logs, "serve", "--database-url", serve_url, *ENGINE_FLAGS,
                     *(a for name, path in tiny_adapters.items() for a in ("--adapter", f"{name}={path}")))
-    procs = [*workers, serve]
+    # Gateways start with the workers: each waits for a worker to describe the model.
+    gateways = [P.gateway(workers, url, logs, f"gateway{i}") for i in range(2)]
+    procs = [*workers, serve, *gateways]
     try:
         for p in procs:
             p.start()
-        for p in workers:
-            p.wait_ready()
-        gateways = [P.gateway(workers, url, logs, f"gateway{i}") for i in range(2)]
-        procs += gateways
-        for p in gateways:
-            p.start()
-        for p in [*gateways, serve]:
+        for p in procs:
             p.wait_ready()
         model = openai.OpenAI(base_url=gateways[0].url + "/v1", api_key=key).models.list().data[0].id
         yield Fleet(db, url, workers, gateways, serve, key, serve_key, digests, model)
