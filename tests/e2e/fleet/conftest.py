@@ -32,6 +32,7 @@ class Fleet:
     serve_key: str
     digests: dict[str, str]  # adapter name -> digest (registered ones)
     model: str
+    metrics_port: int  # gateway 0's --metrics-port
 
     def client(self, gateway: int = 0, key: str | None = None, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.gateways[gateway].url + "/v1", api_key=key or self.key, max_retries=0,
@@ -69,7 +70,9 @@ def fleet(pg_schema_url, tiny_llama_dir, tiny_adapters, tmp_path_factory) -> Ite
     serve = P.serve(tiny_llama_dir, logs, "serve", "--database-url", serve_url, *ENGINE_FLAGS,
                     *(a for name, path in tiny_adapters.items() for a in ("--adapter", f"{name}={path}")))
     # Gateways start with the workers: each waits for a worker to describe the model.
-    gateways = [P.gateway(workers, url, logs, f"gateway{i}") for i in range(2)]
+    metrics_port = P.free_port()
+    gateways = [P.gateway(workers, url, logs, "gateway0", "--metrics-port", str(metrics_port)),
+                P.gateway(workers, url, logs, "gateway1")]
     procs = [*workers, serve, *gateways]
     try:
         for p in procs:
@@ -77,7 +80,7 @@ def fleet(pg_schema_url, tiny_llama_dir, tiny_adapters, tmp_path_factory) -> Ite
         for p in procs:
             p.wait_ready()
         model = openai.OpenAI(base_url=gateways[0].url + "/v1", api_key=key).models.list().data[0].id
-        yield Fleet(db, url, workers, gateways, serve, key, serve_key, digests, model)
+        yield Fleet(db, url, workers, gateways, serve, key, serve_key, digests, model, metrics_port)
     finally:
         for p in procs:
             try:

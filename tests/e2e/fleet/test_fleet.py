@@ -108,6 +108,13 @@ def test_an_adapter_uploaded_through_one_gateway_is_served_by_every_worker_throu
     assert all(n >= 1 for n in _counts(fleet, "ad3", digest)), _counts(fleet, "ad3", digest)
 
 
+def test_a_gateway_reports_the_fleet_on_its_metrics_port(fleet):
+    fleet.client(0).completions.create(model="ad1", prompt="metrics", max_tokens=2)
+    text = httpx.get(f"http://127.0.0.1:{fleet.metrics_port}/metrics", timeout=10).text
+    assert P.metric(text, "loraplex:adapter_requests_total", adapter="ad1") >= 1
+    assert "vllm:num_requests_running" in text and "vllm:kv_cache_usage_perc" in text
+
+
 def test_one_quota_holds_across_both_gateways(fleet):
     _, key = _tenant(fleet, rpm=4)
     if time.time() % 60 > 50:
