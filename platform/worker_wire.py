@@ -177,12 +177,21 @@ def _structured(doc: Any) -> StructuredOutput | None:
     if kind not in ("json_object", "json_schema", "tool_call") or not isinstance(spec, str) \
             or not isinstance(strict, bool):
         raise InvalidRequestError("'sampling.structured_output' must be {kind, spec: str, strict: bool}")
-    if kind == "json_schema":  # the same refusals as at the gateway, whoever sent it
-        try:
-            return StructuredOutput.json_schema(orjson.loads(spec), strict)
-        except orjson.JSONDecodeError:
-            raise InvalidRequestError("'sampling.structured_output.spec' is not JSON") from None
-    return StructuredOutput(kind, spec, strict)
+    if kind == "json_object":
+        return StructuredOutput.json_object()
+    try:
+        doc = orjson.loads(spec)
+    except orjson.JSONDecodeError:
+        raise InvalidRequestError("'sampling.structured_output.spec' is not JSON") from None
+    # Rebuilt through the gateway's own constructors: the same refusals, whoever sent it.
+    if kind == "json_schema":
+        return StructuredOutput.json_schema(doc, strict)
+    functions = doc.get("functions") if isinstance(doc, Mapping) else None
+    parallel = doc.get("parallel") if isinstance(doc, Mapping) else None
+    if not isinstance(functions, list) or not isinstance(parallel, bool):
+        raise InvalidRequestError("a tool_call spec must be {\"functions\": [...], \"parallel\": bool}")
+    tools = [{"type": "function", "function": f} for f in functions]
+    return StructuredOutput.tool_call(tools, "required", parallel)
 
 
 # -- outputs -----------------------------------------------------------------------------
@@ -255,10 +264,20 @@ def _list_of(v: Any, kind: type, key: str) -> list:
     return v
 
 
-def is_error_body(doc: Any) -> bool:
-    return isinstance(doc, Mapping) and isinstance(doc.get("error"), Mapping)
-
-
-__all__ = ["GenerateRequest", "NDJSON", "STATS_HEADER", "TOKEN_ENV", "WIRE_ERRORS", "WorkerError",
-           "adapter_from_json", "coalesce", "dumps_line", "error_from_body", "error_status", "is_error_body",
-           "output_from_json", "output_to_json", "sampling_from_json", "sampling_to_json"]
+__all__ = [
+    "NDJSON",
+    "STATS_HEADER",
+    "TOKEN_ENV",
+    "WIRE_ERRORS",
+    "GenerateRequest",
+    "WorkerError",
+    "adapter_from_json",
+    "coalesce",
+    "dumps_line",
+    "error_from_body",
+    "error_status",
+    "output_from_json",
+    "output_to_json",
+    "sampling_from_json",
+    "sampling_to_json",
+]

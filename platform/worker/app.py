@@ -27,10 +27,9 @@ Loader = Callable[[], tuple[AsyncEngine, "BlobAdapterSource | None"]]
 
 
 async def _error(request: Request, exc: Exception) -> Response:
-    """Every error leaves as WIRE.md's body; an unexpected one says nothing of internals."""
+    """Every error leaves as WIRE.md's body; an unexpected one (which Starlette then logs
+    with its traceback) says nothing of internals."""
     status, body = error_status(exc)
-    if status >= 500 and not isinstance(exc, (EngineError, AdapterError, PlatformError)):
-        log.error("worker route %s failed", request.url.path, exc_info=exc)
     return json_response(body, status)
 
 

@@ -43,7 +43,7 @@ def internal(handler: Handler) -> Handler:
 
     @functools.wraps(handler)
     async def checked(request: Request) -> Response:
-        expected = _state(request).config.token
+        expected = _state(request).token
         if expected is not None:
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
@@ -64,8 +64,8 @@ async def generate(request: Request) -> Response:
     watcher = asyncio.ensure_future(wait_disconnect(request.receive))
 
     async def admit() -> list:
+        state.relays[req.request_id] = relay  # abortable (and its id taken) from here on
         await state.ensure_adapter(req.adapter)  # may fetch it from the store (first use)
-        state.relays[req.request_id] = relay
         relay.start(engine)
         first = await relay.take()
         if relay.done and relay.error is not None and not first:

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.client import AdapterResidency
 from loraplex.engine.errors import EngineDeadError, EngineOverloadedError, UnknownAdapterError
 from loraplex.engine.request import AdapterRef
 
@@ -31,6 +33,7 @@ class WorkerState:
 
     def __init__(self, config: WorkerConfig, model_name: str) -> None:
         self.config = config
+        self.token = config.token  # the shared secret, read once
         self.model_name = model_name
         self.engine: AsyncEngine | None = None
         self.source: BlobAdapterSource | None = None
@@ -114,7 +117,12 @@ class WorkerState:
     def stats(self) -> WorkerStats:
         if self.engine is None:
             return WorkerStats(ready=False, draining=self.draining)
-        return WorkerStats.from_engine(self.engine.stats(), ready=self.ready, draining=self.draining,
+        stats = self.engine.stats()
+        lora = self.engine.engine.lora
+        if lora is not None:  # fresh: a load finishes on the loader thread, between snapshots
+            tiers = lora.tiers()
+            stats = dataclasses.replace(stats, adapters=AdapterResidency(tuple(tiers["device"]), tuple(tiers["cpu"])))
+        return WorkerStats.from_engine(stats, ready=self.ready, draining=self.draining,
                                        prefix_keys=tuple(self._prefix_keys))
 
 

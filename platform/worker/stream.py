@@ -63,6 +63,10 @@ class Relay:
         self._task: asyncio.Task | None = None
 
     def start(self, engine: AsyncEngine) -> None:
+        if self.aborted:  # aborted while its adapter was fetched: it never reaches the engine
+            self.done = True
+            self._ready.set()
+            return
         r = self.req
         stream = engine.generate(r.prompt_token_ids, r.sampling, request_id=r.request_id, lane=r.lane,
                                  adapter=r.adapter, cache_salt=r.cache_salt)
@@ -91,7 +95,7 @@ class Relay:
         except asyncio.CancelledError:
             reason = "abort"
             raise
-        except Exception as exc:  # the engine refused or failed this request
+        except Exception as exc:  # noqa: BLE001 - the engine refused or failed this request
             reason, self.error = "error", exc
         finally:
             self.done = True
@@ -141,8 +145,9 @@ class NdjsonResponse:
             if not writer.done():  # the client left: stop writing, abort in the engine
                 writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
-            if writer.cancelled() or writer.exception() is not None:
-                self.relay.cancel()
+            failed = None if writer.cancelled() else writer.exception()
+            if failed is not None and not isinstance(failed, OSError):  # OSError: the client left
+                log.error("streaming %s failed", self.relay.req.request_id, exc_info=failed)
         finally:
             self.watcher.cancel()
             self.relay.cancel()

@@ -162,7 +162,7 @@ def test_loraplex_migrate_is_the_migration_serve_runs(tmp_path):
     from sqlalchemy import create_engine, inspect, text
 
     from loraplex.platform.cli.main import build_parser, main
-    from loraplex.platform.db.database import migrate  # what `loraplex serve` runs at start
+    from loraplex.platform.db import migrate  # what `loraplex serve` runs at start
 
     by_hook, by_serve = f"sqlite:///{tmp_path}/hook.db", f"sqlite:///{tmp_path}/serve.db"
     build_parser().parse_args(["migrate", "--database-url", by_hook])
