@@ -71,6 +71,10 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
     @asynccontextmanager
     async def lifespan(app: Starlette):
         eng = engine if engine is not None else await asyncio.to_thread(build_engine, settings)
+        # An engine client with async start()/aclose() (a remote one: its connections and
+        # health poller live in this loop) is started and closed with the app.
+        if hasattr(eng, "aclose"):
+            await eng.start()
         db = Database(settings.db_url)
         auth = Authenticator(db, settings.auth_cache_ttl, settings.auth_negative_ttl,
                              settings.last_used_flush_seconds)
@@ -100,6 +104,8 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
                 log.exception("final last_used flush failed")
             if engine is None:
                 await asyncio.to_thread(eng.shutdown)
+            if hasattr(eng, "aclose"):
+                await eng.aclose()
             db.dispose()
 
     routes = [

@@ -56,6 +56,10 @@ class Settings:
     usage_batch_size: int = 500
     usage_flush_seconds: float = 0.25
     usage_max_buffer: int = 100_000
+    # Where every replica fetches adapter versions from (s3://bucket/prefix or a database
+    # URL); None: $LORAPLEX_ADAPTER_STORE, else the platform's database when it is
+    # PostgreSQL, else none (the embedded default keeps its local folder only).
+    adapter_store: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())

@@ -22,6 +22,7 @@ from loraplex.platform.tenancy.adapter_registry import (
     remove_adapter,
     revoke_grant,
     set_adapter_access,
+    shared_blob_store,
 )
 from loraplex.platform.admin.auth import Admin
 from loraplex.platform.admin.state import AdminState, json_response
@@ -105,7 +106,8 @@ async def upload_adapter(request: Request, st: AdminState, admin: Admin, query: 
         owner = (fields.get("owner") or [""])[-1].strip() or None
         grants = [g.strip() for v in fields.get("grants", []) for g in v.split(",") if g.strip()]
         info = await asyncio.to_thread(add_adapter, st.db, st.store, name, up.source, public=public, owner=owner,
-                                       grants=grants, reserved=(st.settings.model_name,))
+                                       grants=grants, reserved=(st.settings.model_name,),
+                                       blobs=shared_blob_store(st.settings, st.db))
     finally:
         shutil.rmtree(up.folder, ignore_errors=True)
     st.adapters_changed()
@@ -132,7 +134,7 @@ async def replace_adapter(request: Request, st: AdminState, admin: Admin, query:
     up = await receive_upload(request, st, on_field)
     try:
         info = await asyncio.to_thread(add_adapter, st.db, st.store, name, up.source, replace=True,
-                                       reserved=(st.settings.model_name,))
+                                       reserved=(st.settings.model_name,), blobs=shared_blob_store(st.settings, st.db))
     finally:
         shutil.rmtree(up.folder, ignore_errors=True)
     st.adapters_changed()

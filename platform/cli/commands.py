@@ -7,7 +7,7 @@ import os
 import sys
 import threading
 
-from loraplex.platform.tenancy.adapter_registry import add_adapter, list_adapters, open_store
+from loraplex.platform.tenancy.adapter_registry import add_adapter, list_adapters, open_store, shared_blob_store
 from loraplex.platform.db.database import Database, migrate
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy.tenants import create_key, create_tenant, list_tenants, revoke_key
@@ -152,7 +152,7 @@ def key_revoke(db: Database, prefix: str) -> int:
 def adapter_add(settings: Settings, db: Database, name: str, path: str, *, public: bool, grants: list[str],
                 owner: str | None, replace: bool) -> int:
     info = add_adapter(db, open_store(settings), name, path, public=public, grants=grants, owner=owner,
-                       replace=replace, reserved=(settings.model_name,))
+                       replace=replace, reserved=(settings.model_name,), blobs=shared_blob_store(settings, db))
     who = "public" if info.public else ", ".join(filter(None, [info.owner and f"owner {info.owner}",
                                                              info.grants and f"granted to {', '.join(info.grants)}"]))
     _out(f"registered adapter {info.name} {info.digest} ({who or 'no tenant may use it yet'})")

@@ -20,6 +20,7 @@ from loraplex.engine.config import (DEVICE_CHOICES, CacheConfig, DeviceUnavailab
 from loraplex.engine.errors import EngineError
 from loraplex.engine.memory_budget import DeviceMemoryError
 
+from loraplex.platform.cli import gateway as gateway_cli
 from loraplex.platform.cli import roles
 from loraplex.platform.errors import PlatformError
 from loraplex.platform.settings import Settings, default_data_dir
@@ -212,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--reset", action="store_true",
                     help="generate a new admin token (printed once); the old one and its sessions stop working")
     _db_options(at)  # (only --data-dir matters: the generated token's hash lives there)
+    gateway_cli.add_parser(sub, _db_options)
     return parser
 
 
@@ -276,6 +278,8 @@ def _fail(message: str, code: int = 1) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     from loraplex.platform.cli import commands
 
+    if args.command == "gateway":
+        return gateway_cli.gateway(args)
     settings = settings_from_args(args)
     if args.command == "serve":
         return commands.serve(settings, access_log=args.access_log)

@@ -7,12 +7,14 @@ database: an adapter is public, owned by one tenant, and/or granted to tenants.
 from __future__ import annotations
 
 import datetime as dt
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import or_, select
 
 from loraplex.adapters import AdapterStore, BaseShapes
+from loraplex.adapters.blobs import BlobStore, BlobStoreConfig, open_blob_store
 from loraplex.adapters.errors import AdapterNotFoundError
 
 from loraplex.platform.db.database import Database
@@ -23,12 +25,32 @@ from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy.tenants import get_tenant
 
 
+ADAPTER_STORE_ENV = "LORAPLEX_ADAPTER_STORE"
+
+
 def open_store(settings: Settings) -> AdapterStore:
+    from loraplex.engine.config import DEFAULT_MODEL
     from loraplex.engine.loader import resolve_model_dir
 
-    model_dir = resolve_model_dir(settings.engine.model.model)
+    model = settings.engine.model.model
+    # A gateway's model folder holds config.json and the tokenizer, no weights: adapters
+    # are validated against the shapes config.json gives.
+    model_dir = resolve_model_dir(model) if model == DEFAULT_MODEL else Path(model).expanduser()
     return AdapterStore(settings.adapter_dir, base=BaseShapes.from_model_dir(model_dir),
                         max_rank=settings.engine.lora.max_lora_rank)
+
+
+def shared_blob_store(settings: Settings, db: Database) -> BlobStore | None:
+    """The adapter store every replica and worker fetches versions from by digest:
+    `settings.adapter_store`, else $LORAPLEX_ADAPTER_STORE, else the platform's database
+    when it is PostgreSQL (the blob rows then commit with the registry row); None for the
+    embedded default (SQLite), which serves from its local folder."""
+    url = settings.adapter_store or os.environ.get(ADAPTER_STORE_ENV) or None
+    if url is None and db.engine.dialect.name != "postgresql":
+        return None
+    config = BlobStoreConfig(url or settings.db_url, cache_dir=settings.data_dir / "blob-cache")
+    same_db = url is None or url == settings.db_url
+    return open_blob_store(config, engine=db.engine if same_db else None)
 
 
 @dataclass(frozen=True)
@@ -44,8 +66,12 @@ class AdapterInfo:
 
 def add_adapter(db: Database, store: AdapterStore, name: str, path: str | Path, *, public: bool = False,
                 owner: str | None = None, grants: list[str] | tuple[str, ...] = (), replace: bool = False,
-                reserved: tuple[str, ...] = ()) -> AdapterInfo:
-    """Validate and store the PEFT adapter at `path` as `name`, then record who may use it."""
+                reserved: tuple[str, ...] = (), blobs: BlobStore | None = None) -> AdapterInfo:
+    """Validate and store the PEFT adapter at `path` as `name`, then record who may use it.
+
+    With `blobs` (`shared_blob_store`), the version is published there too, before the
+    registry row that names it commits (in that row's transaction for a database store),
+    so no replica resolves the name to a digest its workers cannot fetch."""
     if name in reserved:
         raise BadRequestError(f"{name!r} is the base model's name; pick another adapter name")
     if not Path(path).exists():
@@ -59,6 +85,8 @@ def add_adapter(db: Database, store: AdapterStore, name: str, path: str | Path, 
     # Replace in the store too when only the store has it (a half-finished earlier add).
     record = store.add(name, path, replace=True if row is not None or _in_store(store, name) else False)
     with db.session() as s:
+        if blobs is not None:
+            blobs.put(record.digest, store.blob_files(record.digest), connection=s.connection())
         row = s.scalars(select(Adapter).where(Adapter.name == name)).first()
         if row is None:
             row = Adapter(name=name, digest=record.digest, public=public)
