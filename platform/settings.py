@@ -38,6 +38,10 @@ class Settings:
     auth_cache_ttl: float = 5.0
     # Unknown keys are remembered this long, so a flood of bad keys cannot hammer the DB.
     auth_negative_ttl: float = 2.0
+    # Failed authentication (API keys, admin tokens) one client address may make in a
+    # burst, and how many per second after it; past that it gets 429 with Retry-After.
+    auth_failure_burst: int = 20
+    auth_failure_rate: float = 1.0
     # last_used_at is kept in memory and written in one batch this often (and at shutdown).
     last_used_flush_seconds: float = 30.0
     # `serve`: create the demo tenant (and print its key) on first start.

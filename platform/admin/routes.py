@@ -18,6 +18,7 @@ admin_usage.py (engine, audit, usage).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import mimetypes
 from pathlib import Path
@@ -42,7 +43,7 @@ from loraplex.platform.admin.adapters import (
 )
 from loraplex.platform.admin.auth import CSRF_HEADER, SESSION_COOKIE
 from loraplex.platform.admin.schemas import Op, check_query, openapi_document, qparam, validate
-from loraplex.platform.admin.state import AdminState, json_response
+from loraplex.platform.admin.state import AdminState, client_address, json_response
 from loraplex.platform.admin.tenants import (
     create_key_,
     create_session,
@@ -107,8 +108,10 @@ def _endpoint(op: Op):
             st = _state(request)
             admin = None
             if op.auth:
-                admin = st.auth.authenticate(request.method, request.headers.get("authorization"),
-                                             request.cookies.get(SESSION_COOKIE), request.headers.get(CSRF_HEADER))
+                # A session is a database row: checked off the event loop.
+                admin = await asyncio.to_thread(
+                    st.auth.authenticate, request.method, request.headers.get("authorization"),
+                    request.cookies.get(SESSION_COOKIE), request.headers.get(CSRF_HEADER), client_address(request))
             args: dict[str, Any] = {"query": check_query(op, request.query_params)}
             if op.body is not None:
                 args["body"] = await _json_body(request, op.body)

@@ -164,7 +164,9 @@ def check_query(op: Op, query: Any) -> dict[str, Any]:
 _STATUS_TEXT = {200: "OK", 201: "Created", 400: "Bad input: the message names the problem",
                 401: "No admin token or session, or a wrong one", 403: "CSRF token missing or wrong",
                 404: "Not found", 409: "Conflict: it exists already", 413: "Upload over the size limit",
-                415: "Unsupported content type", 501: "Not available in this build"}
+                415: "Unsupported content type",
+                429: "Too many failed authentication attempts from this address: retry after Retry-After seconds",
+                501: "Not available in this build"}
 
 
 def openapi_document(ops: list[Op], components: dict[str, dict], *, title: str, version: str,
@@ -209,6 +211,10 @@ def openapi_document(ops: list[Op], components: dict[str, dict], *, title: str, 
             codes |= {400}
         if op.body is not None:
             codes |= {415}
+        if op.body is not None or op.multipart is not None:
+            codes |= {413}  # every body has a size limit
+        if op.auth or op.body is not None:
+            codes |= {429}
         if "{" in op.path:
             codes |= {404}
         for code in sorted(codes):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from starlette.requests import Request
 from starlette.responses import Response
 
 from loraplex.adapters import AdapterStore
@@ -42,18 +43,21 @@ class AdminState:
         # The engine's own store when it has one: an upload is then servable at once.
         store = lora.store if lora is not None else open_store(settings)
         _clean_stale_uploads(store.root / "uploads")
-        auth = AdminAuth.from_settings(settings)
+        auth = AdminAuth.from_settings(settings, db)
         if not auth.configured:
             log.warning("admin API: no admin token configured (set $LORAPLEX_ADMIN_TOKEN); /admin is locked")
         return cls(settings, db, gateway, auth, store)
 
-    async def audit(self, admin: Admin, action: str, target: str, **details: Any) -> None:
+    async def audit(self, admin: Admin | str, action: str, target: str, **details: Any) -> None:
+        """One audit row; `admin` is the caller, or an actor's name for one not signed in."""
+        actor = admin if isinstance(admin, str) else admin.actor
+
         def write() -> None:
             with self.db.session() as s:
-                audit.record(s, admin.actor, action, target, **details)
+                audit.record(s, actor, action, target, **details)
 
         await asyncio.to_thread(write)
-        log.info("admin %s: %s %s", admin.actor, action, target)
+        log.info("admin %s: %s %s", actor, action, target)
 
     def access_changed(self) -> None:
         self.gateway.auth.invalidate()
@@ -79,6 +83,11 @@ def _clean_stale_uploads(folder: Path, max_age: float = 3600.0) -> None:
                 shutil.rmtree(p, ignore_errors=True)
         except OSError:
             pass
+
+
+def client_address(request: Request) -> str | None:
+    """The caller's address (uvicorn puts a trusted proxy's X-Forwarded-For here)."""
+    return request.client.host if request.client else None
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -249,6 +249,5 @@ def admin_token(settings: Settings, reset: bool = False) -> int:
     if not hashes:
         _out(f"no admin token yet: `loraplex serve` generates one at first start, or set ${ADMIN_TOKEN_ENV}")
     else:
-        _out(f"admin token from {source} (fingerprint token:{hashes[0][:12]}); "
-             "`loraplex admin-token --reset` replaces a generated one")
+        _out(f"admin token from {source}; `loraplex admin-token --reset` replaces a generated one")
     return 0

@@ -22,6 +22,7 @@ from loraplex.platform.serving.gateway import Gateway, Hooks
 from loraplex.platform.serving.metrics import CONTENT_TYPE, Metrics
 from loraplex.platform.serving.openai_routes import openai_routes
 from loraplex.platform.settings import Settings
+from loraplex.platform.tenancy.throttle import ThrottleConfig
 from loraplex.platform.metering.hooks import UsageHooks
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ async def ready(request: Request) -> Response:
     if not gw.engine.is_running:
         problems.append("engine stopped")
     try:
-        await asyncio.wait_for(asyncio.to_thread(gw.auth.db.ping), timeout=2.0)
+        await asyncio.wait_for(gw.auth.ping(), timeout=2.0)  # its own thread: never queued behind others
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         problems.append(f"database unreachable: {type(exc).__name__}")
     if problems:
@@ -68,7 +69,8 @@ def create_app(settings: Settings, engine: AsyncEngine | None = None, *, hooks: 
         eng = engine if engine is not None else await asyncio.to_thread(build_engine, settings)
         db = Database(settings.db_url)
         auth = Authenticator(db, settings.auth_cache_ttl, settings.auth_negative_ttl,
-                             settings.last_used_flush_seconds)
+                             settings.last_used_flush_seconds,
+                             ThrottleConfig(settings.auth_failure_burst, settings.auth_failure_rate))
         m = Metrics(settings.model_name, eng.stats, settings.engine.lora.max_loras)
         # No hooks passed in: quotas and metering (usage_hooks.py). Hooks with async
         # start()/close() (UsageHooks do) are started and closed with the app.
