@@ -102,7 +102,8 @@ def create_app(settings: Settings, engine: AsyncEngine | None = None, *, hooks: 
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
+        # With a metrics port of its own (listener.py), /metrics is not on the tenants' port.
+        *([Route("/metrics", metrics, methods=["GET"])] if settings.metrics_port is None else []),
         Mount("/v1", routes=openai_routes()),
         Mount("/adapters/{adapter}/v1", routes=openai_routes()),
         *admin_routes(),  # /admin/api/... (JSON) and /admin/ (the UI)
