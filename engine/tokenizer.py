@@ -5,6 +5,7 @@ accented letters across tokens, so text is released only once it decodes cleanly
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,13 @@ class Tokenizer:
     def hf(self) -> Any:
         """The underlying transformers tokenizer (for the reference implementation in tests)."""
         return self._hf
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters a vocabulary entry spells (one character per byte for
+        byte-level BPE): what bounds, from the text's length alone, how few tokens a text
+        can become."""
+        return max((len(t) for t in self._hf.get_vocab()), default=1)
 
     @property
     def has_chat_template(self) -> bool:
@@ -102,7 +110,8 @@ def _normalize_message(message: Any, index: int) -> dict[str, Any]:
         raise InvalidRequestError(f"{where} must be an object with role and content")
     role = message.get("role")
     if role not in CHAT_ROLES:
-        raise InvalidRequestError(f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}")
+        raise InvalidRequestError(f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}, "
+                                  f"got {str(role)[:40]!r}")
     content = message.get("content")
     if content is None and role == "assistant" and message.get("tool_calls"):
         content = ""  # an assistant turn that only calls tools

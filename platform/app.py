@@ -20,6 +20,8 @@ from loraplex.platform.errors import ERRORS, api_error, error_response
 from loraplex.platform.serving.gateway import Gateway, Hooks
 from loraplex.platform.serving.metrics import CONTENT_TYPE, Metrics
 from loraplex.platform.serving.openai_routes import openai_routes
+from loraplex.platform.serving.openapi import openai_openapi
+from loraplex.platform.serving.request_limits import ParsePool
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy.throttle import ThrottleConfig
 from loraplex.platform.metering.hooks import UsageHooks
@@ -55,6 +57,10 @@ async def metrics(request: Request) -> Response:
     return Response(request.app.state.gateway.metrics.render(), media_type=CONTENT_TYPE)
 
 
+async def openai_document(request: Request) -> Response:
+    return JSONResponse(request.app.state.openai_openapi)
+
+
 async def _domain_error(request: Request, exc: Exception) -> Response:
     """Renders a domain error as OpenAI's error body; Starlette picks this handler by the
     exception's class hierarchy. An OpenAI endpoint's answer is counted in the metrics."""
@@ -85,6 +91,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
         if hasattr(usage, "register_metrics"):
             usage.register_metrics(m.registry)
         gw = app.state.gateway = Gateway(settings, eng, auth, m, usage)
+        app.state.parse_pool = ParsePool()  # tokenizing and chat templates, off the event loop
         app.state.admin = AdminState.create(settings, db, gw)
         auth.start()
         try:
@@ -100,6 +107,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
                 await auth.close()
             except Exception:  # noqa: BLE001 - a DB hiccup at exit must not block shutdown
                 log.exception("final last_used flush failed")
+            app.state.parse_pool.close()
             if engine is None:
                 await asyncio.to_thread(eng.shutdown)
             db.dispose()
@@ -109,10 +117,12 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
         Route("/ready", ready, methods=["GET"]),
         # With a metrics port of its own (listener.py), /metrics is not on the tenants' port.
         *([Route("/metrics", metrics, methods=["GET"])] if settings.metrics_port is None else []),
+        Route("/v1/openapi.json", openai_document, methods=["GET"]),
         Mount("/v1", routes=openai_routes()),
         Mount("/adapters/{adapter}/v1", routes=openai_routes()),
         *admin_routes(),  # /admin/api/... (JSON) and /admin/ (the UI)
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=dict.fromkeys(ERRORS, _domain_error))
     app.state.admin_openapi = openapi()
+    app.state.openai_openapi = openai_openapi(settings.limits)
     return app

@@ -24,7 +24,6 @@ import mimetypes
 from pathlib import Path
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import FileResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -43,7 +42,8 @@ from loraplex.platform.admin.adapters import (
 )
 from loraplex.platform.admin.auth import CSRF_HEADER, SESSION_COOKIE
 from loraplex.platform.admin.schemas import Op, check_query, openapi_document, qparam, validate
-from loraplex.platform.admin.state import AdminState, client_address, json_response
+from loraplex.platform.admin.state import AdminState, json_response
+from loraplex.platform.tenancy.throttle import client_address
 from loraplex.platform.admin.tenants import (
     create_key_,
     create_session,
@@ -72,6 +72,8 @@ from loraplex.platform.errors import (
     error_response,
 )
 from loraplex.platform.lanes import LANES
+from loraplex.platform.serving.request_limits import check_content_length, parse_json_object, read_body
+from loraplex.platform.settings import ServerLimits
 
 log = logging.getLogger(__name__)
 API_VERSION = "1"
@@ -87,17 +89,20 @@ def _state(request: Request) -> AdminState:
     return request.app.state.admin
 
 
-async def _json_body(request: Request, schema: dict) -> dict:
+def _body_limit(st: AdminState, op: Op) -> int:
+    """JSON bodies are small; the one a caller sends before proving anything, smaller."""
+    limits = st.settings.limits
+    return limits.max_admin_body_bytes if op.auth else limits.max_sign_in_body_bytes
+
+
+async def _json_body(request: Request, schema: dict, limit: int, limits: ServerLimits) -> dict:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
         raise UnsupportedMediaTypeError("send the request body as JSON (Content-Type: application/json)")
-    raw = await request.body()
-    try:
-        body = orjson.loads(raw) if raw else None
-    except orjson.JSONDecodeError:
-        raise BadRequestError("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
+    raw = await read_body(request, limit)
+    if not raw:
         raise BadRequestError("the request body must be a JSON object")
+    body = parse_json_object(raw, limits)
     validate(schema, body, "body")
     return body
 
@@ -107,6 +112,8 @@ def _endpoint(op: Op):
         try:
             st = _state(request)
             admin = None
+            if op.body is not None:  # refused from its declared size alone, before any other work
+                check_content_length(request, _body_limit(st, op))
             if op.auth:
                 # A session is a database row: checked off the event loop.
                 admin = await asyncio.to_thread(
@@ -114,7 +121,7 @@ def _endpoint(op: Op):
                     request.cookies.get(SESSION_COOKIE), request.headers.get(CSRF_HEADER), client_address(request))
             args: dict[str, Any] = {"query": check_query(op, request.query_params)}
             if op.body is not None:
-                args["body"] = await _json_body(request, op.body)
+                args["body"] = await _json_body(request, op.body, _body_limit(st, op), st.settings.limits)
             result = await op.handler(request, st, admin, **request.path_params, **args)
         except Exception as exc:  # noqa: BLE001 - mapped to a status in one place
             if isinstance(exc, AdapterNotFoundError):

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from starlette.requests import Request
 from starlette.responses import Response
 
 from loraplex.adapters import AdapterStore
@@ -82,11 +81,6 @@ def _clean_stale_uploads(folder: Path, max_age: float = 3600.0) -> None:
                 shutil.rmtree(p, ignore_errors=True)
         except OSError:
             pass
-
-
-def client_address(request: Request) -> str | None:
-    """The caller's address (uvicorn puts a trusted proxy's X-Forwarded-For here)."""
-    return request.client.host if request.client else None
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

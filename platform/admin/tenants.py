@@ -11,7 +11,8 @@ from starlette.responses import Response
 from loraplex.platform.admin.auth import COOKIE_PATH, CSRF_COOKIE, SESSION_COOKIE, SESSION_SECONDS, Admin
 from loraplex.platform.admin.schemas import parse_datetime
 from loraplex.platform.quotas.limits import quota_status, set_quota
-from loraplex.platform.admin.state import AdminState, client_address, json_response
+from loraplex.platform.admin.state import AdminState, json_response
+from loraplex.platform.tenancy.throttle import client_address
 from loraplex.platform.errors import AdminAuthenticationError, BadRequestError
 from loraplex.platform.db.base import utcnow
 from loraplex.platform.tenancy.tenants import (

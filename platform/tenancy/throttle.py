@@ -14,6 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from starlette.requests import Request
+
 
 @dataclass(frozen=True)
 class ThrottleConfig:
@@ -60,3 +62,8 @@ class FailureThrottle:
             self._buckets.move_to_end(client)
             while len(self._buckets) > self.config.max_clients:
                 self._buckets.popitem(last=False)
+
+
+def client_address(request: Request) -> str | None:
+    """The caller's address: uvicorn puts a trusted proxy's X-Forwarded-For here."""
+    return request.client.host if request.client else None
