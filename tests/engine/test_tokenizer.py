@@ -252,3 +252,10 @@ def test_stop_limits() -> None:
         StopChecker(["x" * (MAX_STOP_STRING_CHARS + 1)])
     with pytest.raises(InvalidRequestError, match="stop_token_ids"):
         check_stop_limits([], list(range(MAX_STOP_TOKEN_IDS + 1)))
+
+
+def test_max_token_chars_bounds_what_any_token_decodes_to(tok: Tokenizer) -> None:
+    longest = tok.max_token_chars
+    assert 1 < longest < 1000
+    for token_id in range(0, tok.vocab_size, 7):
+        assert len(tok.decode([token_id], skip_special_tokens=False)) <= longest
