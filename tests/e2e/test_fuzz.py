@@ -7,6 +7,7 @@ both sent. Generation lengths are clamped to a few tokens so the examples stay q
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -59,13 +60,16 @@ def _send(client: httpx.Client, case, headers: dict[str, str]) -> httpx.Response
                 and isinstance(v, str) and v.isascii() and v.isprintable() and v == v.strip()}
     kw: dict = {"params": case.query or None, "headers": {**sendable, **headers}}
     body = _clamped(case.body)
-    if body is not NOT_SET:
+    if isinstance(body, (bytes, bytearray)):
+        kw["content"] = bytes(body)
+    elif body is not NOT_SET:
         if case.media_type == "multipart/form-data" and isinstance(body, dict):
             kw["files"] = {k: (k, v if isinstance(v, bytes) else str(v).encode()) for k, v in body.items()}
         elif case.media_type in (None, "application/json"):
-            kw["json"] = body
+            kw["content"] = json.dumps(body, default=repr).encode()
+            kw["headers"].setdefault("content-type", "application/json")
         else:
-            kw["content"] = body if isinstance(body, bytes) else str(body).encode()
+            kw["content"] = str(body).encode()
     return client.request(case.method, case.formatted_path, **kw)
 
 
@@ -80,31 +84,25 @@ def check_answer(r: httpx.Response, where: str) -> None:
         assert leak not in r.text, f"{where} -> {r.status_code} leaks {leak!r}: {r.text[:500]}"
 
 
+def fuzz_operation(url: str, op, mode: GenerationMode, token: str, examples: int) -> None:
+    with httpx.Client(base_url=url, timeout=60) as client:
+        headers = {"authorization": f"Bearer {token}"}
+
+        @_fuzz(examples)
+        @given(case=op.as_strategy(generation_mode=mode))
+        def run(case):
+            check_answer(_send(client, case, headers), f"{case.method} {case.path} {case.body!r:.200}")
+
+        run()
+
+
 @pytest.mark.parametrize("mode", MODES, ids=str)
 @pytest.mark.parametrize("path,method", _operations(OPENAI_SCHEMA))
 def test_openai_routes(live, path, method, mode):
-    op = OPENAI_SCHEMA[path][method]
-    with httpx.Client(base_url=live.url, timeout=60) as client:
-        headers = {"authorization": f"Bearer {live.keys['acme']}"}
-
-        @_fuzz(40)
-        @given(case=op.as_strategy(generation_mode=mode))
-        def run(case):
-            check_answer(_send(client, case, headers), f"{method} {path} {case.body!r:.200}")
-
-        run()
+    fuzz_operation(live.url, OPENAI_SCHEMA[path][method], mode, live.keys["acme"], 40)
 
 
 @pytest.mark.parametrize("mode", MODES, ids=str)
 @pytest.mark.parametrize("path,method", _operations(ADMIN_SCHEMA))
 def test_admin_api(admin_live, path, method, mode):  # noqa: F811
-    op = ADMIN_SCHEMA[path][method]
-    with httpx.Client(base_url=admin_live.url, timeout=60) as client:
-        headers = {"authorization": f"Bearer {ADMIN_TOKEN}"}
-
-        @_fuzz(8)
-        @given(case=op.as_strategy(generation_mode=mode))
-        def run(case):
-            check_answer(_send(client, case, headers), f"{method} {path} {case.body!r:.200}")
-
-        run()
+    fuzz_operation(admin_live.url, ADMIN_SCHEMA[path][method], mode, ADMIN_TOKEN, 8)
