@@ -196,3 +196,14 @@ def test_catastrophic_regex_adapter_config_is_refused(served: Served, tiny_adapt
                                   ("adapter_model.safetensors", weights)])
     assert r.status_code == 400 and "target_modules" in r.json()["error"]["message"], r.text
     assert served.healthy()
+
+
+def test_an_oversized_request_head_is_refused(served: Served):
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as s:
+        try:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * (100 << 10) + b"\r\n\r\n")
+        except OSError:
+            pass  # closed as soon as the head passed its limit
+        status, _, _ = _read_response(s)
+    assert status == 400
+    assert served.healthy()
