@@ -41,7 +41,7 @@ from loraplex.platform.admin.adapters import (
     upload_adapter,
 )
 from loraplex.platform.admin.auth import CSRF_HEADER, SESSION_COOKIE
-from loraplex.platform.admin.schemas import Op, check_query, openapi_document, qparam, validate
+from loraplex.platform.admin.schemas import Op, check_query, check_text, openapi_document, qparam, validate
 from loraplex.platform.admin.state import AdminState, json_response
 from loraplex.platform.tenancy.throttle import client_address
 from loraplex.platform.admin.tenants import (
@@ -119,6 +119,8 @@ def _endpoint(op: Op):
                 admin = await asyncio.to_thread(
                     st.auth.authenticate, request.method, request.headers.get("authorization"),
                     request.cookies.get(SESSION_COOKIE), request.headers.get(CSRF_HEADER), client_address(request))
+            for name, value in request.path_params.items():
+                check_text(value, name)
             args: dict[str, Any] = {"query": check_query(op, request.query_params)}
             if op.body is not None:
                 args["body"] = await _json_body(request, op.body, _body_limit(st, op), st.settings.limits)
@@ -153,13 +155,16 @@ TS = {"type": ["string", "null"], "format": "date-time"}
 ISO_TIME = {"type": "string", "maxLength": 40,
             "pattern": r"^\d{4}-\d{2}-\d{2}([Tt ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?([Zz]|[+-]\d{2}:?\d{2})?)?$",
             "description": "an ISO date (UTC midnight) or date-time"}
-_LIMIT = {"type": ["integer", "null"], "minimum": 0}
+# The database's integer columns: 32-bit, the token budget 64-bit.
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
+_LIMIT = {"type": ["integer", "null"], "minimum": 0, "maximum": INT32_MAX}
 QUOTAS_IN = {"type": ["object", "null"], "additionalProperties": False,
              "description": "Limits to set; a field left out keeps its value, null clears it (null: clear all)",
              "properties": {"rpm": {**_LIMIT, "description": "requests per minute"},
                             "tpm": {**_LIMIT, "description": "tokens per minute (prompt + max_tokens reserved)"},
                             "max_concurrency": {**_LIMIT, "description": "requests in flight at once"},
-                            "token_budget": {**_LIMIT, "description": "tokens per budget period"},
+                            "token_budget": {**_LIMIT, "maximum": INT64_MAX,
+                                             "description": "tokens per budget period"},
                             "budget_period": {"type": ["string", "null"], "enum": ["day", "month", None]}}}
 QUOTAS = {"type": "object", "description": "The tenant's limits (null fields: no limit) and where it "
           "stands now",
@@ -321,7 +326,7 @@ OPS: list[Op] = [
               qparam("tenant", {"type": "string", "minLength": 1, "maxLength": 64})]),
     Op("GET", "/audit", list_audit, "The audit log, newest first", "audit", out=_list_of("AuditEntry"),
        query=[qparam("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
-              qparam("before", {"type": "integer", "minimum": 1}, "entries with a smaller id (paging)"),
+              qparam("before", {"type": "integer", "minimum": 1, "maximum": INT32_MAX}, "entries with a smaller id (paging)"),
               qparam("action", {"type": "string", "minLength": 1, "maxLength": 64}),
               qparam("target", {"type": "string", "minLength": 1, "maxLength": 200})]),
 ]

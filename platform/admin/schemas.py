@@ -37,6 +37,12 @@ def parse_datetime(value: str, param: str) -> dt.datetime:
     return when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)
 
 
+def check_text(value: str, where: str) -> None:
+    """Text the database can store: PostgreSQL refuses NUL characters."""
+    if "\x00" in value:
+        raise BadRequestError(f"{where}: must not contain NUL characters", where)
+
+
 def validate(schema: dict, value: Any, where: str) -> None:
     """Raise BadRequestError naming `where` (a field path) when `value` breaks `schema`."""
     t = schema.get("type")
@@ -50,6 +56,7 @@ def validate(schema: dict, value: Any, where: str) -> None:
         choices = ", ".join(str(x) for x in schema["enum"] if x is not None)
         raise BadRequestError(f"{where}: {value!r} is not one of {choices}", where)
     if isinstance(value, str):
+        check_text(value, where)
         if len(value) < schema.get("minLength", 0):
             raise BadRequestError(f"{where}: must not be empty" if schema["minLength"] == 1
                                   else f"{where}: must be at least {schema['minLength']} characters", where)

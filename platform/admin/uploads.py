@@ -12,6 +12,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from loraplex.adapters.limits import MAX_CONFIG_BYTES
 
+from loraplex.platform.admin.schemas import check_text
 from loraplex.platform.admin.state import AdminState
 from loraplex.platform.errors import BadRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
 
@@ -128,6 +129,7 @@ async def receive_upload(request: Request, st: AdminState, on_field) -> Upload:
             files.append((part["client"], part["path"], part["head"]))
         else:
             value = part["data"].decode("utf-8", "replace")
+            check_text(value, part["name"])
             fields.setdefault(part["name"], []).append(value)
             on_field(part["name"], value)
         state["part"] = None
