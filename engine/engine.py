@@ -38,6 +38,10 @@ class RequestOutput:
     num_output_tokens: int = 0
     logprobs: list[Logprobs] = field(default_factory=list)
     stop_reason: str | int | None = None
+    # Prompt tokens the engine has processed (computed or found in the prefix cache): what
+    # a request aborted before its first token still cost. With `report_prefill` set, a
+    # prefill chunk that sampled nothing yields an output with no token carrying it.
+    num_processed_prompt_tokens: int = 0
 
 
 @dataclass
@@ -69,6 +73,8 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.idle_step = False
         self.grammars = GrammarCache(self.tokenizer, self.arch.vocab_size)
+        # Emit token-less outputs for prefill chunks (metering bills an abort mid-prefill).
+        self.report_prefill = False
 
     # -- requests -----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
@@ -156,7 +162,16 @@ class LLMEngine:
             self.num_prompt_tokens += max(0, min(s.start_pos + len(s.token_ids), reqs[s.request_id].num_prompt_tokens)
                                           - s.start_pos)
         self.num_generation_tokens += len(sampled)
-        return failed + [self._output(reqs[rid], tok, logprobs.get(rid), rid in done) for rid, tok in sampled.items()]
+        outs = [self._output(reqs[rid], tok, logprobs.get(rid), rid in done) for rid, tok in sampled.items()]
+        if self.report_prefill:  # prompt chunks that sampled nothing (a first prefill, not a recompute)
+            outs += [self._prefill_output(r) for r in (reqs[s.request_id] for s in plan.seqs)
+                     if r.request_id not in sampled and r.request_id not in done and not r.num_output_tokens]
+        return failed + outs
+
+    @staticmethod
+    def _prefill_output(req: Request) -> RequestOutput:
+        return RequestOutput(req.request_id, [], "", False, None, req.num_prompt_tokens, max(req.num_cached_tokens, 0),
+                             0, num_processed_prompt_tokens=min(req.num_computed_tokens, req.num_prompt_tokens))
 
     def _fail_broken_adapters(self) -> list[RequestOutput]:
         """Requests whose adapter could not be loaded finish with an error, alone."""
@@ -196,7 +211,8 @@ class LLMEngine:
             request_id=req.request_id, new_token_ids=[token], new_text=text, finished=finished,
             finish_reason=req.status.value if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=req.num_output_tokens, logprobs=[lp] if lp else [], stop_reason=req.stop_reason)
+            num_output_tokens=req.num_output_tokens, logprobs=[lp] if lp else [], stop_reason=req.stop_reason,
+            num_processed_prompt_tokens=req.num_prompt_tokens)
 
     def generate(self, prompts: list[str | list[int]], sampling: SamplingParams | list[SamplingParams] | None = None,
                  **kwargs) -> list[RequestOutput]:

@@ -15,9 +15,12 @@ import sys
 from sqlalchemy.exc import SQLAlchemyError
 
 from loraplex.adapters.errors import AdapterError
-from loraplex.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from loraplex.engine.config import (DEVICE_CHOICES, CacheConfig, DeviceUnavailableError, EngineConfig, LoRAConfig,
+                                    ModelConfig, SchedulerConfig, resolve_device)
 from loraplex.engine.errors import EngineError
+from loraplex.engine.memory_budget import DeviceMemoryError
 
+from loraplex.platform.cli import roles
 from loraplex.platform.errors import PlatformError
 from loraplex.platform.settings import ServerLimits, Settings, default_data_dir
 
@@ -87,10 +90,30 @@ def _db_options(p: argparse.ArgumentParser) -> None:
                    help="SQLAlchemy URL, e.g. postgresql://user@host/db (default: SQLite in the data dir)")
 
 
+def _fraction_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"not a fraction in (0, 1]: {text!r} (e.g. 0.9)")
+    return value
+
+
 def _engine_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
+    g.add_argument("--device", default="auto", metavar="DEVICE",
+                   help=f"{DEVICE_CHOICES} (default auto: the first CUDA GPU torch sees, else the CPU)")
     g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV pool size, e.g. 1GiB")
+    g.add_argument("--kernels", choices=("auto", "triton", "cpu", "torch"), default="auto",
+                   help="kernel backend (default auto: Triton on CUDA; on a CPU the C kernels where they build)")
+    g.add_argument("--gpu-memory-utilization", type=_fraction_arg, default=0.9, metavar="F",
+                   help="fraction of the GPU's memory to use: the KV cache gets what the weights, adapter "
+                        "slots and activations leave (default 0.9)")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="KV pool size, e.g. 1GiB (default: 1GiB on a CPU; on a GPU what "
+                        "--gpu-memory-utilization leaves)")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=128)
@@ -149,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
     _engine_options(serve)
     _server_options(serve)
+    roles.add_worker_parser(sub, _db_options, _engine_options)
+    roles.add_migrate_parser(sub, _db_options)
 
     tenant = sub.add_parser("tenant", help="manage tenants").add_subparsers(dest="action", required=True)
     tc = tenant.add_parser("create", help="create a tenant")
@@ -220,24 +245,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    kw = {}
-    if args.data_dir:
-        kw["data_dir"] = args.data_dir
-    if getattr(args, "command", None) != "serve":
-        return Settings(database_url=args.database_url,
-                        engine=EngineConfig(model=ModelConfig(model=getattr(args, "model", "default"))), **kw)
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The `_engine_options` group (and --model) -> an EngineConfig, the device resolved:
+    `DeviceUnavailableError` when --device names one this machine lacks."""
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
-                        enable_prefix_caching=not args.no_prefix_caching,
-                        **({"kv_cache_memory_bytes": args.kv_cache_memory} if args.kv_cache_memory else {}))
-    engine = EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
+                        kv_cache_memory_bytes=args.kv_cache_memory,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        enable_prefix_caching=not args.no_prefix_caching)
+    return EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                          device=resolve_device(args.device)),
         cache=cache,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill),
         lora=LoRAConfig(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank),
         num_threads=args.threads or _default_threads(),
+        kernels=args.kernels,
+        enforce_eager=args.enforce_eager,
     )
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    kw = {}
+    if args.data_dir:
+        kw["data_dir"] = args.data_dir
+    if getattr(args, "command", None) not in ("serve", "worker"):
+        return Settings(database_url=args.database_url,
+                        engine=EngineConfig(model=ModelConfig(model=getattr(args, "model", "default"))), **kw)
+    engine = engine_config_from_args(args)
     return Settings(engine=engine, database_url=args.database_url, host=args.host, port=args.port,
                     served_model_name=args.served_model_name, adapters=tuple(args.adapter),
                     create_demo_tenant=not args.no_demo, **_server_settings(args), **kw)
@@ -247,6 +282,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         code = _dispatch(args)
+    except (DeviceUnavailableError, DeviceMemoryError) as exc:
+        # Configuration the machine cannot honour: a usage error, as argparse's are.
+        code = _fail(str(exc), code=2)
     except (PlatformError, AdapterError, EngineError, ValueError) as exc:
         code = _fail(getattr(exc, "reason", None) or str(exc))
     except SQLAlchemyError as exc:
@@ -258,11 +296,11 @@ def main(argv: list[str] | None = None) -> None:
     raise SystemExit(code)
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, code: int = 1) -> int:
     if os.environ.get("LORAPLEX_DEBUG"):
         raise
     print(f"loraplex: error: {message.splitlines()[0] if message else 'unknown error'}", file=sys.stderr)
-    return 1
+    return code
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -273,6 +311,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return commands.serve(settings, access_log=args.access_log)
     if args.command == "admin-token":
         return commands.admin_token(settings, reset=args.reset)
+    if args.command == "worker":
+        return roles.worker(settings, args)
+    if args.command == "migrate":
+        return roles.migrate(settings)
     db = commands.open_db(settings)
     try:
         if args.command == "tenant" and args.action == "create":
