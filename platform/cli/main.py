@@ -275,7 +275,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     engine = engine_config_from_args(args)
     return Settings(engine=engine, database_url=args.database_url, host=args.host, port=args.port,
                     served_model_name=args.served_model_name, adapters=tuple(args.adapter),
-                    create_demo_tenant=not args.no_demo, **_server_settings(args), **kw)
+                    create_demo_tenant=not args.no_demo,
+                    **(_server_settings(args) if args.command == "serve" else {}), **kw)
 
 
 def main(argv: list[str] | None = None) -> None:
