@@ -5,6 +5,7 @@ accented letters across tokens, so text is released only once it decodes cleanly
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,13 @@ class Tokenizer:
     def hf(self) -> Any:
         """The underlying transformers tokenizer (for the reference implementation in tests)."""
         return self._hf
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters a vocabulary entry spells (one character per byte for
+        byte-level BPE): what bounds, from the text's length alone, how few tokens a text
+        can become."""
+        return max((len(t) for t in self._hf.get_vocab()), default=1)
 
     @property
     def has_chat_template(self) -> bool:
@@ -102,7 +110,8 @@ def _normalize_message(message: Any, index: int) -> dict[str, Any]:
         raise InvalidRequestError(f"{where} must be an object with role and content")
     role = message.get("role")
     if role not in CHAT_ROLES:
-        raise InvalidRequestError(f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}, got {role!r}")
+        raise InvalidRequestError(f"{where}.role must be one of {', '.join(sorted(CHAT_ROLES))}, "
+                                  f"got {str(role)[:40]!r}")
     content = message.get("content")
     if content is None and role == "assistant" and message.get("tool_calls"):
         content = ""  # an assistant turn that only calls tools
@@ -168,11 +177,69 @@ class IncrementalDetokenizer:
         return delta
 
 
+# Stop conditions are checked on the engine thread for every token of every request, so
+# their number and length are capped (OpenAI itself takes at most 4 stop strings).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
+def check_stop_limits(stop: Sequence[str], stop_token_ids: Sequence[int] = ()) -> None:
+    """Raise InvalidRequestError when the stop conditions exceed the documented caps."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for s in stop:
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(f"stop: a stop string is at most {MAX_STOP_STRING_CHARS} characters, "
+                                      f"got one of {len(s)}")
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_token_ids)}")
+
+
+class _StopMatcher:
+    """Knuth-Morris-Pratt automaton of one stop string: constant amortized work per character."""
+
+    __slots__ = ("text", "_fail", "state")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        fail = [0] * len(text)
+        k = 0
+        for i in range(1, len(text)):
+            while k and text[i] != text[k]:
+                k = fail[k - 1]
+            if text[i] == text[k]:
+                k += 1
+            fail[i] = k
+        self._fail = fail
+        self.state = 0  # length of the longest prefix of `text` the stream ends with
+
+    def step(self, ch: str) -> bool:
+        """Advance by one character; True when the stop string has just been completed."""
+        text, k = self.text, self.state
+        while k and ch != text[k]:
+            k = self._fail[k - 1]
+        if ch == text[k]:
+            k += 1
+        if k == len(text):
+            self.state = self._fail[k - 1]
+            return True
+        self.state = k
+        return False
+
+
 class StopChecker:
-    """Cuts streamed text at the first stop string, holding back possible stop prefixes."""
+    """Cuts streamed text at the first stop string to end, holding back possible stop prefixes.
+
+    Each character is examined once per stop string (no rescans that grow with the output
+    or the held-back text). When several stop strings end at the same character, the
+    longest one (the earliest to start) is the match.
+    """
 
     def __init__(self, stop: Sequence[str]) -> None:
-        self._stops = tuple(s for s in dict.fromkeys(stop) if s)
+        stops = tuple(s for s in dict.fromkeys(stop) if s)
+        check_stop_limits(stops)
+        self._matchers = [_StopMatcher(s) for s in stops]
         self._held = ""
         self.stopped = False
         self.matched: str | None = None
@@ -181,14 +248,17 @@ class StopChecker:
         """(text safe to emit now, whether a stop string ended the output)."""
         if self.stopped:
             return "", True
-        if not self._stops:
+        if not self._matchers:
             return delta, False
         text = self._held + delta
-        hit = min(((text.find(s), s) for s in self._stops if s in text), default=None)
-        if hit is not None:
-            self.stopped, self.matched, self._held = True, hit[1], ""
-            return text[: hit[0]], True
-        keep = self._partial_stop_suffix(text)
+        base = len(self._held)
+        for i, ch in enumerate(delta):
+            done = [m.text for m in self._matchers if m.step(ch)]
+            if done:
+                self.matched = max(done, key=len)
+                self.stopped, self._held = True, ""
+                return text[: base + i + 1 - len(self.matched)], True
+        keep = max(m.state for m in self._matchers)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], False
 
@@ -196,12 +266,3 @@ class StopChecker:
         """Held-back text, when generation ended for another reason (EOS, max_tokens)."""
         held, self._held = self._held, ""
         return "" if self.stopped else held
-
-    def _partial_stop_suffix(self, text: str) -> int:
-        # Longest suffix of text that a stop string starts with (shorter than the stop itself).
-        longest = max(len(s) for s in self._stops) - 1
-        for k in range(min(longest, len(text)), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in self._stops):
-                return k
-        return 0

@@ -20,7 +20,10 @@ from loraplex.platform.errors import ERRORS, api_error, error_response
 from loraplex.platform.serving.gateway import Gateway, Hooks
 from loraplex.platform.serving.metrics import CONTENT_TYPE, Metrics
 from loraplex.platform.serving.openai_routes import openai_routes
+from loraplex.platform.serving.openapi import openai_openapi
+from loraplex.platform.serving.request_limits import ParsePool
 from loraplex.platform.settings import Settings
+from loraplex.platform.tenancy.throttle import ThrottleConfig
 from loraplex.platform.metering.hooks import UsageHooks
 
 log = logging.getLogger(__name__)
@@ -42,7 +45,7 @@ async def ready(request: Request) -> Response:
     if not gw.engine.is_running:
         problems.append("engine stopped")
     try:
-        await asyncio.wait_for(asyncio.to_thread(gw.auth.db.ping), timeout=2.0)
+        await asyncio.wait_for(gw.auth.ping(), timeout=2.0)  # its own thread: never queued behind others
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         problems.append(f"database unreachable: {type(exc).__name__}")
     if problems:
@@ -52,6 +55,10 @@ async def ready(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.gateway.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def openai_document(request: Request) -> Response:
+    return JSONResponse(request.app.state.openai_openapi)
 
 
 async def _domain_error(request: Request, exc: Exception) -> Response:
@@ -77,7 +84,8 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
             await eng.start()
         db = Database(settings.db_url)
         auth = Authenticator(db, settings.auth_cache_ttl, settings.auth_negative_ttl,
-                             settings.last_used_flush_seconds)
+                             settings.last_used_flush_seconds,
+                             ThrottleConfig(settings.auth_failure_burst, settings.auth_failure_rate))
         m = Metrics(settings.model_name, eng.stats, settings.engine.lora.max_loras)
         # No hooks passed in: quotas and metering (metering/hooks.py). Hooks with async
         # start()/close() (UsageHooks do) are started and closed with the app.
@@ -87,6 +95,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
         if hasattr(usage, "register_metrics"):
             usage.register_metrics(m.registry)
         gw = app.state.gateway = Gateway(settings, eng, auth, m, usage)
+        app.state.parse_pool = ParsePool()  # tokenizing and chat templates, off the event loop
         app.state.admin = AdminState.create(settings, db, gw)
         auth.start()
         try:
@@ -102,6 +111,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
                 await auth.close()
             except Exception:  # noqa: BLE001 - a DB hiccup at exit must not block shutdown
                 log.exception("final last_used flush failed")
+            app.state.parse_pool.close()
             if engine is None:
                 await asyncio.to_thread(eng.shutdown)
             if hasattr(eng, "aclose"):
@@ -111,11 +121,14 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
+        # With a metrics port of its own (listener.py), /metrics is not on the tenants' port.
+        *([Route("/metrics", metrics, methods=["GET"])] if settings.metrics_port is None else []),
+        Route("/v1/openapi.json", openai_document, methods=["GET"]),
         Mount("/v1", routes=openai_routes()),
         Mount("/adapters/{adapter}/v1", routes=openai_routes()),
         *admin_routes(),  # /admin/api/... (JSON) and /admin/ (the UI)
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=dict.fromkeys(ERRORS, _domain_error))
     app.state.admin_openapi = openapi()
+    app.state.openai_openapi = openai_openapi(settings.limits)
     return app

@@ -153,7 +153,8 @@ ERRORS: dict[type[BaseException], Callable[[BaseException], ApiError]] = {
     AdapterNotFoundError: _not_found_model,
     NotFoundError: _simple(404, "not_found_error", "not_found"),
     ConflictError: _simple(409, "invalid_request_error", "conflict"),
-    PayloadTooLargeError: _simple(413, "invalid_request_error", "payload_too_large"),
+    # The rest of the body is never read: the connection closes after the answer.
+    PayloadTooLargeError: _simple(413, "invalid_request_error", "payload_too_large", headers={"Connection": "close"}),
     UnsupportedMediaTypeError: _simple(415, "invalid_request_error", "unsupported_media_type"),
     RateLimitedError: _rate_limited,
     EngineOverloadedError: _simple(503, "server_error", "overloaded", headers={"Retry-After": "1"}),

@@ -21,6 +21,38 @@ def default_data_dir() -> Path:
 
 
 @dataclass(frozen=True)
+class ServerLimits:
+    """What one client may hold of the HTTP server and of the request parser. Every cap
+    is listed with its flag in the README's "Limits" section."""
+
+    # Seconds a client has to send a request's line and headers (slowloris), and that a
+    # request body may stall between two chunks; then the connection is closed.
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keep_alive_timeout: int = 5
+    # Connections plus requests in progress (uvicorn's limit_concurrency); past it, 503.
+    max_connections: int = 1024
+    backlog: int = 2048
+    max_header_bytes: int = 64 * 1024
+    # Request bodies: the OpenAI routes, and the admin API's JSON (the adapter upload has
+    # Settings.admin_max_upload_bytes); the unauthenticated sign-in gets the small one.
+    max_body_bytes: int = 4 * 2**20
+    max_admin_body_bytes: int = 1 * 2**20
+    max_sign_in_body_bytes: int = 4096
+    # Shape of a request's JSON.
+    max_json_depth: int = 32
+    max_messages: int = 1024
+    max_content_parts: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout", "body_timeout", "max_connections", "max_header_bytes", "max_body_bytes",
+                     "max_admin_body_bytes", "max_sign_in_body_bytes", "max_json_depth", "max_messages",
+                     "max_content_parts"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+
+@dataclass(frozen=True)
 class Settings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     data_dir: Path = field(default_factory=default_data_dir)
@@ -28,6 +60,14 @@ class Settings:
     database_url: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    # /metrics on a listener of its own (e.g. 127.0.0.1:9464), away from tenants; None
+    # serves it on the main port (embedding the app; `serve` defaults to a port of its own).
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    # Proxies whose X-Forwarded-For/-Proto are believed (client address for throttling,
+    # https for Secure cookies behind TLS termination); uvicorn's forwarded_allow_ips.
+    forwarded_allow_ips: str = "127.0.0.1"
     # The id /v1/models shows for the base model; None derives it from the model path.
     served_model_name: str | None = None
     # (name, path) pairs registered (public) at `serve` start.
@@ -38,6 +78,10 @@ class Settings:
     auth_cache_ttl: float = 5.0
     # Unknown keys are remembered this long, so a flood of bad keys cannot hammer the DB.
     auth_negative_ttl: float = 2.0
+    # Failed authentication (API keys, admin tokens) one client address may make in a
+    # burst, and how many per second after it; past that it gets 429 with Retry-After.
+    auth_failure_burst: int = 20
+    auth_failure_rate: float = 1.0
     # last_used_at is kept in memory and written in one batch this often (and at shutdown).
     last_used_flush_seconds: float = 30.0
     # `serve`: create the demo tenant (and print its key) on first start.

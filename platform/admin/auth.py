@@ -11,20 +11,28 @@ Two ways in:
 - API clients send `Authorization: Bearer <token>`. No cookie is involved, so no CSRF
   token is needed.
 - The browser UI signs in once (POST /admin/api/session with the token) and gets a
-  session cookie: HttpOnly, SameSite=Strict, Path=/admin, Secure under https. Sessions
-  are stateless (HMAC-signed with a key derived from the token's hash, so every replica
-  accepts them and rotating the token ends them) and last `SESSION_SECONDS`. Requests
-  that change something with a session cookie must also send the session's CSRF token
-  in the `X-CSRF-Token` header (double submit: the token is in a readable cookie and in
-  the sign-in response); it is itself an HMAC of the session id, so a cookie planted by
-  another site cannot forge it.
+  session cookie: HttpOnly, SameSite=Strict, Path=/admin, Secure under https (also
+  behind a TLS-terminating proxy, when uvicorn trusts its X-Forwarded-Proto: see
+  `--forwarded-allow-ips`). The cookie is signed with a random server secret kept in the
+  database (admin/sessions.py), never with anything derived from the token, and names
+  only a random session id; the session is a database row, so signing out on one
+  replica ends it on all, and rotating the token ends the sessions signed in with it.
+  Sessions last `SESSION_SECONDS`. Requests that change something with a session cookie
+  must also send the session's CSRF token in the `X-CSRF-Token` header (double submit:
+  the token is in a readable cookie and in the sign-in response); it is itself an HMAC
+  of the session id, so a cookie planted by another site cannot forge it.
 
-The audit log names who made a change: `token:<id>` or `session:<id>` (where <id> is a
-short non-secret fingerprint) plus, for sessions, the token they were signed in with.
+Failed sign-ins and wrong Bearer tokens are throttled per client address (429 with
+Retry-After past a small burst); failed sign-ins are audited.
+
+The audit log names who made a change: `token:<id>` or `session:<id>`, where a token's
+<id> is an HMAC of its hash under the server secret (stable, and revealing nothing of
+the token or its hash) and a session's <id> the start of its random id.
 """
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import hashlib
 import hmac
 import os
@@ -33,9 +41,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraplex.platform.admin.sessions import SessionTable, server_secret
+from loraplex.platform.db.database import Database
 from loraplex.platform.errors import AdminAuthenticationError as AuthenticationError
-from loraplex.platform.errors import ConfigError, CsrfError
+from loraplex.platform.errors import ConfigError, CsrfError, RateLimitedError
 from loraplex.platform.settings import Settings
+from loraplex.platform.tenancy.throttle import FailureThrottle, ThrottleConfig
 
 ADMIN_TOKEN_ENV = "LORAPLEX_ADMIN_TOKEN"
 TOKEN_FILE = "admin-token.sha256"
@@ -69,20 +80,8 @@ class Admin:
     @property
     def actor(self) -> str:
         if self.session_id:
-            return f"session:{self.session_id} (token:{self.token_id})"
+            return f"session:{self.session_id[:12]} (token:{self.token_id})"
         return f"token:{self.token_id}"
-
-
-@dataclass(frozen=True)
-class _Token:
-    hash: str
-    id: str
-    key: bytes  # session-signing key
-
-
-def _token_entry(digest: str) -> _Token:
-    return _Token(digest, digest[:12], hmac.new(bytes.fromhex(digest), b"loraplex admin session v1",
-                                                hashlib.sha256).digest())
 
 
 def token_file(settings: Settings) -> Path:
@@ -145,21 +144,33 @@ def ensure_admin_token(settings: Settings) -> str | None:
 
 
 class AdminAuth:
-    """Checks admin tokens and browser sessions; see the module docstring."""
+    """Checks admin tokens and browser sessions; see the module docstring. Methods that
+    touch sessions query the database: call them off the event loop."""
 
-    def __init__(self, token_hashes: list[str], source: str = "settings", watch: Path | None = None) -> None:
-        self._tokens = [_token_entry(h) for h in token_hashes]
+    def __init__(self, token_hashes: list[str], db: Database, source: str = "settings",
+                 watch: Path | None = None, throttle: ThrottleConfig = ThrottleConfig()) -> None:
+        secret = server_secret(db)
+        self._id_key = hmac.new(secret, b"loraplex admin token id v2", hashlib.sha256).digest()
+        self._session_key = hmac.new(secret, b"loraplex admin session v2", hashlib.sha256).digest()
+        self._csrf_key = hmac.new(secret, b"loraplex admin csrf v2", hashlib.sha256).digest()
+        self._sessions = SessionTable(db)
+        self.throttle = FailureThrottle(throttle)
+        self._tokens = self._entries(token_hashes)
         self.source = source
-        self._signed_out: dict[str, int] = {}  # session id -> its expiry (this process)
         # The generated token's file: re-read when it changes (`loraplex admin-token --reset`).
         self._watch = watch
         self._watch_stamp = self._stamp()
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> AdminAuth:
+    def from_settings(cls, settings: Settings, db: Database) -> AdminAuth:
         hashes, source = configured_token_hashes(settings)
         env_or_settings = bool(settings.admin_token or os.environ.get(ADMIN_TOKEN_ENV, "").strip())
-        return cls(hashes, source, watch=None if env_or_settings else token_file(settings))
+        throttle = ThrottleConfig(burst=settings.auth_failure_burst, per_second=settings.auth_failure_rate)
+        return cls(hashes, db, source, watch=None if env_or_settings else token_file(settings), throttle=throttle)
+
+    def _entries(self, hashes: list[str]) -> dict[str, str]:
+        """token id -> token hash."""
+        return {hmac.new(self._id_key, h.encode(), hashlib.sha256).hexdigest()[:12]: h for h in hashes}
 
     def _stamp(self) -> tuple[int, int, int] | None:
         if self._watch is None:
@@ -177,9 +188,9 @@ class AdminAuth:
         if stamp != self._watch_stamp:
             self._watch_stamp = stamp
             try:
-                self._tokens = [_token_entry(h) for h in _read_token_file(self._watch)]
+                self._tokens = self._entries(_read_token_file(self._watch))
             except ConfigError:
-                self._tokens = []
+                self._tokens = {}
 
     @property
     def configured(self) -> bool:
@@ -191,76 +202,80 @@ class AdminAuth:
             f"no admin token is configured: set ${ADMIN_TOKEN_ENV}, or start `loraplex serve` once to have "
             "one generated")
 
-    def check_token(self, token: str | None) -> Admin:
+    def check_throttle(self, client: str | None) -> None:
+        """429 for a client address that failed too often lately."""
+        wait = self.throttle.retry_after(client) if client else 0.0
+        if wait > 0:
+            raise RateLimitedError("too many failed admin sign-in attempts from this address", wait)
+
+    def check_token(self, token: str | None, client: str | None = None) -> Admin:
+        self.check_throttle(client)
         self._refresh()
         if not self._tokens:
             raise self._no_token()
         digest = token_hash(token or "")
         match = None
-        for t in self._tokens:  # compare with every token: time does not depend on which matched
-            if hmac.compare_digest(t.hash, digest):
-                match = t
+        for tid, h in self._tokens.items():  # compare with every token: time does not depend on which matched
+            if hmac.compare_digest(h, digest):
+                match = tid
         if match is None or not token:
+            if client:
+                self.throttle.failed(client)
             raise AuthenticationError("invalid admin token")
-        return Admin(match.id)
+        return Admin(match)
 
     # -- sessions ------------------------------------------------------------------------
+    def _sign(self, payload: str) -> str:
+        return _b64(hmac.new(self._session_key, payload.encode(), hashlib.sha256).digest())
+
+    def _csrf(self, sid: str) -> str:
+        return _b64(hmac.new(self._csrf_key, sid.encode(), hashlib.sha256).digest())[:32]
+
     def new_session(self, admin: Admin, now: float | None = None) -> tuple[str, Admin]:
         """(cookie value, the session's Admin) for a caller that proved the token."""
-        t = self._by_id(admin.token_id)
-        sid = secrets.token_hex(8)
         exp = int((now or time.time()) + SESSION_SECONDS)
-        payload = f"v1.{t.id}.{sid}.{exp}"
-        cookie = f"{payload}.{_b64(hmac.new(t.key, payload.encode(), hashlib.sha256).digest())}"
-        return cookie, Admin(t.id, sid, exp, self._csrf(t, sid))
-
-    def _by_id(self, token_id: str) -> _Token:
-        for t in self._tokens:
-            if t.id == token_id:
-                return t
-        raise AuthenticationError("this admin session was signed in with a token that is no longer accepted; "
-                                  "sign in again")
-
-    @staticmethod
-    def _csrf(t: _Token, sid: str) -> str:
-        return _b64(hmac.new(t.key, f"csrf.{sid}".encode(), hashlib.sha256).digest())[:32]
+        sid = self._sessions.create(admin.token_id, dt.datetime.fromtimestamp(exp, dt.timezone.utc))
+        payload = f"v2.{sid}.{exp}"
+        return f"{payload}.{self._sign(payload)}", Admin(admin.token_id, sid, exp, self._csrf(sid))
 
     def check_session(self, cookie: str, now: float | None = None) -> Admin:
         self._refresh()
         if not self._tokens:
             raise self._no_token()
         parts = cookie.split(".")
-        if len(parts) != 5 or parts[0] != "v1":
+        if len(parts) != 4 or parts[0] != "v2":
             raise AuthenticationError("invalid admin session; sign in again")
-        _, tid, sid, exp_s, sig = parts
-        t = self._by_id(tid)
-        want = _b64(hmac.new(t.key, f"v1.{tid}.{sid}.{exp_s}".encode(), hashlib.sha256).digest())
-        if not hmac.compare_digest(want, sig) or not exp_s.isdigit():
+        _, sid, exp_s, sig = parts
+        if not hmac.compare_digest(self._sign(f"v2.{sid}.{exp_s}"), sig) or not (exp_s.isascii() and exp_s.isdigit()):
             raise AuthenticationError("invalid admin session; sign in again")
         exp = int(exp_s)
         if exp <= (now or time.time()):
             raise AuthenticationError("the admin session has expired; sign in again")
-        if sid in self._signed_out:
+        state, token_id = self._sessions.status(sid)
+        if state == "unknown":
+            raise AuthenticationError("invalid admin session; sign in again")
+        if state == "revoked":
             raise AuthenticationError("this admin session has been signed out; sign in again")
-        return Admin(tid, sid, exp, self._csrf(t, sid))
+        if token_id not in self._tokens:
+            raise AuthenticationError("this admin session was signed in with a token that is no longer accepted; "
+                                      "sign in again")
+        return Admin(token_id, sid, exp, self._csrf(sid))
 
     def sign_out(self, admin: Admin) -> None:
-        if admin.session_id and admin.session_expires:
-            now = time.time()
-            for sid, exp in list(self._signed_out.items()):
-                if exp <= now:
-                    del self._signed_out[sid]
-            self._signed_out[admin.session_id] = admin.session_expires
+        """Revoke the session on every replica."""
+        if admin.session_id:
+            self._sessions.revoke(admin.session_id)
 
     # -- per request ---------------------------------------------------------------------
     def authenticate(self, method: str, authorization: str | None, cookie: str | None,
-                     csrf_header: str | None) -> Admin:
-        """The caller of one admin API request; raises 401 (who?) or 403 (CSRF)."""
+                     csrf_header: str | None, client: str | None = None) -> Admin:
+        """The caller of one admin API request; raises 401 (who?), 403 (CSRF) or 429
+        (`client` failed too often)."""
         if authorization:
             scheme, _, token = authorization.partition(" ")
             if scheme.lower() != "bearer" or not token.strip():
                 raise AuthenticationError("send the admin token as 'Authorization: Bearer <token>'")
-            return self.check_token(token.strip())
+            return self.check_token(token.strip(), client)
         if not cookie:
             self._refresh()
             if not self._tokens:

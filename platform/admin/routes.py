@@ -18,12 +18,12 @@ The handlers live beside it: state.py (AdminState, shared helpers), tenants.py
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import mimetypes
 from pathlib import Path
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import FileResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -41,8 +41,9 @@ from loraplex.platform.admin.adapters import (
     upload_adapter,
 )
 from loraplex.platform.admin.auth import CSRF_HEADER, SESSION_COOKIE
-from loraplex.platform.admin.schemas import Op, check_query, openapi_document, qparam, validate
+from loraplex.platform.admin.schemas import Op, check_query, check_text, openapi_document, qparam, validate
 from loraplex.platform.admin.state import AdminState, json_response
+from loraplex.platform.tenancy.throttle import client_address
 from loraplex.platform.admin.tenants import (
     create_key_,
     create_session,
@@ -71,6 +72,8 @@ from loraplex.platform.errors import (
     error_response,
 )
 from loraplex.platform.lanes import LANES
+from loraplex.platform.serving.request_limits import check_content_length, parse_json_object, read_body
+from loraplex.platform.settings import ServerLimits
 
 log = logging.getLogger(__name__)
 API_VERSION = "1"
@@ -86,17 +89,20 @@ def _state(request: Request) -> AdminState:
     return request.app.state.admin
 
 
-async def _json_body(request: Request, schema: dict) -> dict:
+def _body_limit(st: AdminState, op: Op) -> int:
+    """JSON bodies are small; the one a caller sends before proving anything, smaller."""
+    limits = st.settings.limits
+    return limits.max_admin_body_bytes if op.auth else limits.max_sign_in_body_bytes
+
+
+async def _json_body(request: Request, schema: dict, limit: int, limits: ServerLimits) -> dict:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
         raise UnsupportedMediaTypeError("send the request body as JSON (Content-Type: application/json)")
-    raw = await request.body()
-    try:
-        body = orjson.loads(raw) if raw else None
-    except orjson.JSONDecodeError:
-        raise BadRequestError("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
+    raw = await read_body(request, limit)
+    if not raw:
         raise BadRequestError("the request body must be a JSON object")
+    body = parse_json_object(raw, limits)
     validate(schema, body, "body")
     return body
 
@@ -106,12 +112,18 @@ def _endpoint(op: Op):
         try:
             st = _state(request)
             admin = None
+            if op.body is not None:  # refused from its declared size alone, before any other work
+                check_content_length(request, _body_limit(st, op))
             if op.auth:
-                admin = st.auth.authenticate(request.method, request.headers.get("authorization"),
-                                             request.cookies.get(SESSION_COOKIE), request.headers.get(CSRF_HEADER))
+                # A session is a database row: checked off the event loop.
+                admin = await asyncio.to_thread(
+                    st.auth.authenticate, request.method, request.headers.get("authorization"),
+                    request.cookies.get(SESSION_COOKIE), request.headers.get(CSRF_HEADER), client_address(request))
+            for name, value in request.path_params.items():
+                check_text(value, name)
             args: dict[str, Any] = {"query": check_query(op, request.query_params)}
             if op.body is not None:
-                args["body"] = await _json_body(request, op.body)
+                args["body"] = await _json_body(request, op.body, _body_limit(st, op), st.settings.limits)
             result = await op.handler(request, st, admin, **request.path_params, **args)
         except Exception as exc:  # noqa: BLE001 - mapped to a status in one place
             if isinstance(exc, AdapterNotFoundError):
@@ -143,13 +155,16 @@ TS = {"type": ["string", "null"], "format": "date-time"}
 ISO_TIME = {"type": "string", "maxLength": 40,
             "pattern": r"^\d{4}-\d{2}-\d{2}([Tt ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?([Zz]|[+-]\d{2}:?\d{2})?)?$",
             "description": "an ISO date (UTC midnight) or date-time"}
-_LIMIT = {"type": ["integer", "null"], "minimum": 0}
+# The database's integer columns: 32-bit, the token budget 64-bit.
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
+_LIMIT = {"type": ["integer", "null"], "minimum": 0, "maximum": INT32_MAX}
 QUOTAS_IN = {"type": ["object", "null"], "additionalProperties": False,
              "description": "Limits to set; a field left out keeps its value, null clears it (null: clear all)",
              "properties": {"rpm": {**_LIMIT, "description": "requests per minute"},
                             "tpm": {**_LIMIT, "description": "tokens per minute (prompt + max_tokens reserved)"},
                             "max_concurrency": {**_LIMIT, "description": "requests in flight at once"},
-                            "token_budget": {**_LIMIT, "description": "tokens per budget period"},
+                            "token_budget": {**_LIMIT, "maximum": INT64_MAX,
+                                             "description": "tokens per budget period"},
                             "budget_period": {"type": ["string", "null"], "enum": ["day", "month", None]}}}
 QUOTAS = {"type": "object", "description": "The tenant's limits (null fields: no limit) and where it "
           "stands now",
@@ -311,7 +326,7 @@ OPS: list[Op] = [
               qparam("tenant", {"type": "string", "minLength": 1, "maxLength": 64})]),
     Op("GET", "/audit", list_audit, "The audit log, newest first", "audit", out=_list_of("AuditEntry"),
        query=[qparam("limit", {"type": "integer", "minimum": 1, "maximum": 1000}),
-              qparam("before", {"type": "integer", "minimum": 1}, "entries with a smaller id (paging)"),
+              qparam("before", {"type": "integer", "minimum": 1, "maximum": INT32_MAX}, "entries with a smaller id (paging)"),
               qparam("action", {"type": "string", "minLength": 1, "maxLength": 64}),
               qparam("target", {"type": "string", "minLength": 1, "maxLength": 200})]),
 ]

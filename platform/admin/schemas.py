@@ -37,6 +37,12 @@ def parse_datetime(value: str, param: str) -> dt.datetime:
     return when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)
 
 
+def check_text(value: str, where: str) -> None:
+    """Text the database can store: PostgreSQL refuses NUL characters."""
+    if "\x00" in value:
+        raise BadRequestError(f"{where}: must not contain NUL characters", where)
+
+
 def validate(schema: dict, value: Any, where: str) -> None:
     """Raise BadRequestError naming `where` (a field path) when `value` breaks `schema`."""
     t = schema.get("type")
@@ -50,6 +56,7 @@ def validate(schema: dict, value: Any, where: str) -> None:
         choices = ", ".join(str(x) for x in schema["enum"] if x is not None)
         raise BadRequestError(f"{where}: {value!r} is not one of {choices}", where)
     if isinstance(value, str):
+        check_text(value, where)
         if len(value) < schema.get("minLength", 0):
             raise BadRequestError(f"{where}: must not be empty" if schema["minLength"] == 1
                                   else f"{where}: must be at least {schema['minLength']} characters", where)
@@ -164,7 +171,9 @@ def check_query(op: Op, query: Any) -> dict[str, Any]:
 _STATUS_TEXT = {200: "OK", 201: "Created", 400: "Bad input: the message names the problem",
                 401: "No admin token or session, or a wrong one", 403: "CSRF token missing or wrong",
                 404: "Not found", 409: "Conflict: it exists already", 413: "Upload over the size limit",
-                415: "Unsupported content type", 501: "Not available in this build"}
+                415: "Unsupported content type",
+                429: "Too many failed authentication attempts from this address: retry after Retry-After seconds",
+                501: "Not available in this build"}
 
 
 def openapi_document(ops: list[Op], components: dict[str, dict], *, title: str, version: str,
@@ -209,6 +218,10 @@ def openapi_document(ops: list[Op], components: dict[str, dict], *, title: str, 
             codes |= {400}
         if op.body is not None:
             codes |= {415}
+        if op.body is not None or op.multipart is not None:
+            codes |= {413}  # every body has a size limit
+        if op.auth or op.body is not None:
+            codes |= {429}
         if "{" in op.path:
             codes |= {404}
         for code in sorted(codes):

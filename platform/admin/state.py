@@ -41,18 +41,21 @@ class AdminState:
         # The folder the engine serves adapters from: an upload is servable at once.
         store = open_store(settings)
         _clean_stale_uploads(store.root / "uploads")
-        auth = AdminAuth.from_settings(settings)
+        auth = AdminAuth.from_settings(settings, db)
         if not auth.configured:
             log.warning("admin API: no admin token configured (set $LORAPLEX_ADMIN_TOKEN); /admin is locked")
         return cls(settings, db, gateway, auth, store)
 
-    async def audit(self, admin: Admin, action: str, target: str, **details: Any) -> None:
+    async def audit(self, admin: Admin | str, action: str, target: str, **details: Any) -> None:
+        """One audit row; `admin` is the caller, or an actor's name for one not signed in."""
+        actor = admin if isinstance(admin, str) else admin.actor
+
         def write() -> None:
             with self.db.session() as s:
-                audit.record(s, admin.actor, action, target, **details)
+                audit.record(s, actor, action, target, **details)
 
         await asyncio.to_thread(write)
-        log.info("admin %s: %s %s", admin.actor, action, target)
+        log.info("admin %s: %s %s", actor, action, target)
 
     def access_changed(self) -> None:
         self.gateway.auth.invalidate()

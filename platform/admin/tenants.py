@@ -12,7 +12,8 @@ from loraplex.platform.admin.auth import COOKIE_PATH, CSRF_COOKIE, SESSION_COOKI
 from loraplex.platform.admin.schemas import parse_datetime
 from loraplex.platform.quotas.limits import quota_status, set_quota
 from loraplex.platform.admin.state import AdminState, json_response
-from loraplex.platform.errors import BadRequestError
+from loraplex.platform.tenancy.throttle import client_address
+from loraplex.platform.errors import AdminAuthenticationError, BadRequestError
 from loraplex.platform.db.base import utcnow
 from loraplex.platform.tenancy.tenants import (
     KEY_PREFIX,
@@ -83,13 +84,14 @@ async def get_session(request: Request, st: AdminState, admin: Admin, query: dic
 
 
 async def create_session(request: Request, st: AdminState, admin: None, query: dict, body: dict) -> Response:
+    client = client_address(request)
     try:
-        who = st.auth.check_token(body["token"])
-    except Exception:
-        await asyncio.sleep(0.2)  # a little friction for guessing; tokens are long anyway
+        who = st.auth.check_token(body["token"], client)
+    except AdminAuthenticationError as exc:
+        await st.audit("anonymous", "session.failed", f"client:{client or 'unknown'}", reason=str(exc))
         raise
-    cookie, session = st.auth.new_session(who)
-    await st.audit(session, "session.create", f"session:{session.session_id}")
+    cookie, session = await asyncio.to_thread(st.auth.new_session, who)
+    await st.audit(session, "session.create", f"session:{(session.session_id or '')[:12]}", client=client)
     resp = json_response(_session_json(session), 201)
     secure = request.url.scheme == "https"
     resp.set_cookie(SESSION_COOKIE, cookie, max_age=SESSION_SECONDS, path=COOKIE_PATH, httponly=True,
@@ -101,8 +103,8 @@ async def create_session(request: Request, st: AdminState, admin: None, query: d
 
 async def delete_session(request: Request, st: AdminState, admin: Admin, query: dict) -> Response:
     if admin.session_id:
-        st.auth.sign_out(admin)
-        await st.audit(admin, "session.delete", f"session:{admin.session_id}")
+        await asyncio.to_thread(st.auth.sign_out, admin)
+        await st.audit(admin, "session.delete", f"session:{admin.session_id[:12]}")
     resp = Response(status_code=204, headers={"Cache-Control": "no-store"})
     for name in (SESSION_COOKIE, CSRF_COOKIE):
         resp.delete_cookie(name, path=COOKIE_PATH, samesite="strict")

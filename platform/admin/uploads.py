@@ -10,6 +10,9 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
+from loraplex.adapters.limits import MAX_CONFIG_BYTES
+
+from loraplex.platform.admin.schemas import check_text
 from loraplex.platform.admin.state import AdminState
 from loraplex.platform.errors import BadRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
 
@@ -39,19 +42,31 @@ def _sniff(head: bytes) -> str:
     return "unknown"
 
 
+# Multipart framing and form fields around the files of an upload.
+_MULTIPART_OVERHEAD = 64 * 1024
+
+
+def upload_limit(st: AdminState) -> int:
+    """The most an upload may send: the configured limit, or less when no adapter for
+    this base model and rank cap can be that large (the config plus the weights; a zip
+    of them is no larger, give or take its headers)."""
+    largest_adapter = st.store.max_file_bytes + MAX_CONFIG_BYTES + _MULTIPART_OVERHEAD
+    return min(st.settings.admin_max_upload_bytes, largest_adapter)
+
+
 async def receive_upload(request: Request, st: AdminState, on_field) -> Upload:
     """Stream a multipart body to a staging folder; fields go to `on_field(name, value)` as
     they arrive (so a bad adapter name stops the upload before its files are read)."""
     import python_multipart
     from python_multipart.multipart import parse_options_header
 
-    limit = st.settings.admin_max_upload_bytes
+    limit = upload_limit(st)
     ctype, params = parse_options_header(request.headers.get("content-type", ""))
     if ctype != b"multipart/form-data" or b"boundary" not in params:
         raise UnsupportedMediaTypeError("upload the adapter as multipart/form-data: its two files "
                                         "(adapter_config.json, adapter_model.safetensors) or a .zip of the folder")
     length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit + 65536:
+    if length and length.isascii() and length.isdigit() and len(length) < 20 and int(length) > limit:
         raise PayloadTooLargeError(f"the upload is {int(length)} bytes, over the {limit} byte limit")
     uploads = st.store.root / "uploads"
     uploads.mkdir(parents=True, exist_ok=True)
@@ -114,6 +129,7 @@ async def receive_upload(request: Request, st: AdminState, on_field) -> Upload:
             files.append((part["client"], part["path"], part["head"]))
         else:
             value = part["data"].decode("utf-8", "replace")
+            check_text(value, part["name"])
             fields.setdefault(part["name"], []).append(value)
             on_field(part["name"], value)
         state["part"] = None

@@ -1,6 +1,7 @@
 """What each `loraplex` CLI command does (argument parsing lives in cli/main.py)."""
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 import os
@@ -193,7 +194,9 @@ def serve(settings: Settings, access_log: bool = False) -> int:
     from loraplex.platform.admin.auth import ensure_admin_token
     from loraplex.platform.app import create_app
     from loraplex.platform.cli.demo import ensure_demo_tenant, register_cli_adapters, register_demo_adapters
+    from loraplex.platform.serving import listener
     from loraplex.platform.serving.engine_factory import build_engine
+    from loraplex.platform.serving.listener import uvicorn_config
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
@@ -211,7 +214,8 @@ def serve(settings: Settings, access_log: bool = False) -> int:
     app = create_app(settings, engine)
     url = f"http://{settings.host}:{settings.port}"
     _out(f"loraplex: serving {settings.model_name}" + (f" + adapters {', '.join(adapters)}" if adapters else ""))
-    _out(f"loraplex: OpenAI-compatible API at {url}/v1  (metrics {url}/metrics)")
+    metrics_url = f"http://{settings.metrics_host}:{settings.metrics_port}" if settings.metrics_port else url
+    _out(f"loraplex: OpenAI-compatible API at {url}/v1  (metrics {metrics_url}/metrics)")
     _out(f"loraplex: data in {settings.data_dir}; database {Database.display_url(settings.db_url)}")
     if demo_key:
         _out(f"loraplex: demo tenant 'demo' created; its API key (shown only this once):\n\n    {demo_key}\n")
@@ -221,10 +225,9 @@ def serve(settings: Settings, access_log: bool = False) -> int:
              f"one):\n\n    {admin_token}\n")
     if settings.create_demo_tenant:
         _demo_adapters_in_background(settings, register_demo_adapters)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, access_log=access_log,
-                            timeout_graceful_shutdown=30, log_level="info")
+    config = uvicorn_config(app, settings, access_log=access_log, timeout_graceful_shutdown=30, log_level="info")
     try:
-        uvicorn.Server(config).run()
+        asyncio.run(listener.serve(uvicorn.Server(config), app, settings))
     finally:
         engine.shutdown()
     return 0
@@ -249,6 +252,5 @@ def admin_token(settings: Settings, reset: bool = False) -> int:
     if not hashes:
         _out(f"no admin token yet: `loraplex serve` generates one at first start, or set ${ADMIN_TOKEN_ENV}")
     else:
-        _out(f"admin token from {source} (fingerprint token:{hashes[0][:12]}); "
-             "`loraplex admin-token --reset` replaces a generated one")
+        _out(f"admin token from {source}; `loraplex admin-token --reset` replaces a generated one")
     return 0

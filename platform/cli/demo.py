@@ -85,7 +85,9 @@ def register_demo_adapters(settings: Settings, db: Database, store: AdapterStore
 
 
 def register_cli_adapters(settings: Settings, db: Database, store: AdapterStore) -> list[AdapterInfo]:
-    """`serve --adapter NAME=PATH`: register (or update to a new version) as public."""
+    """`serve --adapter NAME=PATH`: register as public, or update a known adapter to a new
+    version keeping who may use it (a restart never undoes an admin's decision)."""
     known = {a.name for a in list_adapters(db)}
-    return [add_adapter(db, store, name, path, public=True, replace=name in known, reserved=(settings.model_name,))
+    return [add_adapter(db, store, name, path, public=name not in known, replace=name in known,
+                        reserved=(settings.model_name,))
             for name, path in settings.adapters]

@@ -23,7 +23,7 @@ from loraplex.engine.memory_budget import DeviceMemoryError
 from loraplex.platform.cli import gateway as gateway_cli
 from loraplex.platform.cli import roles
 from loraplex.platform.errors import PlatformError
-from loraplex.platform.settings import Settings, default_data_dir
+from loraplex.platform.settings import ServerLimits, Settings, default_data_dir
 
 _SIZE_RE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "ki": 1024, "kib": 1024, "m": 1e6, "mb": 1e6, "mi": 2**20,
@@ -128,6 +128,35 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-lora-rank", type=int, default=64)
 
 
+def _server_options(p: argparse.ArgumentParser) -> None:
+    d = ServerLimits()
+    g = p.add_argument_group("limits (see the README's \"Limits\")")
+    g.add_argument("--metrics-host", default="127.0.0.1", help="/metrics listener's address (default loopback)")
+    g.add_argument("--metrics-port", type=int, default=9464,
+                   help="/metrics on this port of its own (default 9464); 0: on the main port")
+    g.add_argument("--forwarded-allow-ips", default="127.0.0.1", metavar="IPS",
+                   help="proxies trusted for X-Forwarded-For/-Proto (comma-separated, or '*')")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout, metavar="S",
+                   help="seconds to send a request's headers")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout, metavar="S",
+                   help="seconds a request body may stall")
+    g.add_argument("--keep-alive-timeout", type=int, default=d.keep_alive_timeout, metavar="S")
+    g.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
+                   help="connections + requests in progress; past it, 503")
+    g.add_argument("--max-body-size", type=parse_size, default=d.max_body_bytes, metavar="SIZE",
+                   help="request bodies of the OpenAI routes (default 4MiB)")
+    g.add_argument("--max-upload-size", type=parse_size, default=Settings.admin_max_upload_bytes, metavar="SIZE",
+                   help="adapter uploads through the admin API (default 1GiB)")
+
+
+def _server_settings(args: argparse.Namespace) -> dict:
+    limits = ServerLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                          keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
+                          max_body_bytes=args.max_body_size)
+    return {"limits": limits, "metrics_host": args.metrics_host, "metrics_port": args.metrics_port or None,
+            "forwarded_allow_ips": args.forwarded_allow_ips, "admin_max_upload_bytes": args.max_upload_size}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description="Multi-tenant multi-LoRA LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -143,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-demo", action="store_true", help="no demo tenant, no demo adapters")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
     _engine_options(serve)
+    _server_options(serve)
     roles.add_worker_parser(sub, _db_options, _engine_options)
     roles.add_migrate_parser(sub, _db_options)
 
@@ -247,7 +277,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     engine = engine_config_from_args(args)
     return Settings(engine=engine, database_url=args.database_url, host=args.host, port=args.port,
                     served_model_name=args.served_model_name, adapters=tuple(args.adapter),
-                    create_demo_tenant=not args.no_demo, **kw)
+                    create_demo_tenant=not args.no_demo,
+                    **(_server_settings(args) if args.command == "serve" else {}), **kw)
 
 
 def main(argv: list[str] | None = None) -> None:

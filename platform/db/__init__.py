@@ -3,7 +3,7 @@
 Importing the package registers every table on `Base.metadata`, so `create_all`, Alembic
 and the migration tests see them all.
 """
-from loraplex.platform.db import tables, usage_tables  # noqa: F401
+from loraplex.platform.db import admin_tables, tables, usage_tables  # noqa: F401
 from loraplex.platform.db.database import migrate
 
 __all__ = ["migrate"]

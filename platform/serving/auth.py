@@ -8,6 +8,10 @@ adapter grant changed by another process (the CLI, another replica) therefore ta
 effect within that many seconds. Expiry (`expires_at`) is checked on every request
 and is exact. Unknown keys are remembered for `auth_negative_ttl` seconds so a flood of
 bad keys cannot hammer the database; a key created meanwhile is unaffected (it is new).
+Failed attempts are throttled per client address (tenancy/throttle.py): past a burst,
+that address gets 429 before its key is even hashed. Lookups run on their own small
+thread pool, so a flood of unknown keys never delays `/ready` or other database work;
+`ping()` (readiness) has a thread of its own.
 
 `last_used_at` is recorded in memory (a set of key ids) and written in one UPDATE for all
 keys used, every `last_used_flush_seconds` (and at shutdown), never per request; the
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+from concurrent.futures import ThreadPoolExecutor
 import hmac
 import logging
 import time
@@ -28,13 +33,16 @@ from loraplex.platform.lanes import LANES, Lane, lane_name, lane_named
 
 from loraplex.platform.tenancy.adapter_registry import adapters_for_tenant
 from loraplex.platform.db.database import Database
-from loraplex.platform.errors import AuthenticationError, BadRequestError, PermissionDeniedError
+from loraplex.platform.errors import AuthenticationError, BadRequestError, PermissionDeniedError, RateLimitedError
 from loraplex.platform.db.base import utcnow
 from loraplex.platform.db.tables import ApiKey, Tenant
 from loraplex.platform.tenancy.tenants import hash_key, key_prefix
+from loraplex.platform.tenancy.throttle import FailureThrottle, ThrottleConfig
 
 log = logging.getLogger(__name__)
 _MAX_CACHE = 100_000
+# Database lookups of keys not in the cache run on this many threads of their own.
+AUTH_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,7 @@ def parse_lane(value: object, param: str) -> Lane:
     """'interactive'|'standard'|'batch' or 0|1|2 (0 is the highest priority)."""
     if isinstance(value, str):
         lane = lane_named(value)
-        if lane is None and value.strip().isdigit():
+        if lane is None and value.strip() in ("0", "1", "2"):
             value = int(value.strip())
         elif lane is not None:
             return lane
@@ -76,8 +84,11 @@ def parse_lane(value: object, param: str) -> Lane:
 
 class Authenticator:
     def __init__(self, db: Database, ttl: float = 5.0, negative_ttl: float = 2.0,
-                 flush_seconds: float = 30.0) -> None:
+                 flush_seconds: float = 30.0, throttle: ThrottleConfig = ThrottleConfig()) -> None:
         self.db = db
+        self.throttle = FailureThrottle(throttle)
+        self._pool = ThreadPoolExecutor(AUTH_THREADS, thread_name_prefix="loraplex-auth")
+        self._ping_pool = ThreadPoolExecutor(1, thread_name_prefix="loraplex-ready")
         self.ttl, self.negative_ttl, self.flush_seconds = ttl, negative_ttl, flush_seconds
         self._cache: dict[str, tuple[Principal, float]] = {}
         self._negative: dict[str, float] = {}
@@ -85,7 +96,20 @@ class Authenticator:
         self._used: set[int] = set()  # key ids used since the last flush
         self._flusher: asyncio.Task | None = None
 
-    async def authenticate(self, authorization: str | None) -> Principal:
+    async def authenticate(self, authorization: str | None, client: str | None = None) -> Principal:
+        """The caller's Principal; `client` (its address) is throttled after failures."""
+        if client is not None:
+            wait = self.throttle.retry_after(client)
+            if wait > 0:
+                raise RateLimitedError("too many failed authentication attempts from this address", wait)
+        try:
+            return await self._authenticate(authorization)
+        except AuthenticationError:
+            if client is not None:
+                self.throttle.failed(client)
+            raise
+
+    async def _authenticate(self, authorization: str | None) -> Principal:
         if not authorization or not authorization[:7].lower() == "bearer ":
             raise AuthenticationError("Missing API key: send 'Authorization: Bearer <key>'.")
         key = authorization[7:].strip()
@@ -106,7 +130,7 @@ class Authenticator:
             raise AuthenticationError("Invalid API key.")
         fut = self._inflight.get(digest)
         if fut is None:  # one database lookup per key at a time, however many requests wait
-            fut = asyncio.ensure_future(asyncio.to_thread(self._load, key, digest))
+            fut = asyncio.get_running_loop().run_in_executor(self._pool, self._load, key, digest)
             self._inflight[digest] = fut
             fut.add_done_callback(lambda _f: self._inflight.pop(digest, None))
         principal = await asyncio.shield(fut)
@@ -140,6 +164,10 @@ class Authenticator:
             return Principal(t.id, t.name, k.id, k.prefix, lane, lanes, frozenset(adapters_for_tenant(s, t.id)),
                              k.expires_at.timestamp() if k.expires_at else None)
 
+    async def ping(self) -> None:
+        """Reach the database on a thread no other work queues on (readiness)."""
+        await asyncio.get_running_loop().run_in_executor(self._ping_pool, self.db.ping)
+
     def invalidate(self) -> None:
         """Forget every cached principal (tests, admin changes made in this process)."""
         self._cache.clear()
@@ -171,5 +199,9 @@ class Authenticator:
         if self._flusher is not None:
             self._flusher.cancel()
             self._flusher = None
-        await self.flush_last_used()
+        try:
+            await self.flush_last_used()
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._ping_pool.shutdown(wait=False, cancel_futures=True)
 

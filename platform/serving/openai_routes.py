@@ -30,11 +30,19 @@ from starlette.routing import Route
 
 from loraplex.engine.engine import RequestOutput
 
-from loraplex.platform.errors import BadRequestError, api_error, error_response, mapping_of
+from loraplex.platform.errors import api_error, error_response, mapping_of
 from loraplex.platform.serving.gateway import LANE_HEADER, Gateway
 from loraplex.platform.serving.protocol import parse_chat, parse_completion
+from loraplex.platform.serving.request_limits import (
+    check_chat_shape,
+    check_content_length,
+    check_prompt_chars,
+    parse_json_object,
+    read_body,
+)
 from loraplex.platform.serving.streaming import ClientDisconnected, SSEResponse, until_disconnected
 from loraplex.platform.serving.wire import ChunkStream, Collected, render_response
+from loraplex.platform.tenancy.throttle import client_address
 
 log = logging.getLogger(__name__)
 _CLIENT_CLOSED = 499  # nginx's "client closed request", for metrics only
@@ -71,26 +79,28 @@ def api_endpoint(endpoint: str) -> Callable:
     return deco
 
 
-async def _body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise BadRequestError("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise BadRequestError("the request body must be a JSON object")
+async def _body(request: Request, gw: Gateway, chat: bool) -> dict:
+    """The body read within its size limit, its JSON within its shape limits."""
+    limits = gw.settings.limits
+    body = parse_json_object(await read_body(request, limits.max_body_bytes), limits)
+    if chat:
+        check_chat_shape(body, limits)
+    check_prompt_chars(body, chat, gw.max_model_len, gw.tokenizer.max_token_chars)
     return body
 
 
 async def _generate(request: Request, gw: Gateway, chat: bool) -> Response:
     """One way through: parse -> admit -> run -> render."""
-    # parse: who asks, for which model and lane, with which request
-    principal = await gw.auth.authenticate(request.headers.get("authorization"))
+    # parse: who asks, for which model and lane, with which request (request_limits.py
+    # bounds what each step may cost before admission)
+    check_content_length(request, gw.settings.limits.max_body_bytes)
+    principal = await gw.auth.authenticate(request.headers.get("authorization"), client_address(request))
     gw.check_serving()
-    body = await _body(request)
+    body = await _body(request, gw, chat)
     adapter = gw.resolve_model(principal, body.get("model"), request.path_params.get("adapter"))
     lane = principal.lane_for(gw.requested_lane(request.headers.get(LANE_HEADER), body.get("priority")))
-    req = (parse_chat if chat else parse_completion)(body, gw.tokenizer, gw.max_model_len)
+    parse = parse_chat if chat else parse_completion
+    req = await request.app.state.parse_pool.run(parse, body, gw.tokenizer, gw.max_model_len)
     # admit and run: the gateway's stream admits (quotas) before the engine sees the request
     ctx, stream = gw.start(principal, req, adapter, lane, "chatcmpl" if chat else "cmpl")
     head = {"id": ctx.request_id, "created": int(ctx.received_at), "model": ctx.model}
@@ -136,13 +146,13 @@ def _visible_models(gw: Gateway, request: Request, principal) -> list[dict]:
 
 @api_endpoint("models")
 async def list_models(request: Request, gw: Gateway) -> Response:
-    principal = await gw.auth.authenticate(request.headers.get("authorization"))
+    principal = await gw.auth.authenticate(request.headers.get("authorization"), client_address(request))
     return json_response({"object": "list", "data": _visible_models(gw, request, principal)})
 
 
 @api_endpoint("models")
 async def get_model(request: Request, gw: Gateway) -> Response:
-    principal = await gw.auth.authenticate(request.headers.get("authorization"))
+    principal = await gw.auth.authenticate(request.headers.get("authorization"), client_address(request))
     name = request.path_params["model"]
     for card in _visible_models(gw, request, principal):
         if card["id"] == name:

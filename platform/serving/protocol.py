@@ -11,11 +11,12 @@ from typing import Any
 
 from loraplex.engine.errors import InvalidRequestError, PromptTooLongError
 from loraplex.engine.request import SamplingParams
+from loraplex.engine.tokenizer import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 from loraplex.platform.errors import BadRequestError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_STOP = 16
+MAX_STOP = MAX_STOP_STRINGS
 MAX_LOGPROBS = 20
 # Accepted only at their no-op value.
 _UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False, "suffix": None,
@@ -70,6 +71,8 @@ def _stop(body: dict) -> tuple[str, ...]:
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOP:
         raise BadRequestError(f"stop must be a string or a list of at most {MAX_STOP} strings", "stop")
+    if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+        raise BadRequestError(f"stop: a stop string is at most {MAX_STOP_STRING_CHARS} characters", "stop")
     return tuple(s for s in stops if s)
 
 
@@ -97,6 +100,8 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingPara
     stop_ids = body.get("stop_token_ids") or ()
     if not isinstance(stop_ids, (list, tuple)) or not all(isinstance(t, int) for t in stop_ids):
         raise BadRequestError("stop_token_ids must be a list of integers", "stop_token_ids")
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise BadRequestError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
     try:
         return SamplingParams(
             max_tokens=max_tokens,

@@ -127,7 +127,8 @@ def admin_live(request, tmp_path_factory, base_settings, tiny_engine, pg_schema_
     db = Database(url)
     # The engine's adapter store (under base_settings.data_dir) is the one uploads go to.
     settings = dataclasses.replace(base_settings, database_url=url, admin_token=ADMIN_TOKEN,
-                                   admin_max_upload_bytes=UPLOAD_LIMIT, auth_cache_ttl=30.0)
+                                   admin_max_upload_bytes=UPLOAD_LIMIT, auth_cache_ttl=30.0,
+                                   auth_failure_burst=100_000)  # every test sends wrong tokens from one address
     app = create_app(settings, tiny_engine)
     with LiveServer(app) as server:
         doc = httpx.get(f"{server.url}/admin/api/openapi.json").json()

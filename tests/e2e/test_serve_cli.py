@@ -27,9 +27,9 @@ def _free_port() -> int:
 
 class Serve:
     def __init__(self, *args: str, env: dict) -> None:
-        self.port = _free_port()
+        self.port, self.metrics_port = _free_port(), _free_port()
         cmd = [sys.executable, "-u", "-c", "from loraplex.platform.cli.main import main; main()", "serve",
-               "--port", str(self.port), *args]
+               "--port", str(self.port), "--metrics-port", str(self.metrics_port), *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
 
@@ -88,6 +88,9 @@ def test_serve_first_start_and_restart(empty_db_url, tmp_path, tiny_llama_dir, t
         assert len(first.admin_tokens) == 1, "".join(first.lines)
         admin = httpx.post(f"http://127.0.0.1:{first.port}/admin/api/session", json={"token": first.admin_tokens[0]})
         assert admin.status_code == 201, admin.text
+        # /metrics is on its own (loopback) listener, not on the tenants' port.
+        assert "vllm:" in httpx.get(f"http://127.0.0.1:{first.metrics_port}/metrics").text
+        assert httpx.get(f"http://127.0.0.1:{first.port}/metrics").status_code == 404
     finally:
         assert first.stop() == 0, "".join(first.lines)
     second = Serve(*args, env=env)

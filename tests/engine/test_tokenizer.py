@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from loraplex.engine.errors import InvalidRequestError
-from loraplex.engine.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from loraplex.engine.tokenizer import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                       IncrementalDetokenizer, StopChecker, Tokenizer, check_stop_limits)
 
 TEXTS = {
     "ascii": "Hello, world! The quick brown fox jumps over the lazy dog.\n  Indented line.",
@@ -192,14 +193,22 @@ def test_unicode_stop_string() -> None:
     assert checker.feed("\n次") == ("", True)
 
 
-@pytest.mark.parametrize("seed", range(20))
+def _first_stop_to_end(text: str, stops: list[str]) -> tuple[str, bool]:
+    """The reference: the output ends before the first stop string to be completed."""
+    for end in range(1, len(text) + 1):
+        ending = [s for s in stops if s and text[:end].endswith(s)]
+        if ending:
+            return text[: end - len(max(ending, key=len))], True
+    return text, False
+
+
+@pytest.mark.parametrize("seed", range(40))
 def test_stop_checker_matches_reference(seed: int) -> None:
     rng = random.Random(seed)
     alphabet = "ab\n<|>"
     stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
     text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
-    hits = [text.find(s) for s in stops if s in text]
-    expected = text[: min(hits)] if hits else text
+    expected, hits = _first_stop_to_end(text, stops)
     checker = StopChecker(stops)
     emitted, stopped, pos = [], False, 0
     while pos < len(text) and not stopped:
@@ -210,3 +219,43 @@ def test_stop_checker_matches_reference(seed: int) -> None:
     emitted.append(checker.flush())
     assert "".join(emitted) == expected
     assert stopped == bool(hits)
+
+
+def test_first_stop_to_end_wins_over_an_earlier_start() -> None:
+    checker = StopChecker(["abc", "b"])
+    assert checker.feed("xab") == ("xa", True)
+    assert checker.matched == "b"
+
+
+def test_overlapping_prefixes_are_held_and_released() -> None:
+    checker = StopChecker(["aab"])
+    out = [checker.feed(c)[0] for c in "aaaa"]
+    assert "".join(out) == "aa"  # the last two could still start "aab"
+    assert checker.feed("b") == ("", True)
+    assert checker.matched == "aab"
+
+
+def test_long_output_against_a_long_stop_string() -> None:
+    # A near-match that never completes: held-back text stays below the stop's length.
+    stop = "a" * (MAX_STOP_STRING_CHARS - 1) + "b"
+    checker = StopChecker([stop])
+    emitted = sum(len(checker.feed("a" * 1000)[0]) for _ in range(200))
+    assert emitted == 200_000 - (MAX_STOP_STRING_CHARS - 1)
+    assert checker.feed("b") == ("", True)
+
+
+def test_stop_limits() -> None:
+    check_stop_limits(["x"] * MAX_STOP_STRINGS, list(range(MAX_STOP_TOKEN_IDS)))
+    with pytest.raises(InvalidRequestError, match="at most 16 stop strings"):
+        StopChecker([str(i) for i in range(MAX_STOP_STRINGS + 1)])
+    with pytest.raises(InvalidRequestError, match="characters"):
+        StopChecker(["x" * (MAX_STOP_STRING_CHARS + 1)])
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        check_stop_limits([], list(range(MAX_STOP_TOKEN_IDS + 1)))
+
+
+def test_max_token_chars_bounds_what_any_token_decodes_to(tok: Tokenizer) -> None:
+    longest = tok.max_token_chars
+    assert 1 < longest < 1000
+    for token_id in range(0, tok.vocab_size, 7):
+        assert len(tok.decode([token_id], skip_special_tokens=False)) <= longest

@@ -16,8 +16,10 @@ from loraplex.platform.errors import (
     ConflictError,
     NotFoundError,
     PermissionDeniedError,
+    RateLimitedError,
 )
 from loraplex.platform.db.tables import ApiKey
+from loraplex.platform.tenancy.throttle import ThrottleConfig
 from loraplex.platform.tenancy.tenants import (
     create_key,
     create_tenant,
@@ -165,6 +167,52 @@ def test_lanes_only_go_down():
         _principal(Lane.INTERACTIVE, {Lane.INTERACTIVE}).lane_for(Lane.BATCH)
     assert parse_lane("Batch", "x") == Lane.BATCH and parse_lane(0, "x") == Lane.INTERACTIVE
     assert parse_lane("2", "x") == Lane.BATCH
-    for bad in ("fast", 3, -1, True, None, 1.5):
-        with pytest.raises(BadRequestError):
+    for bad in ("fast", 3, -1, True, None, 1.5, "²", "٢", "9" * 5000, 10**5000):
+        with pytest.raises(BadRequestError, match="priority"):
             parse_lane(bad, "priority")
+
+
+def test_failed_keys_are_throttled_per_client_address(db):
+    create_tenant(db, "acme")
+    key = create_key(db, "acme")
+    auth = Authenticator(db, ttl=60, throttle=ThrottleConfig(burst=3, per_second=0.01))
+
+    async def go():
+        for i in range(3):
+            with pytest.raises(AuthenticationError):
+                await auth.authenticate(f"Bearer lpx_0123456789ab_{i}", client="10.1.1.1")
+        with pytest.raises(RateLimitedError) as err:
+            await auth.authenticate(f"Bearer {key}", client="10.1.1.1")  # refused before any lookup
+        assert err.value.retry_after > 1
+        assert (await auth.authenticate(f"Bearer {key}", client="10.1.1.2")).tenant == "acme"
+        assert (await auth.authenticate(f"Bearer {key}")).tenant == "acme"
+
+    _run(go())
+
+
+def test_readiness_ping_never_waits_behind_key_lookups(db):
+    """Key lookups hold every thread of their pool; ping() still reaches the database."""
+    import threading
+
+    auth = Authenticator(db, ttl=60)
+    release = threading.Event()
+    real_load = auth._load
+
+    def slow_load(key, digest):
+        release.wait(30)
+        return real_load(key, digest)
+
+    auth._load = slow_load
+
+    async def go():
+        lookups = [asyncio.ensure_future(auth.authenticate(f"Bearer lpx_0123456789a{i}_x")) for i in range(8)]
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(auth.ping(), timeout=20)  # answers while the lookups are stuck
+        assert not any(f.done() for f in lookups)
+        release.set()
+        for f in lookups:
+            with pytest.raises(AuthenticationError):
+                await f
+        await auth.close()
+
+    _run(go())

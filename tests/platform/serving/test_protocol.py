@@ -67,6 +67,8 @@ def test_chat_max_tokens_and_logprobs():
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "stop": [1]}, "stop"),
     ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
+    ({"prompt": "x", "stop": "a" * 257}, "stop"),
+    ({"prompt": "x", "stop_token_ids": list(range(65))}, "stop_token_ids"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
@@ -123,3 +125,18 @@ def test_error_mapping(exc, status, code):
         assert err.headers["Retry-After"] == "7"
     if code == "overloaded":
         assert "Retry-After" in err.headers
+
+
+@pytest.mark.parametrize("bad", ["²", "٣", "9" * 5000, 10**5000, -1, 3.5, [], {}],
+                         ids=["superscript", "arabic-digit", "5000-digit-string", "5000-digit-int", "negative",
+                              "float", "list", "object"])
+def test_malformed_lanes_name_their_field(bad):
+    from loraplex.platform.serving.gateway import Gateway
+
+    with pytest.raises(BadRequestError) as e:
+        Gateway.requested_lane(None, bad)
+    assert e.value.param == "priority"
+    if isinstance(bad, str):
+        with pytest.raises(BadRequestError) as e:
+            Gateway.requested_lane(bad, None)
+        assert e.value.param == "x-loraplex-lane"

@@ -1,0 +1,133 @@
+"""Bounds on what one OpenAI request may make the gateway do before admission.
+
+- The body: refused with 413 from its Content-Length alone, or as soon as the bytes read
+  pass `ServerLimits.max_body_bytes` (the rest is never read; the connection closes).
+- Its JSON: nesting depth, number of messages and of content parts, each a 400 naming
+  the field.
+- The prompt: text whose length in characters cannot fit `max_model_len` tokens (each
+  token spells at most `Tokenizer.max_token_chars` characters, with a margin for
+  normalizers that merge characters) is refused with 413 before it is tokenized.
+- Tokenizing and the chat template run on a small pool of threads of their own
+  (`ParsePool`), so the event loop, and `/health`, never wait for them.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import orjson
+from starlette.requests import ClientDisconnect, Request
+
+from loraplex.engine.errors import PromptTooLongError
+
+from loraplex.platform.errors import BadRequestError, PayloadTooLargeError
+from loraplex.platform.settings import ServerLimits
+
+T = TypeVar("T")
+# Characters a normalizer may fold into one (e.g. NFC composing a letter and its accents).
+_NORMALIZER_MARGIN = 4
+PARSE_THREADS = 2
+
+
+def check_content_length(request: Request, max_bytes: int) -> None:
+    """413 for a declared body over `max_bytes`, before reading any of it."""
+    length = request.headers.get("content-length")
+    if length is None:
+        return
+    if not (length.isascii() and length.isdigit()) or len(length) > 18:
+        raise BadRequestError("the Content-Length header is not a number")
+    if int(length) > max_bytes:
+        raise PayloadTooLargeError(f"the request body is {int(length)} bytes, over the {max_bytes} byte limit")
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The whole body, or 413 once more than `max_bytes` arrived (chunked bodies too)."""
+    check_content_length(request, max_bytes)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise PayloadTooLargeError(f"the request body is over the {max_bytes} byte limit")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise BadRequestError("the client went away before sending the whole body") from None
+    return b"".join(chunks)
+
+
+def parse_json_object(raw: bytes, limits: ServerLimits) -> dict:
+    """A JSON object within the nesting bound, or 400."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise BadRequestError("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequestError("the request body must be a JSON object")
+    check_depth(body, limits.max_json_depth)
+    return body
+
+
+def check_depth(value: Any, max_depth: int) -> None:
+    """400 when arrays/objects nest deeper than `max_depth` (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > max_depth:
+            raise BadRequestError(f"the request body nests deeper than {max_depth} levels")
+        if isinstance(v, dict):
+            stack.extend((x, depth + 1) for x in v.values() if isinstance(x, (dict, list)))
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v if isinstance(x, (dict, list)))
+
+
+def check_chat_shape(body: dict, limits: ServerLimits) -> None:
+    """Bounds on `messages` and their content parts."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return  # the parser names what is wrong with it
+    if len(messages) > limits.max_messages:
+        raise BadRequestError(f"messages: at most {limits.max_messages} messages, got {len(messages)}", "messages")
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and len(content) > limits.max_content_parts:
+            raise BadRequestError(f"messages[{i}].content: at most {limits.max_content_parts} parts, "
+                                  f"got {len(content)}", f"messages[{i}].content")
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of text in a prompt or in messages (strings anywhere inside)."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
+
+
+def check_prompt_chars(body: dict, chat: bool, max_model_len: int, max_token_chars: int) -> None:
+    """413 for text that cannot fit the context whatever it tokenizes to."""
+    text = body.get("messages") if chat else body.get("prompt")
+    chars = _text_chars(text)
+    bound = max_model_len * max(1, max_token_chars) * _NORMALIZER_MARGIN
+    if chars > bound:
+        raise PromptTooLongError(f"the prompt has {chars} characters: more than this model's context of "
+                                 f"{max_model_len} tokens can hold")
+
+
+class ParsePool:
+    """A few threads for tokenizing and chat templates, away from the event loop."""
+
+    def __init__(self, threads: int = PARSE_THREADS) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="loraplex-parse")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,23 @@
+"""`serve --adapter NAME=PATH` at every start: new adapters become public, known ones get
+the new version and keep the access an admin gave them."""
+from __future__ import annotations
+
+from loraplex.engine.config import EngineConfig, ModelConfig
+from loraplex.platform.cli.demo import register_cli_adapters
+from loraplex.platform.settings import Settings
+from loraplex.platform.tenancy.adapter_registry import list_adapters, open_store, set_adapter_access
+
+
+def test_a_restart_keeps_an_admins_decision(db, tmp_path, tiny_llama_dir, tiny_adapters):
+    settings = Settings(data_dir=tmp_path, engine=EngineConfig(model=ModelConfig(model=str(tiny_llama_dir))),
+                        adapters=(("helper", str(tiny_adapters["ad1"])),))
+    store = open_store(settings)
+    [first] = register_cli_adapters(settings, db, store)
+    assert first.public
+    set_adapter_access(db, "helper", public=False)  # what an admin does in the UI
+    [again] = register_cli_adapters(settings, db, store)  # the next `serve` start
+    assert not again.public and again.digest == first.digest
+    moved = Settings(data_dir=tmp_path, engine=settings.engine, adapters=(("helper", str(tiny_adapters["ad2"])),))
+    [updated] = register_cli_adapters(moved, db, store)  # a new version from the command line
+    assert not updated.public and updated.digest != first.digest
+    assert [a.public for a in list_adapters(db)] == [False]

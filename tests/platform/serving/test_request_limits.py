@@ -1,0 +1,58 @@
+"""Bounds checked before a request is admitted: JSON shape, prompt size in characters."""
+from __future__ import annotations
+
+import pytest
+
+from loraplex.engine.errors import PromptTooLongError
+from loraplex.platform.errors import BadRequestError
+from loraplex.platform.serving.request_limits import (
+    check_chat_shape,
+    check_depth,
+    check_prompt_chars,
+    parse_json_object,
+)
+from loraplex.platform.settings import ServerLimits
+
+LIMITS = ServerLimits(max_json_depth=8, max_messages=3, max_content_parts=2)
+
+
+def test_nesting_depth():
+    check_depth({"a": [[[1]]]}, 4)
+    with pytest.raises(BadRequestError, match="deeper than 4"):
+        check_depth({"a": [[[[1]]]]}, 4)
+    deep = "[" * 100_000 + "]" * 100_000  # what orjson itself refuses: still a 400
+    with pytest.raises(BadRequestError):
+        parse_json_object(('{"messages": ' + deep + "}").encode(), LIMITS)
+    with pytest.raises(BadRequestError, match="deeper than 8"):
+        parse_json_object(('{"messages": ' + "[" * 20 + "]" * 20 + "}").encode(), LIMITS)
+
+
+@pytest.mark.parametrize("raw", [b"", b"[]", b"nope", b'"text"', b"\xff\xfe"])
+def test_bodies_that_are_not_objects(raw):
+    with pytest.raises(BadRequestError):
+        parse_json_object(raw, LIMITS)
+
+
+def test_messages_and_parts_are_bounded():
+    msg = {"role": "user", "content": "hi"}
+    check_chat_shape({"messages": [msg] * 3}, LIMITS)
+    with pytest.raises(BadRequestError, match="at most 3 messages") as err:
+        check_chat_shape({"messages": [msg] * 4}, LIMITS)
+    assert err.value.param == "messages"
+    parts = [{"type": "text", "text": "a"}] * 3
+    with pytest.raises(BadRequestError, match="at most 2 parts") as err:
+        check_chat_shape({"messages": [msg, {"role": "user", "content": parts}]}, LIMITS)
+    assert err.value.param == "messages[1].content"
+    check_chat_shape({"messages": "not a list"}, LIMITS)  # the parser names that problem
+
+
+def test_prompts_that_cannot_fit_are_refused_by_their_length():
+    # 256 tokens of at most 10 characters each, with the normalizer margin of 4.
+    check_prompt_chars({"prompt": "x" * 10_240}, False, 256, 10)
+    with pytest.raises(PromptTooLongError, match="10241 characters"):
+        check_prompt_chars({"prompt": "x" * 10_241}, False, 256, 10)
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "y" * 6000}]},
+                         {"role": "user", "content": "z" * 6000}]}
+    with pytest.raises(PromptTooLongError):
+        check_prompt_chars(chat, True, 256, 10)
+    check_prompt_chars({"prompt": [1, 2, 3]}, False, 256, 10)  # token ids: counted by the parser
