@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from loraplex.engine.errors import InvalidRequestError
@@ -47,6 +47,7 @@ class ToolRequest:
     choice: str  # none | auto | required | named
     name: str | None = None  # the function, when choice is "named"
     parallel: bool = True
+    family: str = "hermes"  # the format `auto` calls are parsed in (tool_parsers.PARSERS)
 
     @property
     def constrained(self) -> bool:
@@ -67,12 +68,13 @@ class ToolRequest:
         except InvalidRequestError as exc:
             raise BadRequestError(str(exc), "tools") from None
 
-    def parser(self, chat_template: str | None) -> ToolParser | None:
-        if not self.parses_calls:
-            return None
-        # Constrained output is in the grammar's (Hermes) format whatever the family.
-        family = "hermes" if self.constrained else parser_family(chat_template)
-        return PARSERS[family](self.parallel)
+    def for_template(self, chat_template: str | None) -> "ToolRequest":
+        """Constrained output is in the grammar's (Hermes) format whatever the family."""
+        return replace(self, family="hermes" if self.constrained else parser_family(chat_template))
+
+    def new_parser(self) -> ToolParser | None:
+        """A parser for one choice's output; None when calls are not parsed."""
+        return PARSERS[self.family](self.parallel) if self.parses_calls else None
 
 
 def parse_tools(body: dict) -> ToolRequest | None:
