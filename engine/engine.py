@@ -304,15 +304,22 @@ class LLMEngine:
         return list(results.values())
 
     # -- introspection -------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
+        from .client import AdapterResidency, EngineStats, LaneDepth
+
         s = self.scheduler
-        return {
-            "num_running": len(s.running), "num_waiting": len(s.waiting),
-            "kv_cache_usage": self.kv.usage, "num_blocks": self.kv.pool.num_blocks,
-            "num_preemptions": s.num_preemptions, "lanes": s.lane_counts(),
-            "prefix_cache_queries": self.kv.num_queries, "prefix_cache_hits": self.kv.num_hits,
-            "time": time.time(),
-        }
+        lanes = s.lane_counts()
+        tiers = self.lora.tiers() if self.lora is not None else {}
+        loras = self.config.lora if self.lora is not None else None
+        return EngineStats(
+            running=len(s.running), waiting=len(s.waiting),
+            lanes={lane: LaneDepth(**lanes[lane.name.lower()]) for lane in Lane},
+            kv_cache_usage=self.kv.usage, num_blocks=self.kv.pool.num_blocks, block_size=self.config.cache.block_size,
+            device=str(self.runner.device), num_preemptions=s.num_preemptions,
+            prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits,
+            adapters=AdapterResidency(tuple(tiers.get("device", ())), tuple(tiers.get("cpu", ()))),
+            max_loras=loras.max_loras if loras else 0, max_cpu_loras=loras.max_cpu_loras if loras else 0,
+            time=time.time())
 
 
 def _choice_params(sampling: SamplingParams, index: int) -> SamplingParams:
