@@ -165,6 +165,8 @@ def test_n_choices_share_one_prefill(oa):
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert len({c.text for c in r.choices}) == 4
     assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 32
+    metered = next(ctx for ctx in oa.hooks.finished if ctx.request_id == r.id)
+    assert (metered.num_prompt_tokens, metered.num_output_tokens, metered.max_tokens) == (len(prompt), 32, 32)
     full = (len(prompt) - 1) // BLOCK * BLOCK
     assert after.prefix_cache_hits - before.prefix_cache_hits == 3 * full  # choices 1-3 reuse choice 0's blocks
     assert after.prefix_cache_queries - before.prefix_cache_queries == 4 * len(prompt)
