@@ -7,7 +7,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from loraplex.platform.metrics import Metrics
+from loraplex.platform.serving.metrics import Metrics
 from loraplex.platform.observability.request_metrics import SUPERSEDES, RequestMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "loraplex.json"

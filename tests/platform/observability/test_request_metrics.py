@@ -3,7 +3,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplex.platform.metrics import Metrics
+from loraplex.platform.serving.metrics import Metrics
 from loraplex.platform.observability.request_metrics import (
     BASE_ADAPTER, OTHER_ADAPTER, SUPERSEDES, AdapterLabels, RequestMetrics)
 
