@@ -116,3 +116,16 @@ def test_prompt_logprobs_match_transformers(tiny_llama_dir, chunk):
         assert [t for t, _ in top] == r_ids
         assert [v for _, v in top] == pytest.approx(r_vals, abs=1e-3)
     _assert_idle(engine)
+
+
+def test_n_choices_survive_preemption(tiny_llama_dir, engine):
+    prompt = _prompt(40, 4)
+    sp = SamplingParams(max_tokens=40, temperature=0.9, seed=2, ignore_eos=True, n=4)
+    roomy = engine.generate([prompt], sp, cache_salt="roomy")
+    # 4 choices x 80 tokens need 20 blocks of 16; 12 force preemptions along the way.
+    small = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
+                                   cache=CacheConfig(block_size=BLOCK, num_blocks=12)))
+    tight = small.generate([prompt], sp)
+    assert small.scheduler.num_preemptions > 0
+    assert [o.new_token_ids for o in tight] == [o.new_token_ids for o in roomy]
+    _assert_idle(small)
