@@ -42,6 +42,10 @@ class RequestOutput:
     num_output_tokens: int = 0
     logprobs: list[Logprobs] = field(default_factory=list)
     stop_reason: str | int | None = None
+    # Prompt tokens the engine has processed (computed or found in the prefix cache): what
+    # a request aborted before its first token still cost. With `report_prefill` set, a
+    # prefill chunk that sampled nothing yields an output with no token carrying it.
+    num_processed_prompt_tokens: int = 0
     index: int = 0
     # On a choice's first output when sampling.prompt_logprobs is set: one entry per
     # prompt token, None for the first (nothing predicts it).
@@ -88,6 +92,8 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.idle_step = False
         self.grammars = GrammarCache(self.tokenizer, self.arch.vocab_size)
+        # Emit token-less outputs for prefill chunks (metering bills an abort mid-prefill).
+        self.report_prefill = False
 
     # -- requests -----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
@@ -204,8 +210,17 @@ class LLMEngine:
             self.num_prompt_tokens += max(0, min(s.start_pos + len(s.token_ids), reqs[s.request_id].num_prompt_tokens)
                                           - s.start_pos)
         self.num_generation_tokens += len(sampled)
-        outs = failed + [self._output(reqs[rid], tok, logprobs.get(rid), rid in done) for rid, tok in sampled.items()]
+        outs = [self._output(reqs[rid], tok, logprobs.get(rid), rid in done) for rid, tok in sampled.items()]
+        if self.report_prefill:  # prompt chunks that sampled nothing (a first prefill, not a recompute)
+            outs += [self._prefill_output(r) for r in (reqs[s.request_id] for s in plan.seqs)
+                     if r.request_id not in sampled and r.request_id not in done and not r.num_output_tokens]
+        outs = failed + outs
         return [self._as_choice(o) for o in outs] if self._choice_of else outs
+
+    @staticmethod
+    def _prefill_output(req: Request) -> RequestOutput:
+        return RequestOutput(req.request_id, [], "", False, None, req.num_prompt_tokens, max(req.num_cached_tokens, 0),
+                             0, num_processed_prompt_tokens=min(req.num_computed_tokens, req.num_prompt_tokens))
 
     def _as_choice(self, out: RequestOutput) -> RequestOutput:
         """A child's output as its n > 1 request's: the request's id, the choice's index."""
@@ -261,7 +276,9 @@ class LLMEngine:
             finish_reason=req.status.value if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens, logprobs=[lp] if lp else [], stop_reason=req.stop_reason,
+            num_processed_prompt_tokens=req.num_prompt_tokens,
             prompt_logprobs=self._prompt_logprobs(req))
+
 
     @staticmethod
     def _prompt_logprobs(req: Request) -> list[Logprobs | None] | None:

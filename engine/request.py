@@ -70,7 +70,8 @@ class SamplingParams:
             raise InvalidRequestError("top_k must be >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError("logprobs must be between 0 and 20")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
+                self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20):
             raise InvalidRequestError("prompt_logprobs must be between 0 and 20")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise InvalidRequestError(f"n must be an integer between 1 and {MAX_N}")

@@ -18,6 +18,7 @@ from loraplex.adapters.errors import AdapterError
 from loraplex.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from loraplex.engine.errors import EngineError
 
+from loraplex.platform.cli import roles
 from loraplex.platform.errors import PlatformError
 from loraplex.platform.settings import Settings, default_data_dir
 
@@ -119,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-demo", action="store_true", help="no demo tenant, no demo adapters")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
     _engine_options(serve)
+    roles.add_worker_parser(sub, _db_options, _engine_options)
+    roles.add_migrate_parser(sub, _db_options)
 
     tenant = sub.add_parser("tenant", help="manage tenants").add_subparsers(dest="action", required=True)
     tc = tenant.add_parser("create", help="create a tenant")
@@ -194,7 +197,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     kw = {}
     if args.data_dir:
         kw["data_dir"] = args.data_dir
-    if getattr(args, "command", None) != "serve":
+    if getattr(args, "command", None) not in ("serve", "worker"):
         return Settings(database_url=args.database_url,
                         engine=EngineConfig(model=ModelConfig(model=getattr(args, "model", "default"))), **kw)
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
@@ -243,6 +246,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return commands.serve(settings, access_log=args.access_log)
     if args.command == "admin-token":
         return commands.admin_token(settings, reset=args.reset)
+    if args.command == "worker":
+        return roles.worker(settings, args)
+    if args.command == "migrate":
+        return roles.migrate(settings)
     db = commands.open_db(settings)
     try:
         if args.command == "tenant" and args.action == "create":

@@ -151,8 +151,6 @@ def test_loraplex_cli_accepts_the_rendered_arguments(render, values):
         parser.parse_args(args)
 
 
-@pytest.mark.xfail(_PENDING, strict=True, raises=SystemExit,
-                   reason="`loraplex migrate` comes with the scale-out roles; once it exists this runs as a plain test")
 def test_loraplex_migrate_is_the_migration_serve_runs(tmp_path):
     from sqlalchemy import create_engine, inspect, text
 
