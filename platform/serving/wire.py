@@ -213,7 +213,7 @@ class ChunkStream:
                 self.num_cached_tokens = out.num_cached_tokens
         state.num_output_tokens = out.num_output_tokens
         self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs
-        reason = finish_reason(out) if out.finish_reason is not None else None
+        reason = finish_reason(out) if out.finish_reason is not None or out.finished else None
         choice: dict = {"index": out.index, "logprobs": None, "finish_reason": reason}
         if req.chat:
             delta = self._chat_delta(state, out, reason)
