@@ -142,8 +142,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks; always leaves one token to compute."""
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or req.sampling.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position's logits
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._extend_hashes(req, max_blocks * self.block_size)
         hits = []

@@ -6,7 +6,7 @@ import logging
 import math
 import numbers
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,7 +26,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request (deltas, not cumulative)."""
+    """What one step produced for one request (deltas, not cumulative).
+
+    With n > 1 choices, outputs of every choice share the request id and carry their
+    `index`; `finish_reason` is set on a choice's last output and `finished` on the
+    request's last one (all choices done)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -42,6 +46,19 @@ class RequestOutput:
     # a request aborted before its first token still cost. With `report_prefill` set, a
     # prefill chunk that sampled nothing yields an output with no token carrying it.
     num_processed_prompt_tokens: int = 0
+    index: int = 0
+    # On a choice's first output when sampling.prompt_logprobs is set: one entry per
+    # prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[Logprobs | None] | None = None
+
+
+@dataclass
+class _Group:
+    """An n > 1 request: its choices run as requests `{id}#{index}`."""
+
+    request_id: str
+    child_ids: list[str]
+    unfinished: set[str]
 
 
 @dataclass
@@ -68,6 +85,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, config.lora.max_loras,
                                    adapter_ready=lora_manager.ready if lora_manager is not None else None)
         self._streams: dict[str, _Stream] = {}
+        self._groups: dict[str, _Group] = {}
+        self._choice_of: dict[str, tuple[_Group, int]] = {}  # child id -> (group, index)
         self._ids = itertools.count()
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
@@ -96,18 +115,44 @@ class LLMEngine:
         sampling.check_vocab(self.arch.vocab_size)
         ref = self._adapter_ref(adapter)
         rid = request_id or f"req-{next(self._ids)}"
-        if rid in self.scheduler.requests or rid in self._streams:
+        if sampling.n == 1:
+            self._add(rid, ids, sampling, Lane.parse(lane), ref, cache_salt)
+            return rid
+        self._check_free(rid)
+        group = _Group(rid, [f"{rid}#{i}" for i in range(sampling.n)], set())
+        leader = None
+        try:
+            for i, cid in enumerate(group.child_ids):
+                req = self._add(cid, ids, _choice_params(sampling, i), Lane.parse(lane), ref, cache_salt)
+                if leader is not None and self.kv.enable_prefix_caching:
+                    req.prefill_leader = leader
+                leader = leader or req
+                group.unfinished.add(cid)
+                self._choice_of[cid] = (group, i)
+        except BaseException:
+            for cid in group.unfinished:  # all choices or none
+                self._choice_of.pop(cid, None)
+                self.abort_request(cid)
+            raise
+        self._groups[rid] = group
+        return rid
+
+    def _check_free(self, rid: str) -> None:
+        if rid in self.scheduler.requests or rid in self._streams or rid in self._groups:
             # The scheduler only asserts this; a reused id would cross two requests' streams.
             raise InvalidRequestError(f"request id {rid!r} is already in use")
-        req = Request(rid, ids, sampling, Lane.parse(lane), ref, cache_salt,
-                      eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+
+    def _add(self, rid: str, ids: list[int], sampling: SamplingParams, lane: Lane, ref: AdapterRef | None,
+             cache_salt: str) -> Request:
+        self._check_free(rid)
+        req = Request(rid, ids, sampling, lane, ref, cache_salt, eos_token_ids=tuple(self.tokenizer.eos_token_ids))
         if sampling.structured_output is not None:
             req.grammar = self.grammars.request(sampling.structured_output)
         self.scheduler.add_request(req)
         if ref is not None:
             self.lora.retain(ref)
         self._streams[rid] = _Stream(IncrementalDetokenizer(self.tokenizer, ids), StopChecker(sampling.stop))
-        return rid
+        return req
 
     def _adapter_ref(self, adapter: str | AdapterRef | None) -> AdapterRef | None:
         if adapter is None or isinstance(adapter, AdapterRef):
@@ -117,8 +162,11 @@ class LLMEngine:
         return self.lora.ref(adapter)
 
     def abort_request(self, request_id: str) -> None:
-        self._finish(request_id, RequestStatus.FINISHED_ABORTED)
-        self._streams.pop(request_id, None)
+        group = self._groups.pop(request_id, None)
+        for rid in group.child_ids if group is not None else [request_id]:
+            self._choice_of.pop(rid, None)
+            self._finish(rid, RequestStatus.FINISHED_ABORTED)
+            self._streams.pop(rid, None)
 
     def _finish(self, request_id: str, status: RequestStatus) -> Request | None:
         req = self.scheduler.finish(request_id, status)
@@ -151,7 +199,7 @@ class LLMEngine:
         if not plan.seqs:
             if plan.adapter_loads:
                 self.lora.load(plan.adapter_loads)
-            return failed
+            return [self._as_choice(o) for o in failed]
         sampled, logprobs = self.runner.execute(plan, self.scheduler.requests)
         reqs = {s.request_id: self.scheduler.requests[s.request_id] for s in plan.seqs}
         finished = self.scheduler.update(plan, sampled)
@@ -166,12 +214,28 @@ class LLMEngine:
         if self.report_prefill:  # prompt chunks that sampled nothing (a first prefill, not a recompute)
             outs += [self._prefill_output(r) for r in (reqs[s.request_id] for s in plan.seqs)
                      if r.request_id not in sampled and r.request_id not in done and not r.num_output_tokens]
-        return failed + outs
+        outs = failed + outs
+        return [self._as_choice(o) for o in outs] if self._choice_of else outs
 
     @staticmethod
     def _prefill_output(req: Request) -> RequestOutput:
         return RequestOutput(req.request_id, [], "", False, None, req.num_prompt_tokens, max(req.num_cached_tokens, 0),
                              0, num_processed_prompt_tokens=min(req.num_computed_tokens, req.num_prompt_tokens))
+
+    def _as_choice(self, out: RequestOutput) -> RequestOutput:
+        """A child's output as its n > 1 request's: the request's id, the choice's index."""
+        entry = self._choice_of.get(out.request_id)
+        if entry is None:
+            return out
+        group, out.index = entry
+        if out.finished:
+            del self._choice_of[out.request_id]
+            group.unfinished.discard(out.request_id)
+            out.finished = not group.unfinished
+            if out.finished:
+                del self._groups[group.request_id]
+        out.request_id = group.request_id
+        return out
 
     def _fail_broken_adapters(self) -> list[RequestOutput]:
         """Requests whose adapter could not be loaded finish with an error, alone."""
@@ -212,11 +276,20 @@ class LLMEngine:
             finish_reason=req.status.value if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens, logprobs=[lp] if lp else [], stop_reason=req.stop_reason,
-            num_processed_prompt_tokens=req.num_prompt_tokens)
+            num_processed_prompt_tokens=req.num_prompt_tokens,
+            prompt_logprobs=self._prompt_logprobs(req))
+
+
+    @staticmethod
+    def _prompt_logprobs(req: Request) -> list[Logprobs | None] | None:
+        if req.sampling.prompt_logprobs is None or req.num_output_tokens != 1:
+            return None
+        return [None] + [req.prompt_logprobs[p] for p in range(1, req.num_prompt_tokens)]
 
     def generate(self, prompts: list[str | list[int]], sampling: SamplingParams | list[SamplingParams] | None = None,
                  **kwargs) -> list[RequestOutput]:
-        """Run prompts to completion; returns one cumulative output per prompt, in order."""
+        """Run prompts to completion; returns one cumulative output per prompt and choice,
+        in order (a prompt with n choices gives n outputs, by index)."""
         params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
@@ -228,13 +301,14 @@ class LLMEngine:
             for rid in rids:  # all or nothing: no orphans left running in the engine
                 self.abort_request(rid)
             raise
-        results = {rid: RequestOutput(rid, [], "", False) for rid in rids}
+        results = {(rid, i): RequestOutput(rid, [], "", False, index=i)
+                   for rid, sp in zip(rids, params) for i in range(sp.n)}
         while self.has_unfinished_requests():
             outs = self.step()
             if self.idle_step:
                 time.sleep(0.002)
             for o in outs:
-                r = results.get(o.request_id)
+                r = results.get((o.request_id, o.index))
                 if r is None:
                     continue
                 r.new_token_ids += o.new_token_ids
@@ -243,7 +317,8 @@ class LLMEngine:
                 r.finished, r.finish_reason, r.stop_reason = o.finished, o.finish_reason, o.stop_reason
                 r.num_prompt_tokens, r.num_cached_tokens = o.num_prompt_tokens, o.num_cached_tokens
                 r.num_output_tokens = o.num_output_tokens
-        return [results[r] for r in rids]
+                r.prompt_logprobs = o.prompt_logprobs or r.prompt_logprobs
+        return list(results.values())
 
     # -- introspection -------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -262,3 +337,10 @@ class LLMEngine:
             adapters=AdapterResidency(tuple(tiers.get("device", ())), tuple(tiers.get("cpu", ()))),
             max_loras=loras.max_loras if loras else 0, max_cpu_loras=loras.max_cpu_loras if loras else 0,
             time=time.time())
+
+
+def _choice_params(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` of an n > 1 request: its own seed stream; prompt logprobs (the same
+    for every choice) computed by choice 0 only, so the others may hit the prefix cache."""
+    seed = None if sampling.seed is None else (sampling.seed + index) & 0x7FFF_FFFF_FFFF_FFFF
+    return replace(sampling, n=1, seed=seed, prompt_logprobs=sampling.prompt_logprobs if index == 0 else None)

@@ -16,10 +16,13 @@ from .memory_budget import (DeviceMemory, MemoryPlanConfig, ModelShape, device_m
                             plan_fixed_kv, plan_on_device)
 from .models.llama import LlamaModel
 from .request import Request
-from .sampler import Logprobs, Sampler, SampleRow
+from .sampler import Logprobs, Sampler, SampleRow, top_logprobs
 from .scheduler import ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+# Prompt positions whose full-vocabulary logits are held at once (bounds the memory).
+_PROMPT_LOGPROB_ROWS = 256
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -171,6 +174,8 @@ class ModelRunner:
         hidden = self._replay(seqs)
         if hidden is None:
             hidden = self._eager(seqs)
+        if any(requests[s.request_id].sampling.prompt_logprobs is not None for s in seqs):
+            self._prompt_logprobs(seqs, hidden, requests)
         rows, sample_seqs, end = [], [], 0
         for s in seqs:
             end += len(s.token_ids)
@@ -198,3 +203,25 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         return self.model(input_ids, positions, meta, self.kv_caches, lora)
+
+    def _prompt_logprobs(self, seqs: list, hidden: torch.Tensor, requests: dict[str, Request]) -> None:
+        """Logprobs of the prompt tokens this step's chunks predict (row p predicts token
+        p + 1), stored on the requests that ask for them."""
+        rows, targets, top_n, where = [], [], [], []
+        end = 0
+        for s in seqs:
+            req = requests[s.request_id]
+            first, end = end, end + len(s.token_ids)
+            n = req.sampling.prompt_logprobs
+            if n is None or req.num_output_tokens:
+                continue  # a recompute after preemption: already reported
+            for pos in range(s.start_pos, min(s.start_pos + len(s.token_ids), req.num_prompt_tokens - 1)):
+                rows.append(first + pos - s.start_pos)
+                targets.append(req.prompt_token_ids[pos + 1])
+                top_n.append(n)
+                where.append((req, pos + 1))
+        for lo in range(0, len(rows), _PROMPT_LOGPROB_ROWS):
+            hi = lo + _PROMPT_LOGPROB_ROWS
+            logits = self.model.compute_logits(hidden[rows[lo:hi]])
+            for (req, pos), lp in zip(where[lo:hi], top_logprobs(logits, targets[lo:hi], top_n[lo:hi])):
+                req.prompt_logprobs[pos] = lp

@@ -29,6 +29,9 @@ class Lane(enum.IntEnum):
             raise InvalidRequestError(f"unknown lane {value!r}; use interactive, standard or batch") from None
 
 
+MAX_N = 64  # choices per request
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -49,6 +52,12 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
     structured_output: StructuredOutput | None = None
+    # Choices generated from one prompt, prefilled once: choice i > 0 is admitted once
+    # choice 0's prompt blocks are in the prefix cache; with a seed, choice i uses seed + i.
+    n: int = 1
+    # Top-n logprobs of every prompt token (OpenAI's echo + logprobs); the request then
+    # computes its whole prompt itself (prefix-cache hits have no logits to report).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -61,6 +70,11 @@ class SamplingParams:
             raise InvalidRequestError("top_k must be >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError("logprobs must be between 0 and 20")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
+                self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20):
+            raise InvalidRequestError("prompt_logprobs must be between 0 and 20")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be an integer between 1 and {MAX_N}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -160,10 +174,20 @@ class Request:
     first_token_time: float | None = None
     # The last time this request entered the waiting queue (aging counts from here).
     enqueue_time: float = field(default_factory=time.monotonic)
+    # Choice 0 of the same n > 1 request: this one waits until that one's prompt is computed,
+    # so its prompt blocks are prefix-cache hits rather than a second prefill.
+    prefill_leader: "Request | None" = None
+    # position -> (logprob, top-n) of prompt token `position`, when sampling.prompt_logprobs is set.
+    prompt_logprobs: dict[int, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
+
+    def waits_for_leader(self) -> bool:
+        """True while the choice this one shares a prompt with has not computed it yet."""
+        lead = self.prefill_leader
+        return lead is not None and not lead.status.finished and lead.num_computed_tokens < lead.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -180,10 +180,17 @@ class Sampler:
         logprobs: list[Logprobs | None] = [None] * len(rows)
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if want:
-            lp = torch.log_softmax(logits[want], dim=-1)
-            for j, i in enumerate(want):
-                n = rows[i].params.logprobs
-                top = torch.topk(lp[j], n) if n else None
-                chosen = float(lp[j, tokens[i]])
-                logprobs[i] = (chosen, list(zip(top.indices.tolist(), top.values.tolist())) if top else [])
+            found = top_logprobs(logits[want], [tokens[i] for i in want], [rows[i].params.logprobs for i in want])
+            for i, lp in zip(want, found):
+                logprobs[i] = lp
         return logprobs
+
+
+def top_logprobs(logits: torch.Tensor, chosen: list[int], top_n: list[int]) -> list[Logprobs]:
+    """Per row of raw [rows, vocab] logits: the chosen token's logprob and the top-n."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    picked = lp.gather(1, torch.tensor(chosen, device=lp.device)[:, None])[:, 0].tolist()
+    width = max(top_n)
+    top = torch.topk(lp, width) if width else None
+    ids, vals = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
+    return [(picked[j], list(zip(ids[j][:n], vals[j][:n])) if n else []) for j, n in enumerate(top_n)]

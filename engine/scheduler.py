@@ -132,6 +132,8 @@ class Scheduler:
                 return
             if req.grammar is not None and not req.grammar.ready():
                 continue  # its grammar is still compiling; the others go ahead
+            if req.waits_for_leader():
+                continue  # admitted once its sibling's prompt blocks are cached
             if req.adapter is not None:
                 d = req.adapter.digest
                 if not self.slots.can_acquire(d):

@@ -83,15 +83,22 @@ class Tokenizer:
     def tokens_to_string(self, tokens: list[str]) -> str:
         return self._hf.convert_tokens_to_string(tokens) if tokens else ""
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Render a chat with the model's template and tokenize it."""
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self._hf, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """Render a chat with the model's template and tokenize it; `tools` (OpenAI
+        function definitions) go to templates that render them."""
         if not self.has_chat_template:
             raise InvalidRequestError("this model has no chat template; send a plain completion prompt instead")
         normalized = [_normalize_message(m, i) for i, m in enumerate(_check_list(messages))]
         try:
             text = self._hf.apply_chat_template(
-                normalized, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
+                normalized, add_generation_prompt=add_generation_prompt, tokenize=False,
+                **({"tools": tools} if tools else {}))
         except Exception as exc:  # templates raise jinja errors for conversations they reject
             raise InvalidRequestError(f"the chat template rejected these messages: {exc}") from exc
         # The template already wrote any BOS it wants; adding special tokens would double it.

@@ -201,7 +201,9 @@ def output_to_json(out: RequestOutput) -> dict[str, Any]:
             "num_prompt_tokens": out.num_prompt_tokens, "num_cached_tokens": out.num_cached_tokens,
             "num_output_tokens": out.num_output_tokens,
             "logprobs": [[lp, [list(p) for p in top]] for lp, top in out.logprobs],
-            "stop_reason": out.stop_reason}
+            "stop_reason": out.stop_reason, "index": out.index,
+            "prompt_logprobs": None if out.prompt_logprobs is None else
+            [None if e is None else [e[0], [list(p) for p in e[1]]] for e in out.prompt_logprobs]}
 
 
 def output_from_json(request_id: str, doc: Mapping[str, Any]) -> RequestOutput:
@@ -212,7 +214,20 @@ def output_from_json(request_id: str, doc: Mapping[str, Any]) -> RequestOutput:
         num_prompt_tokens=doc.get("num_prompt_tokens", 0), num_cached_tokens=doc.get("num_cached_tokens", 0),
         num_output_tokens=doc.get("num_output_tokens", 0),
         logprobs=[(lp, [(int(t), v) for t, v in top]) for lp, top in doc.get("logprobs", [])],
-        stop_reason=doc.get("stop_reason"))
+        stop_reason=doc.get("stop_reason"), index=doc.get("index", 0),
+        prompt_logprobs=None if doc.get("prompt_logprobs") is None else
+        [None if e is None else (e[0], [(int(t), v) for t, v in e[1]]) for e in doc["prompt_logprobs"]])
+
+
+def coalesce_choices(outs: Sequence[RequestOutput]) -> list[RequestOutput]:
+    """Consecutive outputs joined per run of one choice (n > 1 interleaves choices)."""
+    runs: list[list[RequestOutput]] = []
+    for out in outs:
+        if runs and runs[-1][-1].index == out.index and not runs[-1][-1].finish_reason:
+            runs[-1].append(out)
+        else:
+            runs.append([out])
+    return [coalesce(run) for run in runs]
 
 
 def coalesce(outs: Sequence[RequestOutput]) -> RequestOutput:
@@ -222,7 +237,8 @@ def coalesce(outs: Sequence[RequestOutput]) -> RequestOutput:
     last = outs[-1]
     return dataclasses.replace(
         last, new_token_ids=[t for o in outs for t in o.new_token_ids], new_text="".join(o.new_text for o in outs),
-        logprobs=[lp for o in outs for lp in o.logprobs])
+        logprobs=[lp for o in outs for lp in o.logprobs],
+        prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None))
 
 
 def dumps_line(doc: Mapping[str, Any]) -> bytes:
@@ -273,6 +289,7 @@ __all__ = [
     "WorkerError",
     "adapter_from_json",
     "coalesce",
+    "coalesce_choices",
     "dumps_line",
     "error_from_body",
     "error_status",

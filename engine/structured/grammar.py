@@ -141,6 +141,9 @@ class GrammarCache:
                     del self._cache[key]
 
     def _grammar(self, spec: StructuredOutput) -> xgr.Grammar:
+        return _no_control_characters(self._build(spec))
+
+    def _build(self, spec: StructuredOutput) -> xgr.Grammar:
         try:
             if spec.kind == "json_object":
                 return self._from_schema({"type": "object"}, strict=False)
@@ -164,6 +167,20 @@ class GrammarCache:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# xgrammar writes the characters of length-bounded strings as the first class below, which
+# lets raw control characters through (invalid JSON: "\x0c" inside a string), while its
+# unbounded strings use the second. The grammar is rebuilt from its text with the second.
+_BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\r\\n]'
+
+
+def _no_control_characters(grammar: xgr.Grammar) -> xgr.Grammar:
+    text = str(grammar)
+    if _BOUNDED_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR), root_rule_name="root")
 
 
 def _xgrammar_message(exc: RuntimeError) -> str:

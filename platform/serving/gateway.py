@@ -123,7 +123,7 @@ class Gateway:
         first awaited: admission runs then, so a stream never started was never admitted."""
         self.check_serving()
         ctx = RequestContext(f"{prefix}-{uuid.uuid4().hex}", principal, adapter or self.model_name, adapter,
-                             lane, len(req.prompt), req.sampling.max_tokens)
+                             lane, len(req.prompt), req.sampling.max_tokens * req.sampling.n)
         ref = self.adapter_ref(adapter) if adapter is not None else None
         if ref is not None:
             ctx.adapter_digest = ref.digest
@@ -155,6 +155,7 @@ class Gateway:
         m = self.metrics
         t0 = last = time.perf_counter()
         first = True
+        generated: dict[int, int] = {}  # per choice (n > 1): every choice's tokens are metered
         m.request_started(ctx.adapter, ctx.lane)
         stream = self.engine.generate(req.prompt, req.sampling, request_id=ctx.request_id, lane=ctx.lane,
                                       adapter=ref or ctx.adapter, cache_salt=f"tenant-{ctx.principal.tenant_id}")
@@ -176,7 +177,8 @@ class Gateway:
                         m.inter_token(now - last)
                     last = now
                     m.generated(len(out.new_token_ids))
-                    ctx.num_output_tokens = out.num_output_tokens
+                    generated[out.index] = out.num_output_tokens
+                    ctx.num_output_tokens = sum(generated.values())
                     if out.finished:
                         ctx.finish_reason = out.finish_reason
                     yield out

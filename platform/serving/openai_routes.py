@@ -14,9 +14,8 @@ Lanes: a request runs in its tenant's lane. It may ask for a lower one with the
 (permission_error) rather than a silent cap, so a client learns its request did not get
 what it asked for. If both are given, the lower of the two applies.
 
-Extensions beyond OpenAI's fields: top_k (0 or -1: off), ignore_eos, min_tokens,
-stop_token_ids, priority. n must be 1; presence/frequency penalties, logit_bias, echo,
-best_of > 1, suffix and tools are refused with a 400 naming the field.
+Which fields are honoured, ignored or refused: serving/openai_fields.py (and the README's
+"OpenAI parameters" section); tools: serving/tools.py.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """OpenAI request parsing: request bodies -> GenRequest (the rendering is in wire.py).
 
-Parsing is hand-written (no pydantic) to keep per-request cost low. Unknown fields are
-ignored, as OpenAI does; fields we cannot honour with a non-default value are refused
-with a 400 naming the field rather than silently ignored.
+Parsing is hand-written (no pydantic) to keep per-request cost low. Every field is
+honoured or refused with a 400 naming it (openai_fields.py holds the lists, and the few
+harmless fields that are ignored).
 """
 from __future__ import annotations
 
@@ -11,16 +11,23 @@ from typing import Any
 
 from loraplex.engine.errors import InvalidRequestError, PromptTooLongError
 from loraplex.engine.request import SamplingParams
+from loraplex.engine.structured import StructuredOutput
 from loraplex.engine.tokenizer import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 from loraplex.platform.errors import BadRequestError
+from loraplex.platform.serving.openai_fields import (
+    check_fields,
+    choices,
+    echo_and_suffix,
+    logit_processors,
+    response_format,
+    sampling_error,
+)
+from loraplex.platform.serving.tools import ToolRequest, parse_tools, prepare_messages, template_supports_tools
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP = MAX_STOP_STRINGS
 MAX_LOGPROBS = 20
-# Accepted only at their no-op value.
-_UNSUPPORTED = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False, "suffix": None,
-                "logit_bias": None, "tools": None, "functions": None}
 
 
 @dataclass
@@ -34,6 +41,14 @@ class GenRequest:
     # Top-n logprobs to report per token (0: only the chosen token's); None: no logprobs.
     logprobs: int | None
     priority: Any = None  # the raw `priority` field; lanes are resolved by auth
+    n: int = 1  # choices returned; sampling.n choices are generated (more with best_of)
+    echo: str | None = None  # completions' echo: the prompt's text, put before each choice's
+    tools: ToolRequest | None = None
+
+    @property
+    def best_of(self) -> bool:
+        """More choices are generated than returned: the best n are kept."""
+        return self.sampling.n > self.n
 
 
 def _get_num(body: dict, name: str, default: float | None, lo: float, hi: float) -> float | None:
@@ -76,12 +91,8 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
-def _check_common(body: dict) -> None:
-    if _get_int(body, "n", 1, 1) != 1:
-        raise BadRequestError("n must be 1: one completion per request", "n")
-    for name, ok in _UNSUPPORTED.items():
-        if body.get(name, ok) not in (ok, None, {}, []):
-            raise BadRequestError(f"{name} is not supported", name)
+def _check_common(body: dict, chat: bool) -> None:
+    check_fields(body, chat)
     if "stream_options" in body and body["stream_options"] is not None and not body.get("stream"):
         raise BadRequestError("stream_options is only allowed when stream is true", "stream_options")
 
@@ -95,7 +106,8 @@ def _include_usage(body: dict) -> bool:
     return _get_bool(opts, "include_usage")
 
 
-def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling(body: dict, max_tokens: int, logprobs: int | None, n: int = 1,
+              structured: StructuredOutput | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     seed = _get_int(body, "seed", None, -(2**63), 2**63 - 1)
     stop_ids = body.get("stop_token_ids") or ()
     if not isinstance(stop_ids, (list, tuple)) or not all(isinstance(t, int) for t in stop_ids):
@@ -114,9 +126,13 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingPara
             ignore_eos=_get_bool(body, "ignore_eos"),
             logprobs=logprobs,
             min_tokens=_get_int(body, "min_tokens", 0, 0),
+            n=n,
+            structured_output=structured,
+            prompt_logprobs=prompt_logprobs,
+            **logit_processors(body),
         )
     except InvalidRequestError as exc:
-        raise BadRequestError(str(exc)) from None
+        raise sampling_error(exc, body) from None
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], prompt_len: int, max_model_len: int,
@@ -133,18 +149,29 @@ def _max_tokens(body: dict, names: tuple[str, ...], prompt_len: int, max_model_l
 
 
 def parse_chat(body: dict, tokenizer, max_model_len: int) -> GenRequest:
-    _check_common(body)
+    _check_common(body, chat=True)
     if "messages" not in body:
         raise BadRequestError("messages is required", "messages")
-    prompt = tokenizer.apply_chat_template(body["messages"])
+    template = getattr(tokenizer, "chat_template", None)
+    tools = parse_tools(body)
+    tools = tools.for_template(template) if tools is not None else None
+    messages, tool_defs = prepare_messages(body["messages"], tools, template_supports_tools(template))
+    prompt = tokenizer.apply_chat_template(messages, **({"tools": tool_defs} if tool_defs else {}))
+    structured = response_format(body)
+    constraint = tools.constraint() if tools is not None else None
+    if structured is not None and constraint is not None:
+        raise BadRequestError("response_format cannot be combined with a required or named tool_choice",
+                              "response_format")
+    n, _ = choices(body, chat=True)
     logprobs = None
     if _get_bool(body, "logprobs"):
         logprobs = _get_int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
     elif body.get("top_logprobs") is not None:
         raise BadRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(prompt), max_model_len, None)
-    return GenRequest(True, body.get("model"), prompt, _sampling(body, max_tokens, logprobs),
-                      _get_bool(body, "stream"), _include_usage(body), logprobs, body.get("priority"))
+    sampling = _sampling(body, max_tokens, logprobs, n, structured or constraint)
+    return GenRequest(True, body.get("model"), prompt, sampling, _get_bool(body, "stream"), _include_usage(body),
+                      logprobs, body.get("priority"), n, tools=tools)
 
 
 def _prompt_ids(prompt: Any, tokenizer) -> list[int]:
@@ -160,7 +187,9 @@ def _prompt_ids(prompt: Any, tokenizer) -> list[int]:
 
 
 def parse_completion(body: dict, tokenizer, max_model_len: int) -> GenRequest:
-    _check_common(body)
+    _check_common(body, chat=False)
+    echo = echo_and_suffix(body)
+    n, best_of = choices(body, chat=False)
     if "prompt" not in body:
         raise BadRequestError("prompt is required", "prompt")
     prompt = _prompt_ids(body["prompt"], tokenizer)
@@ -168,5 +197,14 @@ def parse_completion(body: dict, tokenizer, max_model_len: int) -> GenRequest:
         raise BadRequestError("the prompt is empty", "prompt")
     logprobs = _get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
     max_tokens = _max_tokens(body, ("max_tokens",), len(prompt), max_model_len, COMPLETION_DEFAULT_MAX_TOKENS)
-    return GenRequest(False, body.get("model"), prompt, _sampling(body, max_tokens, logprobs),
-                      _get_bool(body, "stream"), _include_usage(body), logprobs, body.get("priority"))
+    # best_of ranks choices by their tokens' logprobs, so the engine reports them.
+    engine_logprobs = logprobs if best_of == n or logprobs is not None else 0
+    sampling = _sampling(body, max_tokens, engine_logprobs, best_of, response_format(body),
+                         logprobs if echo else None)
+    echo_text = None
+    if echo:
+        raw = body["prompt"][0] if isinstance(body["prompt"], list) and len(body["prompt"]) == 1 else body["prompt"]
+        echo_text = raw if isinstance(raw, str) else tokenizer.decode(prompt)
+    return GenRequest(False, body.get("model"), prompt, sampling, _get_bool(body, "stream"), _include_usage(body),
+                      logprobs, body.get("priority"), n, echo_text)
+

@@ -2,7 +2,8 @@
 finish reasons and in-stream errors (error bodies outside a stream: errors.ApiError).
 
 `render_response` builds a non-streamed answer from the collected outputs; `ChunkStream`
-turns the engine's deltas into server-sent events.
+turns the engine's deltas into server-sent events. A request's choices (n > 1) arrive
+interleaved, each output tagged with its index; usage counts the prompt once.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import orjson
 from loraplex.engine.engine import RequestOutput
 from loraplex.platform.errors import PlatformError, api_error
 from loraplex.platform.serving.protocol import GenRequest
+from loraplex.platform.serving.tool_parsers import CallArgs, CallStart, Content, Event, ParsedOutput, ToolParser
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
@@ -51,15 +53,20 @@ def chat_logprobs(token_ids: list[int], lps: list, text: TokenText) -> dict:
 
 
 def completion_logprobs(token_ids: list[int], lps: list, text: TokenText, offset: int = 0) -> dict:
+    """Completions' logprobs; an entry of `lps` may be None (the prompt's first token)."""
     tokens, chosen, tops, offsets = [], [], [], []
-    for tid, (lp, top) in zip(token_ids, lps):
+    for tid, lp in zip(token_ids, lps):
         t = text(tid)
         tokens.append(t)
-        chosen.append(lp)
-        tops.append({text(i): v for i, v in top})
+        chosen.append(lp[0] if lp is not None else None)
+        tops.append({text(i): v for i, v in lp[1]} if lp is not None else None)
         offsets.append(offset)
         offset += len(t)
     return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _join_logprobs(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
 
 
 def finish_reason(out: RequestOutput) -> str:
@@ -69,8 +76,8 @@ def finish_reason(out: RequestOutput) -> str:
 
 
 @dataclass
-class Collected:
-    """A whole (non-streamed) answer's outputs, joined."""
+class Choice:
+    """One choice's outputs, joined."""
 
     token_ids: list[int] = field(default_factory=list)
     parts: list[str] = field(default_factory=list)
@@ -83,22 +90,94 @@ class Collected:
         self.logprobs += out.logprobs
         self.last = out
 
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp[0] for lp in self.logprobs)
+
+
+@dataclass
+class Collected:
+    """A whole (non-streamed) answer's outputs, joined per choice."""
+
+    choices: dict[int, Choice] = field(default_factory=dict)
+    last: RequestOutput | None = None
+    prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        if not self.choices:
+            self.num_cached_tokens = out.num_cached_tokens
+        self.choices.setdefault(out.index, Choice()).add(out)
+        self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs
+        self.last = out
+
+    def usage(self) -> dict:
+        """The prompt once; every generated token (best_of's discarded choices too)."""
+        completion = sum(c.last.num_output_tokens for c in self.choices.values() if c.last is not None)
+        return usage(self.last.num_prompt_tokens, completion, self.num_cached_tokens)
+
 
 def render_response(req: GenRequest, head: dict, got: Collected, text: TokenText) -> dict:
     """The body of a non-streamed answer; `head` holds its id, created and model."""
-    last = got.last
-    assert last is not None
-    use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-    reason = finish_reason(last)
-    content = "".join(got.parts)
-    if req.chat:
-        logprobs = chat_logprobs(got.token_ids, got.logprobs, text) if req.logprobs is not None else None
-        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
-                  "finish_reason": reason}
-        return {**head, "object": "chat.completion", "choices": [choice], "usage": use}
-    logprobs = completion_logprobs(got.token_ids, got.logprobs, text) if req.logprobs is not None else None
-    choice = {"index": 0, "text": content, "logprobs": logprobs, "finish_reason": reason}
-    return {**head, "object": "text_completion", "choices": [choice], "usage": use}
+    assert got.last is not None
+    picked = [got.choices[i] for i in sorted(got.choices)]
+    if req.best_of:  # the n most likely choices, most likely first
+        picked = sorted(picked, key=lambda c: c.cumulative_logprob, reverse=True)[:req.n]
+    render = _chat_choice if req.chat else _completion_choice
+    body = {**head, "object": "chat.completion" if req.chat else "text_completion",
+            "choices": [render(req, i, c, got, text) for i, c in enumerate(picked)], "usage": got.usage()}
+    return body
+
+
+def _chat_choice(req: GenRequest, index: int, c: Choice, got: Collected, text: TokenText) -> dict:
+    reason = finish_reason(c.last)
+    message: dict = {"role": "assistant", "content": "".join(c.parts)}
+    parser = req.tools.new_parser() if req.tools is not None else None
+    if parser is not None:
+        parsed = ParsedOutput()
+        parsed.add(parser.feed(message["content"]))
+        parsed.add(parser.finish())
+        if parsed.calls:
+            message = {"role": "assistant", "content": parsed.content or None,
+                       "tool_calls": [call.as_openai() for call in parsed.calls]}
+            reason = "tool_calls" if reason == "stop" else reason
+    logprobs = chat_logprobs(c.token_ids, c.logprobs, text) if req.logprobs is not None else None
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _completion_choice(req: GenRequest, index: int, c: Choice, got: Collected, text: TokenText) -> dict:
+    reason = finish_reason(c.last)
+    content = "".join(c.parts)
+    logprobs = None
+    if req.logprobs is not None:
+        logprobs = completion_logprobs(c.token_ids, c.logprobs, text, len(req.echo or ""))
+        if req.echo is not None and got.prompt_logprobs is not None:
+            logprobs = _join_logprobs(completion_logprobs(req.prompt, got.prompt_logprobs, text), logprobs)
+    return {"index": index, "text": (req.echo or "") + content, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _tool_call_deltas(events: list[Event]) -> tuple[str, list[dict]]:
+    """Content text and OpenAI `tool_calls` delta entries: a call's id, type and name
+    first, then fragments of its arguments."""
+    content, calls = "", []
+    for e in events:
+        if isinstance(e, Content):
+            content += e.text
+        elif isinstance(e, CallStart):
+            calls.append({"index": e.index, "id": e.id, "type": "function",
+                          "function": {"name": e.name, "arguments": ""}})
+        elif isinstance(e, CallArgs) and e.text:
+            calls.append({"index": e.index, "function": {"arguments": e.text}})
+    return content, calls
+
+
+@dataclass
+class _StreamedChoice:
+    offset: int = 0  # characters of text sent (completion logprobs' text_offset)
+    started: bool = False
+    echoed: bool = False
+    parser: ToolParser | None = None
+    num_output_tokens: int = 0
 
 
 class ChunkStream:
@@ -108,7 +187,10 @@ class ChunkStream:
         self.req = req
         self.head = {**head, "object": "chat.completion.chunk" if req.chat else "text_completion"}
         self.text = text
-        self.offset = 0  # characters of text sent (completion logprobs' text_offset)
+        self.choices = [_StreamedChoice(parser=req.tools.new_parser() if req.tools is not None else None)
+                        for _ in range(req.n)]
+        self.prompt_logprobs: list | None = None
+        self.num_cached_tokens = 0
 
     def frame(self, choices: list, use: dict | None = None) -> bytes:
         chunk = {**self.head, "choices": choices}
@@ -117,33 +199,73 @@ class ChunkStream:
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
     def opening(self) -> bytes | None:
-        """A chat stream starts with the assistant role."""
+        """A chat stream starts with the assistant role, for every choice."""
         if not self.req.chat:
             return None
-        return self.frame([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None}])
+        return self.frame([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None} for i in range(self.req.n)])
 
     def event(self, out: RequestOutput) -> bytes | None:
-        req = self.req
-        reason = finish_reason(out) if out.finished else None
-        if not out.new_text and reason is None and req.logprobs is None:
-            return None  # nothing to say yet (a character still incomplete)
-        choice: dict = {"index": 0, "logprobs": None, "finish_reason": reason}
-        if req.logprobs is not None:
-            choice["logprobs"] = (chat_logprobs(out.new_token_ids, out.logprobs, self.text) if req.chat else
-                                  completion_logprobs(out.new_token_ids, out.logprobs, self.text, self.offset))
+        req, state = self.req, self.choices[out.index]
+        if not state.started:
+            state.started = True
+            if out.index == 0:
+                self.num_cached_tokens = out.num_cached_tokens
+        state.num_output_tokens = out.num_output_tokens
+        self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs
+        reason = finish_reason(out) if out.finish_reason is not None or out.finished else None
+        choice: dict = {"index": out.index, "logprobs": None, "finish_reason": reason}
         if req.chat:
-            choice["delta"] = {"content": out.new_text} if out.new_text or reason is None else {}
-        else:
-            choice["text"] = out.new_text
-            self.offset += len(out.new_text)
+            delta = self._chat_delta(state, out, reason)
+            if not delta and reason is None and req.logprobs is None:
+                return None  # nothing to say yet (a character or a possible call still incomplete)
+            choice["delta"] = delta
+            if state.parser is not None and state.parser.num_calls and reason == "stop":
+                choice["finish_reason"] = "tool_calls"
+            if req.logprobs is not None:
+                choice["logprobs"] = chat_logprobs(out.new_token_ids, out.logprobs, self.text)
+            return self.frame([choice])
+        return self._completion_event(state, out, choice)
+
+    def _chat_delta(self, state: _StreamedChoice, out: RequestOutput, reason: str | None) -> dict:
+        if state.parser is None:
+            return {"content": out.new_text} if out.new_text or reason is None else {}
+        events = state.parser.feed(out.new_text)
+        if reason is not None:
+            events += state.parser.finish()
+        content, calls = _tool_call_deltas(events)
+        delta: dict = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+    def _completion_event(self, state: _StreamedChoice, out: RequestOutput, choice: dict) -> bytes | None:
+        req = self.req
+        text = out.new_text
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(out.new_token_ids, out.logprobs, self.text, state.offset)
+        if req.echo is not None and not state.echoed:
+            # The prompt goes first, in the choice's first chunk.
+            state.echoed = True
+            text = req.echo + text
+            if logprobs is not None and self.prompt_logprobs is not None:
+                logprobs = _join_logprobs(completion_logprobs(req.prompt, self.prompt_logprobs, self.text),
+                                          completion_logprobs(out.new_token_ids, out.logprobs, self.text,
+                                                              len(req.echo)))
+        if not text and choice["finish_reason"] is None and req.logprobs is None:
+            return None
+        state.offset += len(text)
+        choice["text"] = text
+        choice["logprobs"] = logprobs
         return self.frame([choice])
 
     def closing(self, last: RequestOutput) -> bytes | None:
-        """The usage chunk, when the client asked for it."""
+        """The usage chunk, when the client asked for it: the prompt once."""
         if not self.req.include_usage:
             return None
-        return self.frame([], usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens))
+        completion = sum(c.num_output_tokens for c in self.choices)
+        return self.frame([], usage(last.num_prompt_tokens, completion, self.num_cached_tokens))
 
     async def events(self, first: RequestOutput, stream: AsyncIterator[RequestOutput],
                      request_id: str) -> AsyncIterator[bytes]:

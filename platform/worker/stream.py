@@ -1,8 +1,8 @@
 """One generate's life: the relay from the engine, and the NDJSON response to the gateway.
 
 The relay pumps the engine's outputs into a buffer; the writer sends whatever the buffer
-holds as one line, so a client that reads slower than the engine steps gets several
-steps coalesced into a line (never a step split across lines), and the engine never
+holds (one line per run of a choice when n > 1), so a client that reads slower than the
+engine steps gets several steps coalesced into a line (never a step split across lines), and the engine never
 waits for the network. The client closing the connection cancels the relay, which
 aborts the request in the engine at once.
 """
@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import RequestOutput
 
-from loraplex.platform.worker_wire import NDJSON, GenerateRequest, coalesce, dumps_line, error_status, output_to_json
+from loraplex.platform.worker_wire import (
+    NDJSON,
+    GenerateRequest,
+    coalesce_choices,
+    dumps_line,
+    error_status,
+    output_to_json,
+)
 
 if TYPE_CHECKING:
     from loraplex.platform.worker.state import WorkerState
@@ -159,9 +166,10 @@ class NdjsonResponse:
         relay, items = self.relay, self.first
         while True:
             if items:
-                out = coalesce(items)
-                await send({"type": "http.response.body", "body": dumps_line(output_to_json(out)), "more_body": True})
-                if out.finished:
+                outs = coalesce_choices(items)
+                body = b"".join(dumps_line(output_to_json(out)) for out in outs)
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+                if outs[-1].finished:
                     break
             if relay.done and not relay.pending:
                 await send({"type": "http.response.body", "body": self._end_line(), "more_body": True})

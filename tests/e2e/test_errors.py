@@ -22,7 +22,7 @@ def _post(live, path: str, body=None, tenant: str = "acme", **kw) -> httpx.Respo
 def test_400_bad_requests(live):
     client = live.client()
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=live.model, prompt="x", n=2)
+        client.completions.create(model=live.model, prompt="x", n=0)
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=live.model, messages=[{"role": "pilot", "content": "x"}])

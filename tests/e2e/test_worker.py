@@ -167,6 +167,23 @@ def test_streamed_generate_equals_the_in_process_engine(worker, oracle, blob_sto
     assert stats.max_loras == 2 and stats.prefix_keys
 
 
+def test_n_choices_cross_the_wire_apart(worker, oracle, blob_store):
+    from loraplex.engine.request import AdapterRef, SamplingParams
+
+    digests = blob_store[1]
+    ids = oracle.tokenizer.encode("Choices share one prefill, then go their own way. " * 2)
+    r, lines = stream_lines(worker.http, gen_body("n3", ids, 10, {"name": "ad2", "digest": digests["ad2"]},
+                                                  temperature=1.0, seed=5, n=3))
+    outputs = [o for o in lines if o["type"] == "output"]
+    assert r.status_code == 200 and outputs[-1]["finished"] and sum(o["finished"] for o in outputs) == 1
+    want = oracle.generate([ids], SamplingParams(max_tokens=10, temperature=1.0, seed=5, ignore_eos=True, n=3),
+                           adapter=AdapterRef("ad2", digests["ad2"]))
+    for choice in want:
+        mine = [o for o in outputs if o["index"] == choice.index]
+        assert [t for o in mine for t in o["new_token_ids"]] == choice.new_token_ids
+        assert [o["finish_reason"] for o in mine if o["finish_reason"]] == ["length"]
+
+
 @pytest.mark.parametrize("store", ["postgresql", "s3"])
 def test_adapters_from_each_shared_store(request, tmp_path, tiny_llama_dir, tiny_adapters, oracle, store):  # noqa: F811
     from loraplex.engine.request import AdapterRef, SamplingParams
