@@ -73,7 +73,10 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
                     request_id: str | None = None, lane: Lane | str = Lane.STANDARD,
-                    adapter: str | AdapterRef | None = None, cache_salt: str = "") -> str:
+                    adapter: str | AdapterRef | None = None, cache_salt: str = "", tenant: str = "",
+                    tenant_weight: float = 1.0, timeout: float | None = None) -> str:
+        """Queue a request. `tenant` and `tenant_weight` place it in tenant-fair order;
+        after `timeout` seconds (None: never) it finishes with reason "timeout"."""
         sampling = sampling or SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
@@ -93,8 +96,11 @@ class LLMEngine:
         if rid in self.scheduler.requests or rid in self._streams:
             # The scheduler only asserts this; a reused id would cross two requests' streams.
             raise InvalidRequestError(f"request id {rid!r} is already in use")
+        _check_tenant(tenant, tenant_weight, timeout)
         req = Request(rid, ids, sampling, Lane.parse(lane), ref, cache_salt,
-                      eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+                      eos_token_ids=tuple(self.tokenizer.eos_token_ids), tenant=tenant,
+                      tenant_weight=float(tenant_weight),
+                      deadline=None if timeout is None else self.scheduler.clock() + timeout)
         if sampling.structured_output is not None:
             req.grammar = self.grammars.request(sampling.structured_output)
         self.scheduler.add_request(req)
@@ -137,7 +143,7 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        failed = self._fail_broken_adapters()
+        failed = self._expire() + self._fail_broken_adapters()
         plan = self.scheduler.schedule()
         # True when nothing could run (e.g. waiting on an adapter load): callers back off
         # instead of spinning, which would starve the loader thread of the GIL.
@@ -172,6 +178,17 @@ class LLMEngine:
             req.stop_reason = f"adapter {req.adapter.name!r} could not be loaded: {broken[req.adapter.digest]}"
             outs.append(RequestOutput(req.request_id, [], "", True, "error", req.num_prompt_tokens, 0,
                                       req.num_output_tokens, stop_reason=req.stop_reason))
+        return outs
+
+    def _expire(self) -> list[RequestOutput]:
+        """Requests past their deadline end here, with what they produced so far."""
+        outs = []
+        for req in self.scheduler.expire():
+            self._release(req)
+            stream = self._streams.pop(req.request_id, None)
+            tail = stream.stop.feed(stream.detok.flush())[0] + stream.stop.flush() if stream else ""
+            outs.append(RequestOutput(req.request_id, [], tail, True, req.status.value, req.num_prompt_tokens,
+                                      max(req.num_cached_tokens, 0), req.num_output_tokens))
         return outs
 
     def _output(self, req: Request, token: int, lp: Logprobs | None, finished: bool) -> RequestOutput:
@@ -239,3 +256,13 @@ class LLMEngine:
             "prefix_cache_queries": self.kv.num_queries, "prefix_cache_hits": self.kv.num_hits,
             "time": time.time(),
         }
+
+
+def _check_tenant(tenant: str, weight: float, timeout: float | None) -> None:
+    if not isinstance(tenant, str):
+        raise InvalidRequestError(f"tenant must be a string, got {type(tenant).__name__}")
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not (math.isfinite(weight) and weight > 0):
+        raise InvalidRequestError(f"tenant_weight must be a finite number > 0, got {weight!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                                or not (math.isfinite(timeout) and timeout > 0)):
+        raise InvalidRequestError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")

@@ -126,6 +126,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_TIMEOUT = "timeout"
     FINISHED_ERROR = "error"
 
     @property
@@ -146,6 +147,12 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # The structured-output matcher (engine.structured.grammar.RequestGrammar), if any.
     grammar: Any = None
+    # Who sent it (the gateway's tenant id; "" outside a platform) and that tenant's
+    # weight: tenant-fair scheduling shares each lane by weighted tokens served.
+    tenant: str = ""
+    tenant_weight: float = 1.0
+    # Monotonic time after which the engine aborts it (finish reason "timeout"); None: never.
+    deadline: float | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
