@@ -81,6 +81,31 @@ def _quota_values(args: argparse.Namespace) -> dict:
             if hasattr(args, k)}
 
 
+def _seconds_arg(text: str) -> float:
+    """Seconds > 0, or none/off/clear (0: the server's default)."""
+    if text.strip().lower() in _CLEAR:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r} (or 'none' to clear it)") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"seconds must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _scheduling_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduling")
+    g.add_argument("--weight", type=float, default=argparse.SUPPRESS, metavar="W",
+                   help="its share of the engine inside a lane, relative to other tenants (default 1)")
+    g.add_argument("--request-timeout", type=_seconds_arg, default=argparse.SUPPRESS, metavar="S",
+                   help="seconds a request may run before the engine ends it ('none': the server's --request-timeout)")
+
+
+def _scheduling_values(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ("weight", "request_timeout") if hasattr(args, k)}
+
+
 def _db_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=None, help=f"data folder (default {default_data_dir()})")
     p.add_argument("--database-url", default=None,
@@ -126,12 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--lane", default="standard", help="interactive, standard or batch (default standard)")
     tc.add_argument("--allowed-lanes", default=None, help="comma-separated lanes it may ask for (default: "
                     "its lane and every lower one)")
+    _scheduling_options(tc)
     _quota_options(tc)
     _db_options(tc)
-    tu = tenant.add_parser("update", help="change a tenant's quotas (or one of its keys')")
+    tu = tenant.add_parser("update", help="change a tenant's weight, request timeout or quotas (or one of its keys' quotas)")
     tu.add_argument("name")
     tu.add_argument("--key", default=None, metavar="PREFIX", help="set the quotas of this API key, not the tenant's")
     tu.add_argument("--clear-quotas", action="store_true", help="remove every limit (before applying the others)")
+    _scheduling_options(tu)
     _quota_options(tu)
     _db_options(tu)
     ts = tenant.add_parser("show", help="a tenant's quotas and where it stands against them")
@@ -247,9 +274,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     try:
         if args.command == "tenant" and args.action == "create":
             allowed = args.allowed_lanes.split(",") if args.allowed_lanes else None
-            return commands.tenant_create(db, args.name, args.lane, allowed, _quota_values(args))
+            return commands.tenant_create(db, args.name, args.lane, allowed, _quota_values(args),
+                                          **_scheduling_values(args))
         if args.command == "tenant" and args.action == "update":
-            return commands.tenant_update(db, args.name, args.key, _quota_values(args), clear=args.clear_quotas)
+            return commands.tenant_update(db, args.name, args.key, _quota_values(args), clear=args.clear_quotas,
+                                          scheduling=_scheduling_values(args))
         if args.command == "tenant" and args.action == "show":
             return commands.tenant_show(db, args.name)
         if args.command == "usage" and args.action == "export":
