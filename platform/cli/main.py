@@ -123,6 +123,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--scheduling", choices=("fair", "fcfs"), default="fair",
+                   help="order inside a lane: fair shares it between tenants by the tokens they were served, "
+                        "by their weights, and bounds each tenant's share of the waiting queue (HTTP 429 beyond "
+                        "it); fcfs serves by arrival (default fair)")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: half the cores)")
     g.add_argument("--max-loras", type=int, default=8, help="adapters computable in one step")
     g.add_argument("--max-cpu-loras", type=int, default=32, help="adapters kept in CPU memory")
@@ -231,7 +235,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
         cache=cache,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_chunked_prefill=not args.no_chunked_prefill),
+                                  enable_chunked_prefill=not args.no_chunked_prefill, scheduling=args.scheduling),
         lora=LoRAConfig(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank),
         num_threads=args.threads or _default_threads(),
     )
