@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import Counter, deque
 import math
 import numbers
 import time
@@ -38,6 +39,19 @@ class RequestOutput:
     num_output_tokens: int = 0
     logprobs: list[Logprobs] = field(default_factory=list)
     stop_reason: str | int | None = None
+    # On the output that carries the first token: seconds from arrival to first admitted
+    # (queue), and from then to the first token (prefill, chunks and preemptions included).
+    queue_time: float | None = None
+    prefill_time: float | None = None
+
+
+@dataclass(frozen=True)
+class AdapterLoad:
+    """One adapter load into a device slot: `seq` numbers loads from 1, in order."""
+
+    seq: int
+    adapter: str
+    seconds: float
 
 
 @dataclass
@@ -68,6 +82,11 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
         self.idle_step = False
+        # Adapter activity in device slots, by adapter name: what metrics read.
+        self.adapter_loads: Counter[str] = Counter()
+        self.adapter_evictions: Counter[str] = Counter()
+        self.recent_adapter_loads: deque[AdapterLoad] = deque(maxlen=256)
+        self._slot_refs: dict[int, AdapterRef] = {}
         self.grammars = GrammarCache(self.tokenizer, self.arch.vocab_size)
 
     # -- requests -----------------------------------------------------------------
@@ -148,9 +167,9 @@ class LLMEngine:
         # True when nothing could run (e.g. waiting on an adapter load): callers back off
         # instead of spinning, which would starve the loader thread of the GIL.
         self.idle_step = not plan.seqs
+        if plan.adapter_loads:
+            self._load_adapters(plan)
         if not plan.seqs:
-            if plan.adapter_loads:
-                self.lora.load(plan.adapter_loads)
             return failed
         sampled, logprobs = self.runner.execute(plan, self.scheduler.requests)
         reqs = {s.request_id: self.scheduler.requests[s.request_id] for s in plan.seqs}
@@ -179,6 +198,20 @@ class LLMEngine:
             outs.append(RequestOutput(req.request_id, [], "", True, "error", req.num_prompt_tokens, 0,
                                       req.num_output_tokens, stop_reason=req.stop_reason))
         return outs
+
+    def _load_adapters(self, plan) -> None:
+        """Load the step's adapters one by one, timed, before the runner executes it."""
+        for slot, ref in plan.adapter_loads:
+            start = time.perf_counter()
+            self.lora.load([(slot, ref)])
+            seconds = time.perf_counter() - start
+            old = self._slot_refs.get(slot)
+            if old is not None and old.digest != ref.digest:
+                self.adapter_evictions[old.name] += 1
+            self._slot_refs[slot] = ref
+            self.adapter_loads[ref.name] += 1
+            self.recent_adapter_loads.append(AdapterLoad(sum(self.adapter_loads.values()), ref.name, seconds))
+        plan.adapter_loads = []
 
     def _expire(self) -> list[RequestOutput]:
         """Requests past their deadline end here, with what they produced so far."""
@@ -209,11 +242,15 @@ class LLMEngine:
                 req.stop_reason = stream.stop.matched
         if finished:
             self._streams.pop(req.request_id, None)
-        return RequestOutput(
+        out = RequestOutput(
             request_id=req.request_id, new_token_ids=[token], new_text=text, finished=finished,
             finish_reason=req.status.value if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens, logprobs=[lp] if lp else [], stop_reason=req.stop_reason)
+        if req.num_output_tokens == 1 and req.scheduled_time is not None and req.first_token_time is not None:
+            out.queue_time = max(0.0, req.scheduled_time - req.arrival_time)
+            out.prefill_time = max(0.0, req.first_token_time - req.scheduled_time)
+        return out
 
     def generate(self, prompts: list[str | list[int]], sampling: SamplingParams | list[SamplingParams] | None = None,
                  **kwargs) -> list[RequestOutput]:

@@ -165,6 +165,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: str | int | None = None
     first_token_time: float | None = None
+    # When it was first admitted to the running batch (queue time ends here).
+    scheduled_time: float | None = None
     # The last time this request entered the waiting queue (aging counts from here).
     enqueue_time: float = field(default_factory=time.monotonic)
 

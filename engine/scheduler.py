@@ -60,6 +60,8 @@ class Scheduler:
         # it runs, so an aged batch request is not preempted by the next interactive arrival.
         self._run_lane: dict[str, int] = {}
         self.num_preemptions = 0
+        # Preemptions by the lane the victim ran at (aging included).
+        self.preemptions_by_lane: dict[Lane, int] = {lane: 0 for lane in Lane}
         self.clock = time.monotonic  # replaceable in tests
         # Prompt tokens already billed to each request's tenant: a recompute after a
         # preemption is the scheduler's choice, not the tenant's, and is not billed again.
@@ -197,7 +199,10 @@ class Scheduler:
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = n_cached
         req.status = RequestStatus.RUNNING
-        self._run_lane[req.request_id] = self.waiting.effective_lane(req, self.clock())
+        now = self.clock()
+        if req.scheduled_time is None:
+            req.scheduled_time = now
+        self._run_lane[req.request_id] = self.waiting.effective_lane(req, now)
         self.running.append(req)
 
     def _lower_lane_victim(self, req: Request) -> Request | None:
@@ -209,7 +214,7 @@ class Scheduler:
                  budget: list[int]) -> None:
         """Preempt by recompute: drop the KV, requeue; greedy output stays identical."""
         self.running.remove(victim)
-        self._run_lane.pop(victim.request_id, None)
+        self.preemptions_by_lane[Lane(self._run_lane.pop(victim.request_id, int(victim.lane)))] += 1
         planned = scheduled.pop(victim.request_id, None)
         if planned is not None:
             budget[0] += len(planned.token_ids)

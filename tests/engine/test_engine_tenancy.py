@@ -91,3 +91,44 @@ def test_async_generate_carries_tenant_weight_and_timeout(tiny_llama_dir):
     assert seen == 0
     assert full[-1].finish_reason == "length"
     assert counter == pytest.approx((3 * 1.0 + 4 * 2.0) / 2.0)  # (prompt + 2 x output) / weight
+
+
+def test_adapter_loads_evictions_and_their_latency_are_counted(tiny_llama_dir, tmp_path):
+    from loraplex.adapters import AdapterStore, BaseShapes
+    from loraplex.adapters.synth import make_random_peft_adapter
+    from loraplex.engine.config import LoRAConfig
+    from loraplex.engine.lora import LoRAManager
+
+    store = AdapterStore(tmp_path / "store", BaseShapes.from_model_dir(tiny_llama_dir))
+    for i, name in enumerate(("x", "y", "z")):
+        store.add(name, make_random_peft_adapter(tiny_llama_dir, tmp_path / name, rank=4, alpha=8, seed=i + 1))
+    cfg = EngineConfig(model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
+                       cache=CacheConfig(block_size=16, num_blocks=64), scheduler=SchedulerConfig(max_num_seqs=1),
+                       lora=LoRAConfig(max_loras=2, max_cpu_loras=4, max_lora_rank=8))
+    engine = LLMEngine(cfg, LoRAManager(store, cfg.lora))
+    # One at a time through two slots: x, y load; z evicts x (least recently used); x again evicts y.
+    for name in ("x", "y", "z", "x"):
+        (out,) = engine.generate([[5, 6, 7]], _greedy(2), adapter=name)
+        assert out.finish_reason == "length"
+    assert engine.adapter_loads == {"x": 2, "y": 1, "z": 1}
+    assert engine.adapter_evictions == {"x": 1, "y": 1}
+    loads = list(engine.recent_adapter_loads)
+    assert [(l.seq, l.adapter) for l in loads] == [(1, "x"), (2, "y"), (3, "z"), (4, "x")]
+    assert all(l.seconds > 0 for l in loads)
+
+
+def test_the_first_token_carries_queue_and_prefill_time(tiny_llama_dir):
+    engine = _engine(tiny_llama_dir, max_num_seqs=1)
+    clock = engine.scheduler.clock = Clock()
+    first = engine.add_request([5, 6, 7], _greedy(2))
+    second = engine.add_request([5, 6, 8], _greedy(2))
+    engine.scheduler.requests[first].arrival_time = engine.scheduler.requests[second].arrival_time = clock.t
+    outs = []
+    while engine.has_unfinished_requests():
+        clock.t += 0.5
+        outs += engine.step()
+    timed = {o.request_id: (o.queue_time, o.prefill_time) for o in outs if o.queue_time is not None}
+    # first: admitted at the first step (0.5 s) and sampled in it; second waits for two steps.
+    assert timed == {first: (0.5, 0.0), second: (1.5, 0.0)}
+    assert sum(o.queue_time is not None for o in outs) == 2
+    assert engine.scheduler.preemptions_by_lane == {lane: 0 for lane in engine.scheduler.preemptions_by_lane}

@@ -231,6 +231,7 @@ def test_a_preempted_request_is_requeued_past_its_tenants_share_and_billed_once(
     s.add_request(request("i", 64, 1, lane=Lane.INTERACTIVE))
     step(s, service)
     assert big.status is RequestStatus.WAITING and big.num_preemptions == 1
+    assert s.preemptions_by_lane == {Lane.INTERACTIVE: 0, Lane.STANDARD: 1, Lane.BATCH: 0}
     with pytest.raises(TenantShareExceededError):
         s.add_request(request("x", 4, 1))
     while s.requests:
