@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loraplex.engine.loader import apply_umask, file_lock
+from .files import apply_umask, file_lock
 
 from .shapes import LORA_MODULES
 

@@ -33,7 +33,7 @@ from workload import percentile  # noqa: E402
 
 from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig  # noqa: E402
 from loraplex.engine.request import SamplingParams  # noqa: E402
-from loraplex.platform.serving.app import create_app  # noqa: E402
+from loraplex.platform.app import create_app  # noqa: E402
 from loraplex.platform.db.database import Database, migrate  # noqa: E402
 from loraplex.platform.serving.engine_factory import build_engine  # noqa: E402
 from loraplex.platform.settings import Settings  # noqa: E402

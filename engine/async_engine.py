@@ -11,16 +11,20 @@ import logging
 import queue
 import threading
 import uuid
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
+from .client import AdapterResidency, EngineStats
 from .engine import LLMEngine, RequestOutput
-from .errors import EngineDeadError, InvalidRequestError
+from .errors import EngineDeadError, InvalidRequestError, UnknownAdapterError
 from .request import AdapterRef, Lane, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
+    """The in-process `EngineClient`: an `LLMEngine` stepped on its own thread."""
+
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -32,7 +36,7 @@ class AsyncEngine:
         self._call_ids = itertools.count()
         self._stop = False
         self._dead: BaseException | None = None
-        self._stats: dict[str, Any] = engine.stats()
+        self._stats: EngineStats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self._thread.start()
 
@@ -44,8 +48,33 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._dead is None and not self._stop
 
-    def stats(self) -> dict[str, Any]:
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def stats(self) -> EngineStats:
         return self._stats
+
+    # -- adapters -----------------------------------------------------------------------
+    def resolve_adapter(self, name: str) -> AdapterRef | None:
+        lora = self.engine.lora
+        return None if lora is None else lora.ref(name)
+
+    def adapter_residency(self) -> AdapterResidency:
+        return self._stats.adapters
+
+    def add_adapter(self, name: str, source: str | Path, *, replace: bool = False) -> AdapterRef:
+        lora = self._lora()
+        record = lora.store.add(name, source, replace=replace)
+        return AdapterRef(name, record.digest)
+
+    def remove_adapter(self, name: str) -> None:
+        self._lora().store.remove(name)
+
+    def _lora(self):
+        if self.engine.lora is None:
+            raise UnknownAdapterError("this engine serves no adapters")
+        return self.engine.lora
 
     # -- the engine thread ---------------------------------------------------------
     def _run(self) -> None:

@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import Counter, deque
 import math
 import numbers
 import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
 
 from .block_pool import KVCacheManager
+from .client import AdapterLoad
 from .config import EngineConfig
 from .errors import InvalidRequestError, UnknownAdapterError
 from .loader import ModelArch, resolve_model_dir
@@ -43,15 +44,6 @@ class RequestOutput:
     # (queue), and from then to the first token (prefill, chunks and preemptions included).
     queue_time: float | None = None
     prefill_time: float | None = None
-
-
-@dataclass(frozen=True)
-class AdapterLoad:
-    """One adapter load into a device slot: `seq` numbers loads from 1, in order."""
-
-    seq: int
-    adapter: str
-    seconds: float
 
 
 @dataclass
@@ -284,15 +276,23 @@ class LLMEngine:
         return [results[r] for r in rids]
 
     # -- introspection -------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
+        from .client import AdapterResidency, EngineStats, LaneDepth
+
         s = self.scheduler
-        return {
-            "num_running": len(s.running), "num_waiting": len(s.waiting),
-            "kv_cache_usage": self.kv.usage, "num_blocks": self.kv.pool.num_blocks,
-            "num_preemptions": s.num_preemptions, "lanes": s.lane_counts(),
-            "prefix_cache_queries": self.kv.num_queries, "prefix_cache_hits": self.kv.num_hits,
-            "time": time.time(),
-        }
+        lanes = s.lane_counts()
+        tiers = self.lora.tiers() if self.lora is not None else {}
+        loras = self.config.lora if self.lora is not None else None
+        return EngineStats(
+            running=len(s.running), waiting=len(s.waiting),
+            lanes={lane: LaneDepth(**lanes[lane.name.lower()]) for lane in Lane},
+            kv_cache_usage=self.kv.usage, num_blocks=self.kv.pool.num_blocks, block_size=self.config.cache.block_size,
+            device=str(self.runner.device), num_preemptions=s.num_preemptions,
+            prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits,
+            adapters=AdapterResidency(tuple(tiers.get("device", ())), tuple(tiers.get("cpu", ()))),
+            max_loras=loras.max_loras if loras else 0, max_cpu_loras=loras.max_cpu_loras if loras else 0,
+            time=time.time(), preemptions_by_lane=dict(s.preemptions_by_lane), adapter_loads=dict(self.adapter_loads),
+            adapter_evictions=dict(self.adapter_evictions), recent_adapter_loads=tuple(self.recent_adapter_loads))
 
 
 def _check_tenant(tenant: str, weight: float, timeout: float | None) -> None:

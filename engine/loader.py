@@ -6,8 +6,6 @@ into a safetensors folder in the cache dir, and every later start loads that fol
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib.util
 import json
 import math
@@ -15,12 +13,13 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from loraplex.adapters.files import apply_umask, file_lock
 
 from .errors import ModelLoadError
 
@@ -289,26 +288,6 @@ def _ensure_embedded(cache_dir: Path) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return target
-
-
-def apply_umask(folder: Path) -> None:
-    # mkdtemp (and safetensors' own temp files) create owner-only modes; a shared cache
-    # dir must stay readable by the other users the umask allows.
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for file in folder.iterdir():
-        file.chmod(0o666 & ~umask)
-
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    with open(path, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # blocks while another process converts
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:

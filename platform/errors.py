@@ -1,11 +1,13 @@
 """Typed platform errors, and the ONE place where every error becomes an HTTP status.
 
-Routes raise domain errors (platform, engine or adapter ones); `api_error()` maps them
-to an `ApiError` and `error_response()` renders OpenAI's error body:
+Routes raise domain errors (platform, engine or adapter ones); `ERRORS` maps each class
+to an `ApiError`, found by the exception's class hierarchy (`api_error()`), and
+`error_response()` renders OpenAI's error body:
 `{"error": {"message", "type", "param", "code"}}`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import orjson
@@ -106,51 +108,76 @@ class ApiError:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _not_found_model(_exc: BaseException) -> ApiError:
+    # The engine's or the store's wording may name internals; say what ModelNotFoundError says.
+    return ApiError(404, "The requested model does not exist or you do not have access to it.",
+                    "invalid_request_error", "model_not_found", "model")
+
+
+def _rate_limited(exc: BaseException) -> ApiError:
+    retry = str(max(1, int(round(getattr(exc, "retry_after", 1.0)))))
+    return ApiError(429, _msg(exc), "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": retry})
+
+
+def _http(exc: BaseException) -> ApiError:
+    assert isinstance(exc, HTTPException)
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return ApiError(exc.status_code, str(exc.detail), kind, headers=dict(exc.headers or {}))
+
+
+def _msg(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def _simple(status: int, type_: str, code: str | None = None, param: str | None = None,
+            headers: dict[str, str] | None = None) -> Callable[[BaseException], ApiError]:
+    return lambda exc: ApiError(status, _msg(exc), type_, code, param, dict(headers or {}))
+
+
+# Each domain error class -> its OpenAI error. A subclass not listed gets its nearest
+# listed base class's mapping (the lookup Starlette's exception_handlers make).
+ERRORS: dict[type[BaseException], Callable[[BaseException], ApiError]] = {
+    BadRequestError: lambda exc: ApiError(400, _msg(exc), "invalid_request_error", param=getattr(exc, "param", None)),
+    InvalidRequestError: lambda exc: ApiError(400, getattr(exc, "reason", _msg(exc)), "invalid_request_error"),
+    AdapterValidationError: lambda exc: ApiError(400, getattr(exc, "reason", _msg(exc)), "invalid_request_error"),
+    InvalidAdapterNameError: lambda exc: ApiError(400, getattr(exc, "reason", _msg(exc)), "invalid_request_error"),
+    PromptTooLongError: _simple(413, "invalid_request_error", "context_length_exceeded"),
+    AuthenticationError: _simple(401, "authentication_error", "invalid_api_key"),
+    AdminAuthenticationError: _simple(401, "authentication_error", "invalid_admin_credentials",
+                                      headers={"WWW-Authenticate": 'Bearer realm="loraplex-admin"'}),
+    PermissionDeniedError: _simple(403, "permission_error", "permission_denied"),
+    CsrfError: _simple(403, "permission_error", "csrf_failed"),
+    ModelNotFoundError: _simple(404, "invalid_request_error", "model_not_found", "model"),
+    UnknownAdapterError: _not_found_model,
+    AdapterNotFoundError: _not_found_model,
+    NotFoundError: _simple(404, "not_found_error", "not_found"),
+    ConflictError: _simple(409, "invalid_request_error", "conflict"),
+    PayloadTooLargeError: _simple(413, "invalid_request_error", "payload_too_large"),
+    UnsupportedMediaTypeError: _simple(415, "invalid_request_error", "unsupported_media_type"),
+    RateLimitedError: _rate_limited,
+    EngineOverloadedError: _simple(503, "server_error", "overloaded", headers={"Retry-After": "1"}),
+    MeteringUnavailableError: _simple(503, "server_error", "metering_unavailable", headers={"Retry-After": "5"}),
+    EngineDeadError: _simple(503, "server_error", "unavailable"),
+    ShuttingDownError: _simple(503, "server_error", "unavailable"),
+    HTTPException: _http,
+}
+
+
+def mapping_of(exc: BaseException) -> Callable[[BaseException], ApiError] | None:
+    """The mapping of `exc`'s nearest class in ERRORS, None for an unexpected error."""
+    for cls in type(exc).__mro__:
+        found = ERRORS.get(cls)
+        if found is not None:
+            return found
+    return None
+
+
 def api_error(exc: BaseException) -> ApiError:
     """Map any exception to the HTTP status and OpenAI error fields clients see."""
-    msg = str(exc) or type(exc).__name__
-    if isinstance(exc, BadRequestError):
-        return ApiError(400, msg, "invalid_request_error", param=exc.param)
-    if isinstance(exc, PromptTooLongError):  # before its base class InvalidRequestError
-        return ApiError(413, msg, "invalid_request_error", "context_length_exceeded")
-    if isinstance(exc, (InvalidRequestError, AdapterValidationError, InvalidAdapterNameError)):
-        return ApiError(400, getattr(exc, "reason", msg), "invalid_request_error")
-    if isinstance(exc, AdminAuthenticationError):  # before its base class
-        return ApiError(401, msg, "authentication_error", "invalid_admin_credentials",
-                        headers={"WWW-Authenticate": 'Bearer realm="loraplex-admin"'})
-    if isinstance(exc, AuthenticationError):
-        return ApiError(401, msg, "authentication_error", "invalid_api_key")
-    if isinstance(exc, CsrfError):  # before its base class
-        return ApiError(403, msg, "permission_error", "csrf_failed")
-    if isinstance(exc, PermissionDeniedError):
-        return ApiError(403, msg, "permission_error", "permission_denied")
-    if isinstance(exc, ModelNotFoundError):
-        return ApiError(404, msg, "invalid_request_error", "model_not_found", "model")
-    if isinstance(exc, (UnknownAdapterError, AdapterNotFoundError)):
-        # The engine's wording may name internals; say what ModelNotFoundError says.
-        return ApiError(404, "The requested model does not exist or you do not have access to it.",
-                        "invalid_request_error", "model_not_found", "model")
-    if isinstance(exc, NotFoundError):
-        return ApiError(404, msg, "not_found_error", "not_found")
-    if isinstance(exc, ConflictError):
-        return ApiError(409, msg, "invalid_request_error", "conflict")
-    if isinstance(exc, PayloadTooLargeError):
-        return ApiError(413, msg, "invalid_request_error", "payload_too_large")
-    if isinstance(exc, UnsupportedMediaTypeError):
-        return ApiError(415, msg, "invalid_request_error", "unsupported_media_type")
-    if isinstance(exc, RateLimitedError):
-        retry = str(max(1, int(round(exc.retry_after))))
-        return ApiError(429, msg, "rate_limit_error", "rate_limit_exceeded", headers={"Retry-After": retry})
-    if isinstance(exc, EngineOverloadedError):
-        return ApiError(503, msg, "server_error", "overloaded", headers={"Retry-After": "1"})
-    if isinstance(exc, MeteringUnavailableError):
-        return ApiError(503, msg, "server_error", "metering_unavailable", headers={"Retry-After": "5"})
-    if isinstance(exc, (EngineDeadError, ShuttingDownError)):
-        return ApiError(503, msg, "server_error", "unavailable")
-    if isinstance(exc, HTTPException):
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return ApiError(exc.status_code, str(exc.detail), kind, headers=dict(exc.headers or {}))
-    return ApiError(500, "internal server error", "server_error", "internal_error")
+    mapping = mapping_of(exc)
+    if mapping is None:
+        return ApiError(500, "internal server error", "server_error", "internal_error")
+    return mapping(exc)
 
 
 def error_response(err: ApiError) -> Response:

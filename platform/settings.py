@@ -43,15 +43,15 @@ class Settings:
     # `serve`: create the demo tenant (and print its key) on first start.
     create_demo_tenant: bool = True
     # The admin API's token; None: $LORAPLEX_ADMIN_TOKEN, else the one `serve` generated
-    # at first start (its hash is in <data_dir>/admin-token.sha256). See admin_auth.py.
+    # at first start (its hash is in <data_dir>/admin-token.sha256). See admin/auth.py.
     admin_token: str | None = None
     # Adapter uploads through the admin API larger than this are refused (413).
     admin_max_upload_bytes: int = 1 << 30
-    # Quotas (quotas.py): limits are cached per process this long (a change applies within
+    # Quotas (quotas/): limits are cached per process this long (a change applies within
     # it); a dead process's quota leases expire (and are given back) after this long.
     quota_cache_ttl: float = 5.0
     quota_lease_ttl: float = 60.0
-    # Metering (metering.py): the usage writer's batch size and flush interval, and the
+    # Metering (metering/writer.py): the usage writer's batch size and flush interval, and the
     # backlog of unwritten events at which new requests get 503 until the DB catches up.
     usage_batch_size: int = 500
     usage_flush_seconds: float = 0.25

@@ -33,13 +33,7 @@ from loraplex.platform.serving.gateway import Gateway
 
 def adapter_residency(gw: Gateway) -> dict[str, str]:
     """digest -> "device" (a device slot) or "cpu" (the CPU tier); absent: on disk only."""
-    lora = getattr(gw.engine.engine, "lora", None)
-    if lora is None:
-        return {}
-    tiers = lora.tiers()
-    where = {d: "cpu" for d in tiers.get("cpu", ())}
-    where.update({d: "device" for d in tiers.get("device", ())})
-    return where
+    return gw.engine.adapter_residency().where()
 
 
 def _record_json(r: AdapterRecord, where: dict[str, str]) -> dict:

@@ -1,10 +1,10 @@
 """The admin API (JSON under /admin/api) and the admin UI's static files (under /admin).
 
 Every operation is declared once in `OPS` (route, handler, OpenAPI description); the
-document is served at /admin/api/openapi.json. Authentication and CSRF: admin_auth.py.
-Errors: errors.py (the same `{"error": {...}}` body as the OpenAI routes).
+document is served at /admin/api/openapi.json. Authentication and CSRF: admin/auth.py.
+Errors: platform/errors.py (the same `{"error": {...}}` body as the OpenAI routes).
 
-Every change writes one audit row (audit.py) naming the admin credential that made it.
+Every change writes one audit row (tenancy/audit.py) naming the admin credential that made it.
 Changes to who may use what (keys revoked, tenants disabled, grants) take effect at once
 in this process (its key cache is cleared) and within `auth_cache_ttl` on other replicas.
 
@@ -12,9 +12,9 @@ Adapter uploads stream to a private staging folder with a size limit, are valida
 full by the adapter store, and are published atomically: an adapter is visible (to the
 engine and in listings) only once complete and valid; a bad upload changes nothing.
 
-The handlers live beside it: admin_state.py (AdminState, shared helpers), admin_tenants.py
-(sessions, tenants, keys, quotas), admin_adapters.py and admin_uploads.py (adapters),
-admin_usage.py (engine, audit, usage).
+The handlers live beside it: state.py (AdminState, shared helpers), tenants.py
+(sessions, tenants, keys, quotas), adapters.py and uploads.py (adapters), usage.py
+(engine, audit, usage).
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ from loraplex.platform.errors import (
     api_error,
     error_response,
 )
-from loraplex.platform.db.tables import LANES
+from loraplex.platform.lanes import LANES
 from loraplex.platform.tenancy.tenants import MAX_REQUEST_TIMEOUT, MAX_WEIGHT
 
 log = logging.getLogger(__name__)
@@ -152,8 +152,8 @@ QUOTAS_IN = {"type": ["object", "null"], "additionalProperties": False,
                             "max_concurrency": {**_LIMIT, "description": "requests in flight at once"},
                             "token_budget": {**_LIMIT, "description": "tokens per budget period"},
                             "budget_period": {"type": ["string", "null"], "enum": ["day", "month", None]}}}
-QUOTAS = {"type": ["object", "null"], "description": "The tenant's limits (null fields: no limit) and where it "
-          "stands now; null when this build has no quotas",
+QUOTAS = {"type": "object", "description": "The tenant's limits (null fields: no limit) and where it "
+          "stands now",
           "properties": {**QUOTAS_IN["properties"],
                          "requests_this_minute": {"type": "integer"}, "tokens_this_minute": {"type": "integer"},
                          "in_flight": {"type": "integer"}, "budget_used": {"type": "integer"},

@@ -1,5 +1,5 @@
 """The admin API's shared state (`AdminState`, built once in the app's lifespan) and the
-helpers every section of the admin API uses (see admin_api.py for the route table)."""
+helpers every section of the admin API uses (see routes.py for the route table)."""
 from __future__ import annotations
 
 import asyncio
@@ -21,8 +21,8 @@ from loraplex.platform.db.database import Database
 from loraplex.platform.serving.gateway import Gateway
 from loraplex.platform.settings import Settings
 
-# The logger admin_api.py used before this module was split from it.
-log = logging.getLogger(f"{__package__}.admin_api")
+# One logger for the whole admin API.
+log = logging.getLogger("loraplex.platform.admin")
 
 
 # -- state -------------------------------------------------------------------------------
@@ -38,9 +38,8 @@ class AdminState:
     @classmethod
     def create(cls, settings: Settings, db: Database, gateway: Gateway) -> AdminState:
         """Built in the app's lifespan; a bad admin token setting stops the server there."""
-        lora = getattr(gateway.engine.engine, "lora", None)
-        # The engine's own store when it has one: an upload is then servable at once.
-        store = lora.store if lora is not None else open_store(settings)
+        # The folder the engine serves adapters from: an upload is servable at once.
+        store = open_store(settings)
         _clean_stale_uploads(store.root / "uploads")
         auth = AdminAuth.from_settings(settings)
         if not auth.configured:

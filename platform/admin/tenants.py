@@ -33,7 +33,7 @@ QUOTA_FIELDS = ("rpm", "tpm", "max_concurrency", "token_budget", "budget_period"
 
 # -- serializers ---------------------------------------------------------------------------
 
-def _tenant_json(t: TenantInfo, limits: dict | None = None) -> dict:
+def _tenant_json(t: TenantInfo, limits: dict) -> dict:
     return {"name": t.name, "default_lane": t.default_lane, "allowed_lanes": list(t.allowed_lanes),
             "enabled": t.enabled, "num_keys": t.num_keys, "weight": t.weight,
             "request_timeout": t.request_timeout, "quotas": limits}

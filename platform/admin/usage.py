@@ -12,12 +12,11 @@ from loraplex.adapters import AdapterNotFoundError
 
 from loraplex.platform.metering import usage
 from loraplex.platform.tenancy import audit
-from loraplex.platform.admin.adapters import adapter_residency
 from loraplex.platform.admin.auth import Admin
 from loraplex.platform.admin.state import AdminState
 from loraplex.platform.errors import BadRequestError
 from loraplex.platform.db.base import utcnow
-from loraplex.platform.db.tables import LANES
+from loraplex.platform.lanes import lane_name
 
 BASE_MODEL_KEY = "(base model)"
 
@@ -26,10 +25,8 @@ BASE_MODEL_KEY = "(base model)"
 
 async def engine_status(request: Request, st: AdminState, admin: Admin, query: dict) -> Any:
     gw = st.gateway
-    stats = dict(gw.engine.stats())
-    eng = gw.engine.engine
-    lora = getattr(eng, "lora", None)
-    where = adapter_residency(gw)
+    stats = gw.engine.stats()
+    where = stats.adapters.where()
     def digest_names() -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         for cur in st.store.list():
@@ -44,22 +41,17 @@ async def engine_status(request: Request, st: AdminState, admin: Admin, query: d
     names = await asyncio.to_thread(digest_names)
     resident = [{"digest": d, "tier": tier, "names": names.get(d, [])} for d, tier in where.items()]
     resident.sort(key=lambda x: (x["tier"] != "device", x["names"], x["digest"]))
-    cfg = eng.config
-    lanes = stats.get("lanes") or {}
     return {
         "model": gw.model_name, "running": gw.engine.is_running and not gw.draining,
-        "device": str(getattr(getattr(eng, "runner", None), "device", "cpu")),
-        "num_running": stats.get("num_running", 0), "num_waiting": stats.get("num_waiting", 0),
-        "lanes": {lane: {"running": lanes.get(lane, {}).get("running", 0),
-                         "waiting": lanes.get(lane, {}).get("waiting", 0)} for lane in LANES},
-        "kv_cache_usage": float(stats.get("kv_cache_usage", 0.0)), "num_kv_blocks": stats.get("num_blocks"),
-        "block_size": cfg.cache.block_size, "num_preemptions": stats.get("num_preemptions", 0),
-        "prefix_cache_queries": stats.get("prefix_cache_queries", 0),
-        "prefix_cache_hits": stats.get("prefix_cache_hits", 0),
-        "max_loras": cfg.lora.max_loras if lora is not None else 0,
-        "max_cpu_loras": cfg.lora.max_cpu_loras if lora is not None else 0,
+        "device": stats.device, "num_running": stats.running, "num_waiting": stats.waiting,
+        "lanes": {lane_name(lane): {"running": depth.running, "waiting": depth.waiting}
+                  for lane, depth in stats.lanes.items()},
+        "kv_cache_usage": stats.kv_cache_usage, "num_kv_blocks": stats.num_blocks,
+        "block_size": stats.block_size, "num_preemptions": stats.num_preemptions,
+        "prefix_cache_queries": stats.prefix_cache_queries, "prefix_cache_hits": stats.prefix_cache_hits,
+        "max_loras": stats.max_loras, "max_cpu_loras": stats.max_cpu_loras,
         "resident_adapters": resident,
-        "stats_time": dt.datetime.fromtimestamp(stats["time"], dt.timezone.utc) if stats.get("time") else None,
+        "stats_time": dt.datetime.fromtimestamp(stats.time, dt.timezone.utc) if stats.time else None,
     }
 
 

@@ -1,4 +1,4 @@
-"""What each `loraplex` CLI command does (argument parsing lives in cli.py)."""
+"""What each `loraplex` CLI command does (argument parsing lives in cli/main.py)."""
 from __future__ import annotations
 
 import datetime as dt
@@ -215,7 +215,7 @@ def serve(settings: Settings, access_log: bool = False) -> int:
     import uvicorn
 
     from loraplex.platform.admin.auth import ensure_admin_token
-    from loraplex.platform.serving.app import create_app
+    from loraplex.platform.app import create_app
     from loraplex.platform.cli.demo import ensure_demo_tenant, register_cli_adapters, register_demo_adapters
     from loraplex.platform.serving.engine_factory import build_engine
 

@@ -9,8 +9,7 @@ from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String, text
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from loraplex.platform.db.base import Base, UTCDateTime, utcnow
-
-LANES = ("interactive", "standard", "batch")  # highest priority first, as engine Lane 0..2
+from loraplex.platform.lanes import LANES
 
 
 class Tenant(Base):

@@ -4,7 +4,7 @@ quota settlement at finish. `create_app` builds one per app unless hooks are pas
 Per request, for a tenant (and key) without limits: one cache lookup at admission and a
 deque append at finish, no database work. With limits: one transaction at admission
 (counters + lease), one at finish (lease + counters). Usage events always go through
-the batched writer (metering.py).
+the batched writer (metering/writer.py).
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from loraplex.platform.metering.writer import STATUS, Event, UsageWriter
 from loraplex.platform.quotas.admission import Reservation, plan_admission
 from loraplex.platform.quotas.cache import QuotaCache
 from loraplex.platform.quotas.limits import key_scope, tenant_scope
-from loraplex.platform.quotas.store import open_quota_store, quota_engine
+from loraplex.platform.quotas.dialects import open_quota_store
+from loraplex.platform.quotas.store import quota_engine
 from loraplex.platform.settings import Settings
 
 log = logging.getLogger(__name__)

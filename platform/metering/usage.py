@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import orjson
-from loraplex.engine.request import Lane
+from loraplex.platform.lanes import Lane, lane_name
 from sqlalchemy import func, literal, select
 
 from loraplex.platform.db.database import Database
@@ -41,7 +41,7 @@ OPEN_GRACE = 300.0  # seconds after a period's end before its aggregate counts a
 DEFAULT_SOURCE = "//loraplex/usage"
 EVENT_TYPE = "com.loraplex.usage.request"
 AGGREGATE_TYPES = {"hour": "com.loraplex.usage.hourly", "day": "com.loraplex.usage.daily"}
-_LANES = {int(lane): lane.name.lower() for lane in Lane}
+_LANES = {int(lane): lane_name(lane) for lane in Lane}
 _DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
 

@@ -215,14 +215,3 @@ class QuotaStore(abc.ABC):
             conn.execute(delete(QuotaLease).where(QuotaLease.state == "reaped",
                                                   QuotaLease.expires_at < now - 86400))
         return len(reaped)
-
-
-def open_quota_store(engine: Engine, holder: str, lease_ttl: float = 60.0, threads: int = 4) -> QuotaStore:
-    """The store for `engine`'s dialect."""
-    if engine.dialect.name == "postgresql":
-        from loraplex.platform.quotas.postgres import PostgresQuotaStore
-
-        return PostgresQuotaStore(engine, holder, lease_ttl, threads)
-    from loraplex.platform.quotas.sqlite import SqliteQuotaStore
-
-    return SqliteQuotaStore(engine, holder, lease_ttl, threads)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import select, update
 
-from loraplex.engine.request import Lane
+from loraplex.platform.lanes import LANES, Lane, lane_name, lane_named
 
 from loraplex.platform.tenancy.adapter_registry import adapters_for_tenant
 from loraplex.platform.db.database import Database
@@ -35,7 +35,6 @@ from loraplex.platform.tenancy.tenants import hash_key, key_prefix
 
 log = logging.getLogger(__name__)
 _MAX_CACHE = 100_000
-_LANE_NAMES = {lane.name.lower(): lane for lane in Lane}
 
 
 @dataclass(frozen=True)
@@ -55,24 +54,24 @@ class Principal:
             return self.lane
         if requested < self.lane:
             raise PermissionDeniedError(
-                f"lane {requested.name.lower()!r} is above this tenant's lane {self.lane.name.lower()!r}; "
+                f"lane {lane_name(requested)!r} is above this tenant's lane {lane_name(self.lane)!r}; "
                 "a request may only ask for a lower lane")
         if requested not in self.allowed_lanes:
-            raise PermissionDeniedError(f"lane {requested.name.lower()!r} is not allowed for this tenant")
+            raise PermissionDeniedError(f"lane {lane_name(requested)!r} is not allowed for this tenant")
         return requested
 
 
 def parse_lane(value: object, param: str) -> Lane:
     """'interactive'|'standard'|'batch' or 0|1|2 (0 is the highest priority)."""
     if isinstance(value, str):
-        lane = _LANE_NAMES.get(value.strip().lower())
+        lane = lane_named(value)
         if lane is None and value.strip().isdigit():
             value = int(value.strip())
         elif lane is not None:
             return lane
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 2:
         return Lane(value)
-    raise BadRequestError(f"{param} must be one of interactive, standard, batch (or 0, 1, 2)", param)
+    raise BadRequestError(f"{param} must be one of {', '.join(LANES)} (or 0, 1, 2)", param)
 
 
 class Authenticator:

@@ -1,33 +1,23 @@
 """The one place the engine is built from settings."""
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import LLMEngine
+from loraplex.engine.lora import LoRAManager
 
 from loraplex.platform.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
-def lora_available() -> bool:
-    """Whether the engine has multi-LoRA support (loraplex.engine.lora) yet."""
-    return importlib.util.find_spec("loraplex.engine.lora") is not None
-
-
-def build_lora_manager(settings: Settings):
-    """A LoRAManager over the adapter store, or None while the engine has no LoRA support.
+def build_lora_manager(settings: Settings) -> LoRAManager:
+    """A LoRAManager over the adapter store.
 
     The engine resolves `generate(adapter=name)` through it; the platform's database only
     decides who may use which name.
     """
-    if not lora_available():
-        log.warning("this engine has no LoRA support yet: adapter requests will get 404")
-        return None
-    from loraplex.engine.lora import LoRAManager
-
     from loraplex.platform.tenancy.adapter_registry import open_store
 
     return LoRAManager(open_store(settings), settings.engine.lora)

@@ -10,7 +10,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.client import EngineClient
 from loraplex.engine.engine import RequestOutput
 from loraplex.engine.errors import EngineDeadError
 from loraplex.engine.request import AdapterRef, Lane
@@ -18,7 +18,8 @@ from loraplex.engine.request import AdapterRef, Lane
 from loraplex.platform.serving.auth import Authenticator, Principal, parse_lane
 from loraplex.platform.errors import ModelNotFoundError, ShuttingDownError
 from loraplex.platform.serving.metrics import Metrics
-from loraplex.platform.serving.protocol import GenRequest, TokenText
+from loraplex.platform.serving.protocol import GenRequest
+from loraplex.platform.serving.wire import TokenText
 from loraplex.platform.settings import Settings
 
 LANE_HEADER = "x-loraplex-lane"
@@ -51,7 +52,7 @@ class RequestContext:
 
 
 class Hooks(Protocol):
-    """Where quotas and metering plug in (issue 5).
+    """Where quotas and metering plug in.
 
     `admit` runs before the engine sees the request and may raise RateLimitedError (429
     with Retry-After); `finish` runs exactly once for every admitted request, on every
@@ -68,7 +69,7 @@ class Hooks(Protocol):
 
 
 class Gateway:
-    def __init__(self, settings: Settings, engine: AsyncEngine, auth: Authenticator, metrics: Metrics,
+    def __init__(self, settings: Settings, engine: EngineClient, auth: Authenticator, metrics: Metrics,
                  hooks: Hooks | None = None) -> None:
         self.settings = settings
         self.engine = engine
@@ -77,7 +78,7 @@ class Gateway:
         self.hooks = hooks
         self.model_name = settings.model_name
         self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.max_model_len = engine.max_model_len
         self.token_text = TokenText(self.tokenizer)
         self.draining = False
         self.started_at = int(time.time())
@@ -129,14 +130,13 @@ class Gateway:
     def adapter_ref(self, name: str) -> AdapterRef | None:
         """The adapter's current version, resolved here (not on the engine thread) so the
         version metered is the version run; reused for ADAPTER_REF_TTL seconds."""
-        lora = getattr(self.engine.engine, "lora", None)
-        if lora is None:
-            return None  # an engine without LoRA support: it refuses the adapter itself
         now = time.monotonic()
         hit = self._adapter_refs.get(name)
         if hit is not None and hit[1] > now:
             return hit[0]
-        ref = lora.ref(name)  # raises UnknownAdapterError (404) for a name the store lacks
+        ref = self.engine.resolve_adapter(name)  # UnknownAdapterError (404) for a name the store lacks
+        if ref is None:
+            return None  # an engine without adapters refuses the request itself
         if len(self._adapter_refs) > 10_000:
             self._adapter_refs.clear()
         self._adapter_refs[name] = (ref, now + ADAPTER_REF_TTL)

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from loraplex.engine.request import Lane
+from loraplex.engine.client import EngineStats
+from loraplex.platform.lanes import Lane, lane_name
 
 BASE_ADAPTER_LABEL = "_base"  # adapter label of base-model requests (adapter names cannot start with _)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -93,7 +94,7 @@ class Metrics:
 class _EngineCollector:
     """Engine-state series, read from the engine's stats snapshot at scrape time."""
 
-    def __init__(self, metrics: Metrics, stats: Callable[[], dict]) -> None:
+    def __init__(self, metrics: Metrics, stats: Callable[[], EngineStats]) -> None:
         self.m = metrics
         self.stats = stats
 
@@ -110,17 +111,16 @@ class _EngineCollector:
             c.add_metric(name, value)
             return c
 
-        yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.get("num_running", 0))
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.get("num_waiting", 0))
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", s.get("kv_cache_usage", 0.0))
-        yield counter("vllm:num_preemptions", "Preemptions.", s.get("num_preemptions", 0))
-        yield counter("vllm:prefix_cache_queries", "Prefix-cache queried tokens.", s.get("prefix_cache_queries", 0))
-        yield counter("vllm:prefix_cache_hits", "Prefix-cache hit tokens.", s.get("prefix_cache_hits", 0))
-        lanes = s.get("lanes", {})
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", s.kv_cache_usage)
+        yield counter("vllm:num_preemptions", "Preemptions.", s.num_preemptions)
+        yield counter("vllm:prefix_cache_queries", "Prefix-cache queried tokens.", s.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prefix-cache hit tokens.", s.prefix_cache_hits)
         for kind in ("running", "waiting"):
             g = GaugeMetricFamily(f"loraplex:lane_requests_{kind}", f"Requests {kind} by lane.", labels=["lane"])
             for lane in Lane:
-                g.add_metric([lane.name.lower()], lanes.get(lane.name.lower(), {}).get(kind, 0))
+                g.add_metric([lane_name(lane)], getattr(s.lanes[lane], kind))
             yield g
         state = self.m.lora_state
         info = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters.",

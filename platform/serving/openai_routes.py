@@ -30,21 +30,13 @@ from starlette.routing import Route
 
 from loraplex.engine.engine import RequestOutput
 
-from loraplex.platform.errors import BadRequestError, PlatformError, api_error, error_response
-from loraplex.platform.serving.gateway import LANE_HEADER, Gateway, RequestContext
-from loraplex.platform.serving.protocol import (
-    FINISH_REASONS,
-    GenRequest,
-    chat_logprobs,
-    completion_logprobs,
-    parse_chat,
-    parse_completion,
-    usage,
-)
+from loraplex.platform.errors import BadRequestError, api_error, error_response, mapping_of
+from loraplex.platform.serving.gateway import LANE_HEADER, Gateway
+from loraplex.platform.serving.protocol import parse_chat, parse_completion
 from loraplex.platform.serving.streaming import ClientDisconnected, SSEResponse, until_disconnected
+from loraplex.platform.serving.wire import ChunkStream, Collected, render_response
 
 log = logging.getLogger(__name__)
-DONE = b"data: [DONE]\n\n"
 _CLIENT_CLOSED = 499  # nginx's "client closed request", for metrics only
 
 
@@ -53,21 +45,23 @@ def json_response(obj: object, status: int = 200) -> Response:
 
 
 def api_endpoint(endpoint: str) -> Callable:
-    """Wraps a handler: every exception becomes an OpenAI error response, counted once."""
+    """Wraps a handler: a domain error goes to the app's exception handlers (which count
+    it under `endpoint`); an unexpected one becomes a 500 here."""
 
     def deco(fn: Callable[[Request, Gateway], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         async def handler(request: Request) -> Response:
             gw: Gateway = request.app.state.gateway
+            request.state.api_endpoint = endpoint
             try:
                 resp = await fn(request, gw)
             except ClientDisconnected:
                 gw.metrics.api_request(endpoint, _CLIENT_CLOSED)
                 return Response(status_code=_CLIENT_CLOSED)
-            except Exception as exc:  # noqa: BLE001 - mapped to a status in one place
-                err = api_error(exc)
-                if err.status == 500:
-                    log.exception("unhandled error in %s", endpoint)
-                resp = error_response(err)
+            except Exception as exc:
+                if mapping_of(exc) is not None:
+                    raise  # rendered by the app's exception handlers
+                log.exception("unhandled error in %s", endpoint)
+                resp = error_response(api_error(exc))
             gw.metrics.api_request(endpoint, resp.status_code)
             return resp
 
@@ -89,103 +83,31 @@ async def _body(request: Request) -> dict:
 
 
 async def _generate(request: Request, gw: Gateway, chat: bool) -> Response:
+    """One way through: parse -> admit -> run -> render."""
+    # parse: who asks, for which model and lane, with which request
     principal = await gw.auth.authenticate(request.headers.get("authorization"))
     gw.check_serving()
     body = await _body(request)
     adapter = gw.resolve_model(principal, body.get("model"), request.path_params.get("adapter"))
     lane = principal.lane_for(gw.requested_lane(request.headers.get(LANE_HEADER), body.get("priority")))
     req = (parse_chat if chat else parse_completion)(body, gw.tokenizer, gw.max_model_len)
+    # admit and run: the gateway's stream admits (quotas) before the engine sees the request
     ctx, stream = gw.start(principal, req, adapter, lane, "chatcmpl" if chat else "cmpl")
+    head = {"id": ctx.request_id, "created": int(ctx.received_at), "model": ctx.model}
+    # render
     if req.stream:
         first = await until_disconnected(request.receive, anext(stream))
-        return SSEResponse(_stream(gw, ctx, req, first, stream), source=stream)
-    token_ids, text, lps, last = await until_disconnected(request.receive, _collect(stream))
-    return json_response(_full_response(gw, ctx, req, token_ids, text, lps, last))
+        chunks = ChunkStream(req, head, gw.token_text)
+        return SSEResponse(chunks.events(first, stream, ctx.request_id), source=stream)
+    got = await until_disconnected(request.receive, _collect(stream))
+    return json_response(render_response(req, head, got, gw.token_text))
 
 
-async def _collect(stream: AsyncIterator[RequestOutput]) -> tuple[list[int], str, list, RequestOutput]:
-    token_ids: list[int] = []
-    parts: list[str] = []
-    lps: list = []
-    last = None
+async def _collect(stream: AsyncIterator[RequestOutput]) -> Collected:
+    got = Collected()
     async for out in stream:
-        token_ids += out.new_token_ids
-        parts.append(out.new_text)
-        lps += out.logprobs
-        last = out
-    return token_ids, "".join(parts), lps, last
-
-
-def _finish_reason(out: RequestOutput) -> str:
-    if out.finish_reason == "error":
-        raise PlatformError("the engine failed this request")
-    return FINISH_REASONS.get(out.finish_reason or "stop", "stop")
-
-
-def _full_response(gw: Gateway, ctx: RequestContext, req: GenRequest, token_ids: list[int], text: str,
-                   lps: list, last: RequestOutput) -> dict:
-    use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-    reason = _finish_reason(last)
-    head = {"id": ctx.request_id, "created": int(ctx.received_at), "model": ctx.model}
-    if req.chat:
-        logprobs = chat_logprobs(token_ids, lps, gw.token_text) if req.logprobs is not None else None
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": reason}
-        return {**head, "object": "chat.completion", "choices": [choice], "usage": use}
-    logprobs = completion_logprobs(token_ids, lps, gw.token_text) if req.logprobs is not None else None
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
-    return {**head, "object": "text_completion", "choices": [choice], "usage": use}
-
-
-async def _stream(gw: Gateway, ctx: RequestContext, req: GenRequest, first: RequestOutput,
-                  stream: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
-    head = {"id": ctx.request_id, "object": "chat.completion.chunk" if req.chat else "text_completion",
-            "created": int(ctx.received_at), "model": ctx.model}
-    offset = 0
-
-    def frame(choices: list, use: dict | None = None) -> bytes:
-        chunk = {**head, "choices": choices}
-        if req.include_usage:
-            chunk["usage"] = use
-        return b"data: " + orjson.dumps(chunk) + b"\n\n"
-
-    def event(out: RequestOutput) -> bytes | None:
-        nonlocal offset
-        reason = _finish_reason(out) if out.finished else None
-        if not out.new_text and reason is None and req.logprobs is None:
-            return None  # nothing to say yet (a character still incomplete)
-        choice: dict = {"index": 0, "logprobs": None, "finish_reason": reason}
-        if req.logprobs is not None:
-            choice["logprobs"] = (chat_logprobs if req.chat else completion_logprobs)(
-                out.new_token_ids, out.logprobs, gw.token_text, *(() if req.chat else (offset,)))
-        if req.chat:
-            choice["delta"] = {"content": out.new_text} if out.new_text or reason is None else {}
-        else:
-            choice["text"] = out.new_text
-            offset += len(out.new_text)
-        return frame([choice])
-
-    last = first
-    try:
-        if req.chat:
-            yield frame([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
-        if (data := event(first)) is not None:
-            yield data
-        async for out in stream:
-            last = out
-            if (data := event(out)) is not None:
-                yield data
-        if req.include_usage:
-            yield frame([], usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens))
-    except Exception as exc:  # noqa: BLE001 - headers are sent: report it in the stream
-        err = api_error(exc)
-        if err.status == 500:
-            log.exception("error while streaming %s", ctx.request_id)
-        yield b"data: " + orjson.dumps(err.body()) + b"\n\n"
-    finally:
-        await stream.aclose()
-    yield DONE
+        got.add(out)
+    return got
 
 
 @api_endpoint("chat")

@@ -1,4 +1,4 @@
-"""OpenAI request parsing (bodies -> GenRequest) and response/chunk building.
+"""OpenAI request parsing: request bodies -> GenRequest (the rendering is in wire.py).
 
 Parsing is hand-written (no pydantic) to keep per-request cost low. Unknown fields are
 ignored, as OpenAI does; fields we cannot honour with a non-default value are refused
@@ -165,48 +165,3 @@ def parse_completion(body: dict, tokenizer, max_model_len: int) -> GenRequest:
     max_tokens = _max_tokens(body, ("max_tokens",), len(prompt), max_model_len, COMPLETION_DEFAULT_MAX_TOKENS)
     return GenRequest(False, body.get("model"), prompt, _sampling(body, max_tokens, logprobs),
                       _get_bool(body, "stream"), _include_usage(body), logprobs, body.get("priority"))
-
-
-# -- responses -----------------------------------------------------------------------
-FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop", "error": "stop"}
-
-
-def usage(prompt: int, completion: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-class TokenText:
-    """Token id -> text for logprobs, memoized (the vocabulary is finite)."""
-
-    def __init__(self, tokenizer) -> None:
-        self._tok = tokenizer
-        self._memo: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        s = self._memo.get(token_id)
-        if s is None:
-            s = self._memo[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
-        return s
-
-
-def chat_logprobs(token_ids: list[int], lps: list, text: TokenText) -> dict:
-    content = []
-    for tid, (chosen, top) in zip(token_ids, lps):
-        t = text(tid)
-        content.append({"token": t, "logprob": chosen, "bytes": list(t.encode()),
-                        "top_logprobs": [{"token": text(i), "logprob": lp, "bytes": list(text(i).encode())}
-                                         for i, lp in top]})
-    return {"content": content}
-
-
-def completion_logprobs(token_ids: list[int], lps: list, text: TokenText, offset: int = 0) -> dict:
-    tokens, chosen, tops, offsets = [], [], [], []
-    for tid, (lp, top) in zip(token_ids, lps):
-        t = text(tid)
-        tokens.append(t)
-        chosen.append(lp)
-        tops.append({text(i): v for i, v in top})
-        offsets.append(offset)
-        offset += len(t)
-    return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}

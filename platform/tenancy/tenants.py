@@ -20,7 +20,8 @@ from sqlalchemy.exc import IntegrityError
 from loraplex.platform.db.database import Database
 from loraplex.platform.errors import BadRequestError, ConflictError, NotFoundError
 from loraplex.platform.db.base import utcnow
-from loraplex.platform.db.tables import LANES, ApiKey, Tenant
+from loraplex.platform.db.tables import ApiKey, Tenant
+from loraplex.platform.lanes import LANES
 
 KEY_PREFIX = "lpx_"
 _PREFIX_HEX = 12

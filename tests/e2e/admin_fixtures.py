@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from loraplex.platform.serving.app import create_app
+from loraplex.platform.app import create_app
 from loraplex.platform.db.database import Database, migrate
 from loraplex.platform.settings import Settings
 from tests.e2e.conftest import LiveServer

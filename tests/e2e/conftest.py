@@ -16,9 +16,10 @@ import pytest
 import torch
 import uvicorn
 
+from loraplex.engine.client import EngineStats
 from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from loraplex.platform.tenancy.adapter_registry import add_adapter, open_store
-from loraplex.platform.serving.app import create_app
+from loraplex.platform.app import create_app
 from loraplex.platform.db.database import Database, migrate
 from loraplex.platform.serving.engine_factory import build_engine
 from loraplex.platform.errors import RateLimitedError
@@ -152,7 +153,7 @@ def live(request, tmp_path_factory, base_settings, tiny_engine, tiny_adapters, p
     db.dispose()
 
 
-def engine_stats(engine) -> dict:
+def engine_stats(engine) -> EngineStats:
     """Fresh stats, read on the engine thread (AsyncEngine.stats() is the snapshot of the
     last step, which an abort on an otherwise idle engine does not refresh)."""
     return asyncio.run(engine.call(lambda e: e.stats()))
@@ -163,7 +164,7 @@ def wait_idle(engine, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         s = engine_stats(engine)
-        if s["num_running"] == 0 and s["num_waiting"] == 0:
+        if s.running == 0 and s.waiting == 0:
             return True
         time.sleep(0.01)
     return False

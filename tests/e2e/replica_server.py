@@ -27,7 +27,7 @@ def main() -> None:
     import torch
     import uvicorn
     from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig
-    from loraplex.platform.serving.app import create_app
+    from loraplex.platform.app import create_app
     from loraplex.platform.serving.engine_factory import build_engine
     from loraplex.platform.settings import Settings
 

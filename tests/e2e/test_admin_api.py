@@ -455,17 +455,9 @@ def test_unknown_routes_and_methods(admin_live):
         api.close()
 
 
-# -- quotas and usage (issue 5's modules) ------------------------------------------------------
-
-def _needs(module: str) -> None:
-    import importlib.util
-
-    if importlib.util.find_spec(f"loraplex.platform.{module}") is None:
-        pytest.skip(f"loraplex.platform.{module} is not in this build")
-
+# -- quotas and usage ------------------------------------------------------------------------
 
 def test_quotas(admin_live):
-    _needs("quotas")
     api = admin_live.client()
     t = f"q-{admin_live.backend}"
     try:
@@ -496,7 +488,6 @@ def test_quotas(admin_live):
 
 
 def test_usage_series_and_export(admin_live, upload_adapters):
-    _needs("usage")
     import time
 
     api = admin_live.client()

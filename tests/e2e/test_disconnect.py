@@ -29,7 +29,7 @@ def test_stream_disconnect_aborts_engine_request(live):
             lines = r.iter_lines()  # keep it referenced: a dropped iterator closes the connection
             first = next(lines)
             assert first.startswith("data: {") and '"error"' not in first, first
-            assert engine_stats(live.engine)["num_running"] == 1
+            assert engine_stats(live.engine).running == 1
     # Leaving the block closed the connection mid-stream.
     assert wait_idle(live.engine, timeout=5)
     ctx = _last_finished(live, before)

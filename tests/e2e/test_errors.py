@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from loraplex.platform.serving.app import create_app
+from loraplex.platform.app import create_app
 from loraplex.platform.serving.engine_factory import build_engine
 from tests.e2e.conftest import MAX_MODEL_LEN, LiveServer, tiny_engine_config
 

@@ -1,13 +1,9 @@
 """The OpenAI API end to end, with the official `openai` client against a live server."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-needs_lora = pytest.mark.skipif(importlib.util.find_spec("loraplex.engine.lora") is None,
-                                reason="the engine has no multi-LoRA support yet")
 
 
 def test_completion(live):
@@ -88,7 +84,6 @@ def test_models_per_tenant(live):
     assert [m.id for m in adapter_models] == ["shared"]
 
 
-@needs_lora
 def test_adapter_by_model_name_and_by_base_url(live):
     prompt = "The weather today"
     base = live.client("acme").completions.create(model=live.model, prompt=prompt, max_tokens=8, **GREEDY)

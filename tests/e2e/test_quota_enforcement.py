@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from loraplex.platform.serving.app import create_app
+from loraplex.platform.app import create_app
 from loraplex.platform.db.database import Database
 
 from tests.e2e.conftest import MAX_MODEL_LEN

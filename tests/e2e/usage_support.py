@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import openai
 import pytest
 import uvicorn
-from loraplex.platform.serving.app import create_app
+from loraplex.platform.app import create_app
 from loraplex.platform.db.database import Database, migrate
 from loraplex.platform.quotas.limits import quota_status, set_quota
 from loraplex.platform.tenancy.tenants import create_key, create_tenant

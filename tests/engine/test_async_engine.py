@@ -5,16 +5,18 @@ pytest-asyncio is not installed: each test drives its own loop with asyncio.run.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
 import pytest
 
 from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.client import AdapterResidency, EngineClient, EngineStats, LaneDepth
 from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError
-from loraplex.engine.request import SamplingParams
+from loraplex.engine.request import Lane, SamplingParams
 
 TIMEOUT = 120  # seconds: generous on a busy 2-core machine, but a hang fails instead of blocking
 
@@ -159,9 +161,9 @@ def test_call_runs_on_the_engine_thread(aengine):
         return stats, thread, again
 
     stats, thread, again = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
-    assert stats["num_running"] == 0 and stats["num_blocks"] == 256
+    assert stats.running == 0 and stats.num_blocks == 256
     assert thread is aengine._thread
-    assert again["time"] >= stats["time"]
+    assert again.time >= stats.time
     assert aengine.is_running
 
 
@@ -266,4 +268,55 @@ def test_call_from_a_loop_that_closed_does_not_kill_the_engine(tiny_llama_dir):
         assert asyncio.run(again()) in (0, 1)
     finally:
         release.set()
+        ae.shutdown()
+
+
+def test_the_in_process_engine_is_an_engine_client(aengine):
+    """The stats a client sees are plain frozen data, for the gateway and for a remote worker alike."""
+    assert isinstance(aengine, EngineClient)
+    s = aengine.stats()
+    assert isinstance(s, EngineStats) and s.running == 0 and s.waiting == 0 and s.num_blocks == 256
+    assert s.block_size == 16 and s.device == "cpu" and s.max_loras == 0
+    assert s.lanes == {lane: LaneDepth(0, 0) for lane in Lane}
+    assert s.adapters == AdapterResidency() and aengine.adapter_residency() == AdapterResidency()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.running = 1  # type: ignore[misc]
+    assert aengine.resolve_adapter("anything") is None  # no LoRA manager: the engine refuses adapters itself
+    assert aengine.max_model_len == aengine.engine.max_model_len
+
+
+def test_adapters_through_the_client(tiny_llama_dir, tmp_path):
+    """add (and replace) -> resolve -> run -> residency -> remove, through the client only."""
+    from loraplex.adapters import AdapterError, AdapterStore, BaseShapes
+    from loraplex.adapters.synth import make_random_peft_adapter
+    from loraplex.engine.config import LoRAConfig
+    from loraplex.engine.errors import UnknownAdapterError
+    from loraplex.engine.lora import LoRAManager
+
+    first = make_random_peft_adapter(tiny_llama_dir, tmp_path / "a", rank=4, seed=1, init_scale=0.3)
+    second = make_random_peft_adapter(tiny_llama_dir, tmp_path / "b", rank=4, seed=2, init_scale=0.3)
+    store = AdapterStore(tmp_path / "store", BaseShapes.from_model_dir(tiny_llama_dir))
+    cfg = EngineConfig(model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
+                       cache=CacheConfig(block_size=16, num_blocks=64), lora=LoRAConfig(max_loras=2))
+    ae = AsyncEngine(LLMEngine(cfg, LoRAManager(store, cfg.lora)))
+    try:
+        ref = ae.add_adapter("x", first)
+        assert ae.resolve_adapter("x") == ref
+        with pytest.raises(AdapterError, match="already exists"):
+            ae.add_adapter("x", second)  # replacing takes replace=True
+        newer = ae.add_adapter("x", second, replace=True)
+        assert newer.digest != ref.digest and ae.resolve_adapter("x") == newer
+
+        async def run():
+            async for out in ae.generate([5, 6, 7], _greedy(2), adapter=newer):
+                last = out
+            return last
+
+        assert asyncio.run(asyncio.wait_for(run(), TIMEOUT)).finished
+        assert ae.stats().max_loras == 2
+        assert ae.adapter_residency().where().get(newer.digest) in ("device", "cpu")
+        ae.remove_adapter("x")
+        with pytest.raises(UnknownAdapterError):
+            ae.resolve_adapter("x")
+    finally:
         ae.shutdown()

@@ -25,7 +25,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ...loader import default_cache_dir, file_lock
+from loraplex.adapters.files import file_lock
+
+from ...loader import default_cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from loraplex.platform.errors import BadRequestError, NotFoundError, RateLimited
 from loraplex.platform.quotas.admission import plan_admission
 from loraplex.platform.quotas.cache import QuotaCache
 from loraplex.platform.quotas.limits import Limits, get_quota, list_quotas, quota_status, set_quota, tenant_scope
-from loraplex.platform.quotas.store import open_quota_store
+from loraplex.platform.quotas.dialects import open_quota_store
 from loraplex.platform.quotas.windows import period_bounds
 from loraplex.platform.tenancy.tenants import create_key, create_tenant
 from loraplex.platform.db.usage_tables import QuotaLease

@@ -6,18 +6,17 @@ import logging
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
-from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.client import EngineClient
 
 from loraplex.platform.admin.routes import AdminState, admin_routes, openapi
 from loraplex.platform.serving.auth import Authenticator
 from loraplex.platform.db.database import Database
 from loraplex.platform.serving.engine_factory import build_engine
-from loraplex.platform.errors import api_error, error_response
+from loraplex.platform.errors import ERRORS, api_error, error_response
 from loraplex.platform.serving.gateway import Gateway, Hooks
 from loraplex.platform.serving.metrics import CONTENT_TYPE, Metrics
 from loraplex.platform.serving.openai_routes import openai_routes
@@ -55,11 +54,17 @@ async def metrics(request: Request) -> Response:
     return Response(request.app.state.gateway.metrics.render(), media_type=CONTENT_TYPE)
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
-    return error_response(api_error(exc))
+async def _domain_error(request: Request, exc: Exception) -> Response:
+    """Renders a domain error as OpenAI's error body; Starlette picks this handler by the
+    exception's class hierarchy. An OpenAI endpoint's answer is counted in the metrics."""
+    resp = error_response(api_error(exc))
+    endpoint = getattr(request.state, "api_endpoint", None)
+    if endpoint is not None:
+        request.app.state.gateway.metrics.api_request(endpoint, resp.status_code)
+    return resp
 
 
-def create_app(settings: Settings, engine: AsyncEngine | None = None, *, hooks: Hooks | None = None) -> Starlette:
+def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks: Hooks | None = None) -> Starlette:
     """The gateway app. With `engine=None` the lifespan builds the engine from settings
     (and shuts it down at exit); an engine passed in stays owned by the caller."""
 
@@ -70,7 +75,7 @@ def create_app(settings: Settings, engine: AsyncEngine | None = None, *, hooks: 
         auth = Authenticator(db, settings.auth_cache_ttl, settings.auth_negative_ttl,
                              settings.last_used_flush_seconds)
         m = Metrics(settings.model_name, eng.stats, settings.engine.lora.max_loras)
-        # No hooks passed in: quotas and metering (usage_hooks.py). Hooks with async
+        # No hooks passed in: quotas and metering (metering/hooks.py). Hooks with async
         # start()/close() (UsageHooks do) are started and closed with the app.
         usage = app.state.usage = UsageHooks(settings) if hooks is None else hooks
         if hasattr(usage, "start"):
@@ -105,6 +110,6 @@ def create_app(settings: Settings, engine: AsyncEngine | None = None, *, hooks: 
         Mount("/adapters/{adapter}/v1", routes=openai_routes()),
         *admin_routes(),  # /admin/api/... (JSON) and /admin/ (the UI)
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=dict.fromkeys(ERRORS, _domain_error))
     app.state.admin_openapi = openapi()
     return app
