@@ -299,5 +299,6 @@ class Scheduler:
 def _waiting_queue(config: SchedulerConfig, clock: Callable[[], float]) -> RequestQueue:
     if config.scheduling == "fcfs":
         return LaneQueue(config.aging_seconds, clock)
-    fairness = FairnessConfig(max_waiting=config.max_waiting, tenant_share=config.tenant_queue_share)
+    # max_waiting 0 (refuse everything) is the scheduler's own check; the shares need >= 1.
+    fairness = FairnessConfig(max_waiting=max(1, config.max_waiting), tenant_share=config.tenant_queue_share)
     return FairLaneQueue(config.aging_seconds, clock, fairness)

@@ -217,9 +217,11 @@ def serve(settings: Settings, access_log: bool = False) -> int:
     from loraplex.platform.admin.auth import ensure_admin_token
     from loraplex.platform.app import create_app
     from loraplex.platform.cli.demo import ensure_demo_tenant, register_cli_adapters, register_demo_adapters
+    from loraplex.platform.observability.json_logs import configure_logging
     from loraplex.platform.serving.engine_factory import build_engine
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    # One root handler in the chosen format; uvicorn's loggers propagate to it.
+    configure_logging(settings.log_format)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     db = open_db(settings)
     log.info("database %s migrated to the latest schema", Database.display_url(settings.db_url))
@@ -246,7 +248,7 @@ def serve(settings: Settings, access_log: bool = False) -> int:
     if settings.create_demo_tenant:
         _demo_adapters_in_background(settings, register_demo_adapters)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, access_log=access_log,
-                            timeout_graceful_shutdown=30, log_level="info")
+                            timeout_graceful_shutdown=30, log_level="info", log_config=None)
     try:
         uvicorn.Server(config).run()
     finally:

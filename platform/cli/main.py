@@ -106,6 +106,18 @@ def _scheduling_values(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("weight", "request_timeout") if hasattr(args, k)}
 
 
+def _serving_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("requests and observability")
+    g.add_argument("--request-timeout", type=_seconds_arg, default=0.0, metavar="S",
+                   help="seconds a request may run before the engine ends it (finish reason timeout; a tenant's "
+                        "own --request-timeout wins); default none")
+    g.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="log lines as text or as one JSON object each (with the request id)")
+    g.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces here (OTLP/HTTP, e.g. http://collector:4318/v1/traces); "
+                        "default off")
+
+
 def _db_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=None, help=f"data folder (default {default_data_dir()})")
     p.add_argument("--database-url", default=None,
@@ -147,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--no-demo", action="store_true", help="no demo tenant, no demo adapters")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    _serving_options(serve)
     _engine_options(serve)
 
     tenant = sub.add_parser("tenant", help="manage tenants").add_subparsers(dest="action", required=True)
@@ -241,7 +254,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     )
     return Settings(engine=engine, database_url=args.database_url, host=args.host, port=args.port,
                     served_model_name=args.served_model_name, adapters=tuple(args.adapter),
-                    create_demo_tenant=not args.no_demo, **kw)
+                    create_demo_tenant=not args.no_demo, request_timeout=args.request_timeout or None,
+                    log_format=args.log_format, otlp_endpoint=args.otlp_endpoint, **kw)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -105,7 +105,7 @@ class UsageEvent(Base):
     key_id: Mapped[int | None] = mapped_column(Integer, default=None)
     adapter_id: Mapped[int] = mapped_column(Integer, default=BASE_ADAPTER_ID)
     lane: Mapped[int] = mapped_column(SmallInteger)  # 0 interactive, 1 standard, 2 batch
-    status: Mapped[str] = mapped_column(String(8))  # stop | length | aborted | error
+    status: Mapped[str] = mapped_column(String(8))  # stop | length | aborted | error | timeout
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)

@@ -24,7 +24,7 @@ from tests.e2e.admin_fixtures import (  # noqa: F401 - fixtures
 )
 from tests.e2e.conftest import wait_idle
 
-ERROR_KEYS = {"message", "type", "param", "code"}
+ERROR_KEYS = {"message", "type", "param", "code", "request_id"}
 
 
 def _fill(path: str) -> str:
