@@ -117,3 +117,21 @@ def test_bad_scheduling_values_are_one_line_errors(cli, argv, message):
     cli("tenant", "create", "acme")
     code, out, err = cli(*argv)
     assert code != 0 and message in err and "Traceback" not in err
+
+
+def test_serve_flags_reach_the_settings():
+    from loraplex.platform.cli.main import build_parser, settings_from_args
+
+    def settings(*argv):
+        return settings_from_args(build_parser().parse_args(["serve", "--data-dir", "/tmp/x", *argv]))
+
+    s = settings()
+    assert (s.engine.scheduler.scheduling, s.request_timeout, s.log_format, s.otlp_endpoint) == \
+        ("fair", None, "text", None)
+    s = settings("--scheduling", "fcfs", "--request-timeout", "30", "--log-format", "json",
+                 "--otlp-endpoint", "http://127.0.0.1:4318/v1/traces")
+    assert (s.engine.scheduler.scheduling, s.request_timeout, s.log_format, s.otlp_endpoint) == \
+        ("fcfs", 30.0, "json", "http://127.0.0.1:4318/v1/traces")
+    for bad in (["--scheduling", "lottery"], ["--request-timeout", "soon"], ["--log-format", "xml"]):
+        with pytest.raises(SystemExit):
+            settings(*bad)
