@@ -256,7 +256,7 @@ KEY_PATTERN = re.compile(r"\b(lpx_[0-9a-f]{12}_\S+)")
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-c", "from loraplex.platform.cli import main; main()", *args]
+    return [sys.executable, "-c", "from loraplex.platform.cli.main import main; main()", *args]
 
 
 class ServeProcess:
@@ -286,7 +286,7 @@ class ServeProcess:
         # One interpreter runs every `tenant create` and `key create` (each start costs seconds).
         commands = [[c, *args, "--data-dir", data] for name, lane in self.tenants.items()
                     for c, args in (("tenant", ["create", name, "--lane", lane]), ("key", ["create", name]))]
-        script = ("import sys, json\nfrom loraplex.platform.cli import main\n"
+        script = ("import sys, json\nfrom loraplex.platform.cli.main import main\n"
                   "for argv in json.loads(sys.argv[1]):\n"
                   "    print('@@', argv[2], flush=True)\n"
                   "    try:\n        main(argv)\n"
