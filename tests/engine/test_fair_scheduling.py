@@ -22,6 +22,7 @@ from loraplex.engine.errors import EngineOverloadedError
 from loraplex.engine.fairness import TenantShareExceededError
 from loraplex.engine.request import Lane, Request, RequestStatus, SamplingParams
 from loraplex.engine.scheduler import Scheduler
+from tests.engine.test_fairness import pair_gaps
 
 W_IN, W_OUT = 1.0, 2.0
 BLOCKS, BLOCK_SIZE = 64, 4
@@ -95,29 +96,14 @@ def flood(rng: random.Random, tenant: str, per_step: float, steps: int, weight: 
 
 
 def run(s: Scheduler, *floods: dict[int, list[Request]], steps: int, tenants: tuple[str, ...] = ("a", "b")):
-    """Yield (service so far, backlogged tenants) after each step."""
+    """Yield (step, service so far, backlogged tenants) after each step."""
     service = {t: 0.0 for t in tenants}
     for t in range(steps):
         for f in floods:
             for r in sorted(f.get(t, ()), key=lambda r: r.arrival_time):
                 s.add_request(r)
         step(s, service)
-        yield dict(service), {r.tenant for r in s.waiting}
-
-
-def pair_gaps(trace, a: str, b: str) -> list[float]:
-    """Per step t2: the largest |W_a(t1,t2) - W_b(t1,t2)| over t1 with both backlogged throughout."""
-    gaps, lo, hi = [], None, None
-    for service, backlogged in trace:
-        d = service[a] - service[b]
-        if {a, b} <= backlogged:
-            lo = d if lo is None else min(lo, d)
-            hi = d if hi is None else max(hi, d)
-            gaps.append(max(d - lo, hi - d))
-        else:
-            lo = hi = d
-            gaps.append(0.0)
-    return gaps
+        yield t, dict(service), {r.tenant for r in s.waiting}
 
 
 def bound(min_weight: float = 1.0) -> float:
@@ -128,25 +114,25 @@ def test_ten_times_the_requests_gets_service_within_the_bound():
     steps = 500
     floods = lambda: (flood(random.Random(1), "a", 3.0, steps), flood(random.Random(2), "b", 0.3, steps))
     fair = list(run(make_scheduler("fair"), *floods(), steps=steps))
-    assert sum({"a", "b"} <= b for _, b in fair) > steps * 0.8  # both backlogged nearly throughout
+    assert sum({"a", "b"} <= b for *_, b in fair) > steps * 0.8  # both backlogged nearly throughout
     gaps = pair_gaps(fair, "a", "b")
     assert max(gaps) <= bound()
     # The same traffic first come first served: the flooding tenant takes ~10x.
     fcfs = list(run(make_scheduler("fcfs"), *floods(), steps=steps))
     assert max(pair_gaps(fcfs, "a", "b")) > 3 * bound()
-    assert fcfs[-1][0]["a"] > 5 * fcfs[-1][0]["b"]
-    assert fair[-1][0]["a"] < 1.5 * fair[-1][0]["b"]
+    assert fcfs[-1][1]["a"] > 5 * fcfs[-1][1]["b"]
+    assert fair[-1][1]["a"] < 1.5 * fair[-1][1]["b"]
 
 
 def test_work_conserving_an_idle_tenants_share_goes_to_the_other():
     steps = 400
     trace = list(run(make_scheduler(), flood(random.Random(3), "a", 3.0, steps),
                      flood(random.Random(4), "b", 1.0, 20), steps=steps))
-    b_last = max(i for i, (_, backlogged) in enumerate(trace) if "b" in backlogged)
+    b_last = max(i for i, (*_, backlogged) in enumerate(trace) if "b" in backlogged)
     assert b_last < steps // 2
     total = lambda s: s["a"] + s["b"]
-    both = (total(trace[b_last][0]) - total(trace[10][0])) / (b_last - 10)
-    (s2, _), (s3, _) = trace[b_last + 50], trace[-1]
+    both = (total(trace[b_last][1]) - total(trace[10][1])) / (b_last - 10)
+    (_, s2, _), (_, s3, _) = trace[b_last + 50], trace[-1]
     a_alone = (s3["a"] - s2["a"]) / (steps - 1 - b_last - 50)
     assert s3["b"] == s2["b"]
     assert a_alone == pytest.approx(both, rel=0.2)
@@ -158,7 +144,7 @@ def test_weights_shift_the_shares(wa):
     trace = list(run(make_scheduler(), flood(random.Random(5), "a", 2.0, steps, weight=wa),
                      flood(random.Random(6), "b", 2.0, steps), steps=steps))
     assert max(pair_gaps(trace, "a", "b")) <= bound()  # services divided by the weights
-    raw_a, raw_b = trace[-1][0]["a"] * wa, trace[-1][0]["b"]
+    raw_a, raw_b = trace[-1][1]["a"] * wa, trace[-1][1]["b"]
     assert raw_a / raw_b == pytest.approx(wa, rel=0.15)
 
 
