@@ -35,6 +35,7 @@ from tests.platform.fixtures import BACKENDS, fresh_db_url, pg_schema_url  # noq
 class Fair:
     url: str
     db: Database
+    app: object
     engine: object
     chaos: ChaosEngine
     hooks: CountingHooks
@@ -71,8 +72,9 @@ def fair(request, tmp_path_factory, base_settings, tiny_llama_dir, pg_schema_url
     engine = build_engine(settings)
     chaos = ChaosEngine(engine)
     hooks = CountingHooks(settings)
-    with Server(create_app(settings, chaos, hooks=hooks)) as server:
-        yield Fair(server.url, db, engine, chaos, hooks, settings.model_name, keys)
+    app = create_app(settings, chaos, hooks=hooks)
+    with Server(app) as server:
+        yield Fair(server.url, db, app, engine, chaos, hooks, settings.model_name, keys)
     engine.shutdown()
     db.dispose()
 
@@ -162,3 +164,28 @@ def test_every_request_has_an_id_in_headers_errors_logs_and_usage(fair):
     assert '"request_id":"failing-7"' in text.replace(" ", "")
     lines = [json.loads(x) for x in out.getvalue().splitlines()]
     assert lines and all(x["request_id"] == "failing-7" for x in lines)
+
+
+def test_a_request_is_traced_through_every_phase(fair, request):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from loraplex.platform.observability.tracing import Tracing, TracingConfig
+
+    gateway = fair.app.state.gateway
+    exporter = InMemorySpanExporter()
+    off, gateway.tracing = gateway.tracing, Tracing(TracingConfig(), exporter=exporter)
+    request.addfinalizer(lambda: setattr(gateway, "tracing", off))
+    assert not off.enabled  # no --otlp-endpoint: tracing is off
+    r = fair.post("other", {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "stream": True},
+                  **{"x-request-id": "traced-1"})
+    assert r.status_code == 200
+    deadline = time.monotonic() + 10
+    while len(exporter.get_finished_spans()) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"request", "admission", "queue", "prefill", "decode", "metering"}
+    root = spans.pop("request")
+    assert root.attributes["loraplex.request_id"] == "traced-1"
+    assert root.attributes["loraplex.finish_reason"] == "length" and root.attributes["loraplex.output_tokens"] == 4
+    assert all(s.parent.span_id == root.context.span_id for s in spans.values())
+    assert spans["queue"].end_time <= spans["prefill"].end_time <= spans["decode"].end_time
