@@ -98,6 +98,55 @@ def bench_writes(url: str, n_batched: int, n_naive: int, tenants: list[int]) -> 
         engine.dispose()
 
 
+# -- 1b. durable acknowledgements (the usage journal) ----------------------------------------
+def bench_journal(url: str, tmp: Path, n: int, concurrency: int, tenants: list[int]) -> dict:
+    """Requests finishing on one event loop, `concurrency` at a time: each finish either
+    queues its event in memory (the writer alone, lost on a crash) or journals it and waits
+    for its group-committed fsync (ledger + journal, what the gateway does), both drained
+    to the database by the same writer. Also the per-token checkpoint test's cost."""
+    from loraplex.platform.metering.journal import Journal
+    from loraplex.platform.metering.ledger import JournalConfig, Ledger
+
+    engine = make_db_engine(url, pre_ping=False)
+    now = time.time()
+    out = {}
+    try:
+        for mode in ("memory", "journal"):
+            events = make_events(n, tenants, now - 3600, 3600, seed=3 if mode == "memory" else 4)
+            journal = Journal(tmp / f"journal-{uuid.uuid4().hex[:6]}", "bench") if mode == "journal" else None
+            w = UsageWriter(engine, flush_interval=0.01, journal=journal)
+            ledger = Ledger(journal, w, lambda res, used: None, JournalConfig(tmp)) if journal else None
+            w.start()
+
+            async def finisher(mine: list[Event]) -> None:
+                for e in mine:
+                    if ledger is None:
+                        w.submit(e)
+                        await asyncio.sleep(0)
+                    else:
+                        lsn, _seg = ledger.finish(e, None)
+                        await journal.durable(lsn)
+
+            async def run() -> float:
+                t0 = time.perf_counter()
+                await asyncio.gather(*(finisher(events[i::concurrency]) for i in range(concurrency)))
+                return time.perf_counter() - t0
+
+            out[mode] = n / asyncio.run(run())
+            assert w.flush(timeout=600)
+            w.close()
+            if journal is not None:
+                out["fsyncs_per_event"] = journal.fsyncs / n
+                journal.close()
+                t0 = time.perf_counter()
+                for i in range(100_000):
+                    ledger.due("r", i, 0.5)
+                out["due_ns"] = (time.perf_counter() - t0) / 100_000 * 1e9
+        return out
+    finally:
+        engine.dispose()
+
+
 # -- 2. the month query -----------------------------------------------------------------------
 def load_events(url: str, n: int, tenants: list[int], start: float) -> float:
     engine = make_db_engine(url, pre_ping=False)
@@ -211,7 +260,9 @@ def main() -> None:
     ap.add_argument("--tenants", type=int, default=100)
     ap.add_argument("--requests", type=int, default=400, help="HTTP requests per gateway CPU sample")
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: writes,query,gateway")
+    ap.add_argument("--journal-events", type=int, default=20_000, help="finishes through the usage journal")
+    ap.add_argument("--journal-concurrency", type=int, default=64)
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: writes,journal,query,gateway")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     tmp = Path(tempfile.mkdtemp(prefix="bench_metering_"))
@@ -228,6 +279,12 @@ def main() -> None:
                 r = bench_writes(url, args.events, args.naive, tenants)
                 print(f"  usage events written/s: batched writer {r['batched']:10,.0f}   naive (1 tx/event) "
                       f"{r['naive']:8,.0f}   ratio {r['batched'] / r['naive']:.1f}x")
+            if "journal" not in skip:
+                j = bench_journal(url, tmp, args.journal_events, args.journal_concurrency, tenants)
+                print(f"  finishes acknowledged/s ({args.journal_concurrency} at a time): journalled + fsync'd "
+                      f"{j['journal']:10,.0f}   in memory (no durability) {j['memory']:10,.0f}   ratio "
+                      f"{j['journal'] / j['memory']:.2f}x   fsyncs per event {j['fsyncs_per_event']:.3f}   "
+                      f"checkpoint test per token {j['due_ns']:.0f} ns")
             if "query" not in skip:
                 rate = load_events(url, args.query_events, tenants, start)
                 print(f"  loaded {args.query_events:,} events over 30 days in 5000-event batches: {rate:,.0f} events/s")

@@ -44,6 +44,10 @@ class RequestOutput:
     # (queue), and from then to the first token (prefill, chunks and preemptions included).
     queue_time: float | None = None
     prefill_time: float | None = None
+    # Prompt tokens the engine has processed (computed or found in the prefix cache): what
+    # a request aborted before its first token still cost. With `report_prefill` set, a
+    # prefill chunk that sampled nothing yields an output with no token carrying it.
+    num_processed_prompt_tokens: int = 0
 
 
 @dataclass
@@ -80,6 +84,8 @@ class LLMEngine:
         self.recent_adapter_loads: deque[AdapterLoad] = deque(maxlen=256)
         self._slot_refs: dict[int, AdapterRef] = {}
         self.grammars = GrammarCache(self.tokenizer, self.arch.vocab_size)
+        # Emit token-less outputs for prefill chunks (metering bills an abort mid-prefill).
+        self.report_prefill = False
 
     # -- requests -----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
@@ -173,7 +179,16 @@ class LLMEngine:
             self.num_prompt_tokens += max(0, min(s.start_pos + len(s.token_ids), reqs[s.request_id].num_prompt_tokens)
                                           - s.start_pos)
         self.num_generation_tokens += len(sampled)
-        return failed + [self._output(reqs[rid], tok, logprobs.get(rid), rid in done) for rid, tok in sampled.items()]
+        outs = [self._output(reqs[rid], tok, logprobs.get(rid), rid in done) for rid, tok in sampled.items()]
+        if self.report_prefill:  # prompt chunks that sampled nothing (a first prefill, not a recompute)
+            outs += [self._prefill_output(r) for r in (reqs[s.request_id] for s in plan.seqs)
+                     if r.request_id not in sampled and r.request_id not in done and not r.num_output_tokens]
+        return failed + outs
+
+    @staticmethod
+    def _prefill_output(req: Request) -> RequestOutput:
+        return RequestOutput(req.request_id, [], "", False, None, req.num_prompt_tokens, max(req.num_cached_tokens, 0),
+                             0, num_processed_prompt_tokens=min(req.num_computed_tokens, req.num_prompt_tokens))
 
     def _fail_broken_adapters(self) -> list[RequestOutput]:
         """Requests whose adapter could not be loaded finish with an error, alone."""
@@ -213,7 +228,9 @@ class LLMEngine:
             stream = self._streams.pop(req.request_id, None)
             tail = stream.stop.feed(stream.detok.flush())[0] + stream.stop.flush() if stream else ""
             outs.append(RequestOutput(req.request_id, [], tail, True, req.status.value, req.num_prompt_tokens,
-                                      max(req.num_cached_tokens, 0), req.num_output_tokens))
+                                      max(req.num_cached_tokens, 0), req.num_output_tokens,
+                                      num_processed_prompt_tokens=min(req.num_computed_tokens, req.num_prompt_tokens)
+                                      if not req.num_output_tokens else req.num_prompt_tokens))
         return outs
 
     def _output(self, req: Request, token: int, lp: Logprobs | None, finished: bool) -> RequestOutput:
@@ -238,7 +255,8 @@ class LLMEngine:
             request_id=req.request_id, new_token_ids=[token], new_text=text, finished=finished,
             finish_reason=req.status.value if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=req.num_output_tokens, logprobs=[lp] if lp else [], stop_reason=req.stop_reason)
+            num_output_tokens=req.num_output_tokens, logprobs=[lp] if lp else [], stop_reason=req.stop_reason,
+            num_processed_prompt_tokens=req.num_prompt_tokens)
         if req.num_output_tokens == 1 and req.scheduled_time is not None and req.first_token_time is not None:
             out.queue_time = max(0.0, req.scheduled_time - req.arrival_time)
             out.prefill_time = max(0.0, req.first_token_time - req.scheduled_time)

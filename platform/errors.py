@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import orjson
+from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
@@ -169,6 +170,11 @@ ERRORS: dict[type[BaseException], Callable[[BaseException], ApiError]] = {
     MeteringUnavailableError: _simple(503, "server_error", "metering_unavailable", headers={"Retry-After": "5"}),
     EngineDeadError: _simple(503, "server_error", "unavailable"),
     ShuttingDownError: _simple(503, "server_error", "unavailable"),
+    # The database is unreachable (the message would name its host): retry later.
+    OperationalError: lambda _exc: ApiError(503, "the database is unavailable; retry shortly", "server_error",
+                                            "database_unavailable", headers={"Retry-After": "5"}),
+    InterfaceError: lambda _exc: ApiError(503, "the database is unavailable; retry shortly", "server_error",
+                                          "database_unavailable", headers={"Retry-After": "5"}),
     HTTPException: _http,
 }
 

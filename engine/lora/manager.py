@@ -1,15 +1,17 @@
 """The LoRA manager: adapter names, the CPU tier, device slots.
 
-Adapters have three tiers: the disk store, a CPU tier (LRU, loaded in the background)
-and the device slots, whose weights the LoRA backend (`backend.LoRABackend`, chosen once
-by the engine's kernel backend) holds in its kernels' layout.
+Adapters have three tiers: their source (the disk store, or a worker's shared blob
+store), a CPU tier (LRU, loaded in the background) and the device slots, whose weights
+the LoRA backend (`backend.LoRABackend`, chosen once by the engine's kernel backend) holds
+in its kernels' layout.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -20,13 +22,41 @@ from .backend import LoRABackend, LoRAHook
 from .packing import pack_adapter, projection_sizes, segments_of
 from .torch_backend import TorchLoRABackend
 
+if TYPE_CHECKING:
+    from loraplex.adapters import AdapterRecord, LoRAAdapter
+
 log = logging.getLogger(__name__)
 
 
-class LoRAManager:
-    """Resolves adapter names, keeps the CPU tier, fills device slots."""
+@runtime_checkable
+class AdapterSource(Protocol):
+    """Where the manager gets adapter weights: by content digest.
 
-    def __init__(self, store, config: LoRAConfig | None = None) -> None:
+    `load(digest, dtype)` returns the adapter whose content hashes to `digest`, verified,
+    or raises (an `AdapterError`: not found, corrupted, invalid, store unreachable). It may
+    do I/O: the manager calls it on its loader thread, and on the engine thread only when
+    a CPU-tier copy was evicted between `ready()` and the slot load.
+    """
+
+    def load(self, digest: str, dtype: torch.dtype) -> LoRAAdapter: ...
+
+
+@runtime_checkable
+class NamedAdapterSource(AdapterSource, Protocol):
+    """A source that also resolves names to their current version (the disk store)."""
+
+    def get(self, name: str) -> AdapterRecord: ...
+
+
+class LoRAManager:
+    """Resolves adapter names, keeps the CPU tier, fills device slots.
+
+    `store`: an `AdapterSource`; names resolve (`ref`) only through a `NamedAdapterSource`.
+    A source without names (a worker's blob store) serves requests that carry an
+    `AdapterRef`, whose digest the manager fetches on first use.
+    """
+
+    def __init__(self, store: AdapterSource, config: LoRAConfig | None = None) -> None:
         self.store = store
         self.config = config or LoRAConfig()
         self._cpu: OrderedDict[str, object] = OrderedDict()  # digest -> LoRAAdapter (LRU)
@@ -50,6 +80,8 @@ class LoRAManager:
     def ref(self, name: str) -> AdapterRef:
         from loraplex.adapters import AdapterError, AdapterNotFoundError
 
+        if not isinstance(self.store, NamedAdapterSource):
+            raise UnknownAdapterError(f"the adapter {name!r} does not exist (this engine resolves no names)")
         try:
             record = self.store.get(name)
         except (AdapterNotFoundError, AdapterError):
@@ -87,6 +119,32 @@ class LoRAManager:
                 self._pending[d] = self._pool.submit(self._load_to_cpu, d)
         return False
 
+    def prefetch(self, digest: str) -> Future:
+        """Bring `digest` into the CPU tier off the engine thread. The future's result is
+        None once it is there; its exception is the source's when it cannot be loaded."""
+        with self._lock:
+            done: Future = Future()
+            if digest in self._cpu or any(r and r.digest == digest for r in self.slot_refs):
+                done.set_result(None)
+                return done
+            if digest in self._failed:
+                if digest in self._live:  # requests wait on this failure: they fail first
+                    done.set_exception(UnknownAdapterError(
+                        f"adapter {digest} could not be loaded: {self._failed[digest]}"))
+                    return done
+                del self._failed[digest]  # nobody holds it: try again
+            if digest not in self._pending:
+                self._pending[digest] = self._pool.submit(self._load_to_cpu, digest)
+            return self._pending[digest]
+
+    def drop(self, digest: str) -> bool:
+        """Forget the CPU-tier copy of `digest` unless a request holds it; True if dropped."""
+        with self._lock:
+            if digest in self._live:
+                return False
+            self._failed.pop(digest, None)
+            return self._cpu.pop(digest, None) is not None
+
     def failed(self) -> dict[str, str]:
         with self._lock:
             return dict(self._failed)
@@ -99,7 +157,7 @@ class LoRAManager:
             with self._lock:
                 self._failed[digest] = str(exc)
                 self._pending.pop(digest, None)
-            return
+            raise  # into the future, for prefetch() callers
         with self._lock:
             self._cpu[digest] = adapter
             self._cpu.move_to_end(digest)

@@ -18,6 +18,7 @@ from loraplex.adapters.errors import AdapterError
 from loraplex.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from loraplex.engine.errors import EngineError
 
+from loraplex.platform.cli import roles
 from loraplex.platform.errors import PlatformError
 from loraplex.platform.settings import Settings, default_data_dir
 
@@ -161,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
     _serving_options(serve)
     _engine_options(serve)
+    roles.add_worker_parser(sub, _db_options, _engine_options)
+    roles.add_migrate_parser(sub, _db_options)
 
     tenant = sub.add_parser("tenant", help="manage tenants").add_subparsers(dest="action", required=True)
     tc = tenant.add_parser("create", help="create a tenant")
@@ -238,7 +241,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     kw = {}
     if args.data_dir:
         kw["data_dir"] = args.data_dir
-    if getattr(args, "command", None) != "serve":
+    if getattr(args, "command", None) not in ("serve", "worker"):
         return Settings(database_url=args.database_url,
                         engine=EngineConfig(model=ModelConfig(model=getattr(args, "model", "default"))), **kw)
     cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
@@ -254,8 +257,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     )
     return Settings(engine=engine, database_url=args.database_url, host=args.host, port=args.port,
                     served_model_name=args.served_model_name, adapters=tuple(args.adapter),
-                    create_demo_tenant=not args.no_demo, request_timeout=args.request_timeout or None,
-                    log_format=args.log_format, otlp_endpoint=args.otlp_endpoint, **kw)
+                    create_demo_tenant=not args.no_demo, request_timeout=getattr(args, "request_timeout", 0) or None,
+                    log_format=getattr(args, "log_format", "text"), otlp_endpoint=getattr(args, "otlp_endpoint", None),
+                    **kw)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -288,6 +292,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return commands.serve(settings, access_log=args.access_log)
     if args.command == "admin-token":
         return commands.admin_token(settings, reset=args.reset)
+    if args.command == "worker":
+        return roles.worker(settings, args)
+    if args.command == "migrate":
+        return roles.migrate(settings)
     db = commands.open_db(settings)
     try:
         if args.command == "tenant" and args.action == "create":

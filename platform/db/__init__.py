@@ -4,3 +4,6 @@ Importing the package registers every table on `Base.metadata`, so `create_all`,
 and the migration tests see them all.
 """
 from loraplex.platform.db import tables, usage_tables  # noqa: F401
+from loraplex.platform.db.database import migrate
+
+__all__ = ["migrate"]

@@ -2,9 +2,10 @@
 quota settlement at finish. `create_app` builds one per app unless hooks are passed in.
 
 Per request, for a tenant (and key) without limits: one cache lookup at admission and a
-deque append at finish, no database work. With limits: one transaction at admission
-(counters + lease), one at finish (lease + counters). Usage events always go through
-the batched writer (metering/writer.py).
+journal append at finish (its fsync shared with every request finishing meanwhile: group
+commit), no database work. With limits: one transaction at admission (counters + lease),
+one at finish (lease + counters). Usage events are journalled (ledger.py) and then go
+through the batched writer (writer.py).
 """
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+from loraplex.engine.engine import RequestOutput
 
 from loraplex.platform.db.database import make_db_engine
 from loraplex.platform.errors import MeteringUnavailableError, RateLimitedError
 from loraplex.platform.serving.gateway import RequestContext
+from loraplex.platform.metering.journal import Journal, JournalError
+from loraplex.platform.metering.ledger import JournalConfig, Ledger
 from loraplex.platform.metering.writer import STATUS, Event, UsageWriter
 from loraplex.platform.quotas.admission import Reservation, plan_admission
 from loraplex.platform.quotas.cache import QuotaCache
@@ -31,11 +36,13 @@ log = logging.getLogger(__name__)
 
 
 def billed_tokens(ctx: RequestContext) -> tuple[int, int, int]:
-    """(prompt, cached, completion) tokens billed for a finished request: prompt tokens
-    once the engine produced output (the prefill ran), every completion token the engine
-    produced for it (delivered to the client or not)."""
-    done = ctx.num_output_tokens > 0
-    return (ctx.num_prompt_tokens if done else 0, ctx.num_cached_tokens if done else 0, ctx.num_output_tokens)
+    """(prompt, cached, completion) tokens billed for a finished request: the prompt tokens
+    the engine processed (all of them once it produced output; those of the prefill chunks
+    that ran for a request aborted before its first token), every completion token the
+    engine produced for it (delivered to the client or not)."""
+    if ctx.num_output_tokens > 0:
+        return ctx.num_prompt_tokens, ctx.num_cached_tokens, ctx.num_output_tokens
+    return ctx.num_processed_prompt_tokens, min(ctx.num_cached_tokens, ctx.num_processed_prompt_tokens), 0
 
 
 def event_of(ctx: RequestContext) -> Event:
@@ -46,10 +53,25 @@ def event_of(ctx: RequestContext) -> Event:
                  ctx.first_token_at, ctx.finished_at or time.time(), ctx.correlation_id)
 
 
+def checkpoint_of(ctx: RequestContext, out: RequestOutput, now: float) -> Event:
+    """The event a crash right now would bill: the prompt the engine processed, the
+    completion tokens already handed on (not `out`'s), status error."""
+    p = ctx.principal
+    prompt = max(out.num_processed_prompt_tokens, ctx.num_processed_prompt_tokens)
+    return Event(ctx.request_id, p.tenant_id, p.key_id, ctx.adapter, ctx.adapter_digest, int(ctx.lane), "error",
+                 prompt, min(out.num_cached_tokens, prompt), ctx.num_output_tokens, ctx.received_at,
+                 ctx.first_token_at or (time.time() if ctx.num_output_tokens else None), now)
+
+
+def _charges(ctx: RequestContext) -> list | None:
+    res = ctx.hook_state
+    return res.charges if isinstance(res, Reservation) and res.leased and not res.settled else None
+
+
 class UsageHooks:
     """Quotas + metering for one gateway process."""
 
-    def __init__(self, settings: Settings, db_url: str | None = None) -> None:
+    def __init__(self, settings: Settings, db_url: str | None = None, journal: JournalConfig | None = None) -> None:
         url = db_url or settings.db_url
         self.settings = settings
         self.holder = uuid.uuid4().hex[:16]
@@ -60,9 +82,12 @@ class UsageHooks:
         # SQLite takes one writer at a time: one quota thread queues them without lock waits.
         self.store = open_quota_store(self.quota_engine, self.holder, settings.quota_lease_ttl,
                                       threads=4 if self.quota_engine.dialect.name == "postgresql" else 1)
+        self.journal_config = journal or JournalConfig(settings.data_dir / "usage-journal")
+        self.journal = Journal(self.journal_config.directory, self.holder, self.journal_config.max_segment_bytes)
         self.writer = UsageWriter(self.writer_engine, batch_size=settings.usage_batch_size,
                                   flush_interval=settings.usage_flush_seconds, max_buffer=settings.usage_max_buffer,
-                                  spool_dir=settings.data_dir / "usage-spool")
+                                  journal=self.journal)
+        self.ledger = Ledger(self.journal, self.writer, self.store.settle, self.journal_config)
         self._open: dict[str, RequestContext] = {}  # admitted, not finished
         self._maintenance: asyncio.Task | None = None
         self.rejections: dict[str, int] = {}  # limit kind -> requests refused (429)
@@ -70,12 +95,14 @@ class UsageHooks:
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         self.writer.start()
+        await asyncio.to_thread(self.ledger.recover)
         if self._maintenance is None:
             self._maintenance = asyncio.create_task(self._maintain())
 
     async def close(self, grace: float = 5.0) -> None:
         """At shutdown: let requests the server cancelled finish (up to `grace` s), finish the
-        rest as aborted, then flush the usage writer."""
+        rest as aborted, then flush the usage writer; what the database did not take stays
+        in the journal for the next start."""
         deadline = time.monotonic() + grace
         while self._open and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -92,13 +119,17 @@ class UsageHooks:
                 pass
             self._maintenance = None
         await asyncio.to_thread(self.writer.close)
+        await asyncio.to_thread(self.journal.close)
         await self.store.aclose()
         await asyncio.to_thread(self.store.close)
         self.quota_engine.dispose()
         self.writer_engine.dispose()
 
     async def _maintain(self) -> None:
-        """Renew this process's quota leases; reap other (dead) processes' expired ones."""
+        """Renew the leases of this process's live requests; reap other (dead) processes'
+        expired ones and recover their usage journals. A lease whose request is gone here is
+        not renewed: if its settlement was lost, it expires and a reaper gives its
+        reservation back."""
         ttl = self.store.lease_ttl
         renew_every = max(0.05, ttl / 3)
         reap_every = max(0.1, ttl / 2)
@@ -106,20 +137,31 @@ class UsageHooks:
         while True:
             await asyncio.sleep(renew_every)
             try:
-                if any(isinstance(c.hook_state, Reservation) and c.hook_state.leased for c in self._open.values()):
-                    await asyncio.to_thread(self.store.renew)
+                live = [rid for rid, c in self._open.items() if isinstance(c.hook_state, Reservation)
+                        and c.hook_state.leased and not c.hook_state.settled]
+                if live:
+                    await asyncio.to_thread(self.store.renew, live)
                 if time.monotonic() >= next_reap:
                     next_reap = time.monotonic() + reap_every
                     await asyncio.to_thread(self.store.reap)
+                    # A sibling process on this data dir that died meanwhile: its journal now.
+                    await asyncio.to_thread(self.ledger.recover)
             except Exception:  # a DB hiccup: the next round retries
                 log.exception("quota lease maintenance failed")
 
     # -- the hooks --------------------------------------------------------------------------
     async def admit(self, ctx: RequestContext) -> None:
+        if self.journal.error is not None:
+            raise MeteringUnavailableError("usage cannot be recorded durably (the usage journal's disk failed); "
+                                           "retry on another replica")
         if self.writer.overloaded:
             raise MeteringUnavailableError("usage metering is behind (database unavailable?); retry shortly")
         p = ctx.principal
-        limits = await self.limits.get(p.tenant_id)
+        try:
+            limits = await self.limits.get(p.tenant_id)
+        except Exception as exc:  # no limits known, none readable: refuse rather than serve unlimited
+            log.warning("reading the quotas of tenant %s failed: %s: %s", p.tenant, type(exc).__name__, exc)
+            raise MeteringUnavailableError("quota accounting is unavailable; retry shortly") from None
         if not limits.empty:
             scopes = []
             if limits.tenant is not None:
@@ -128,24 +170,37 @@ class UsageHooks:
             if key is not None:
                 scopes.append((key_scope(p.key_id), f"API key lpx_{p.key_prefix}", key))
             if scopes:
-                now = time.time()
-                try:
-                    checks = plan_admission(scopes, ctx.num_prompt_tokens + ctx.max_tokens, now)
-                except RateLimitedError as exc:
-                    kind = getattr(exc, "limit", "other")
-                    self.rejections[kind] = self.rejections.get(kind, 0) + 1
-                    raise
-                try:
-                    ctx.hook_state = await self._completing(self.store.start_reserve(ctx.request_id, checks, now),
-                                                            undo=lambda res: self.store.settle(res, 0))
-                except RateLimitedError as exc:
-                    kind = getattr(exc, "limit", "other")
-                    self.rejections[kind] = self.rejections.get(kind, 0) + 1
-                    raise
-                except Exception as exc:  # the quota database is unreachable: refuse, do not serve unmetered
-                    log.warning("quota admission failed: %s: %s", type(exc).__name__, exc)
-                    raise MeteringUnavailableError("quota accounting is unavailable; retry shortly") from None
+                ctx.hook_state = await self._reserve(ctx, scopes)
         self._open[ctx.request_id] = ctx
+
+    async def _reserve(self, ctx: RequestContext, scopes: list) -> Reservation:
+        now = time.time()
+        try:
+            checks = plan_admission(scopes, ctx.num_prompt_tokens + ctx.max_tokens, now)
+            return await self._completing(self.store.start_reserve(ctx.request_id, checks, now),
+                                          undo=lambda res: self.store.settle(res, 0))
+        except RateLimitedError as exc:
+            kind = getattr(exc, "limit", "other")
+            self.rejections[kind] = self.rejections.get(kind, 0) + 1
+            raise
+        except Exception as exc:  # the quota database is unreachable: refuse, do not serve unmetered
+            log.warning("quota admission failed: %s: %s", type(exc).__name__, exc)
+            raise MeteringUnavailableError("quota accounting is unavailable; retry shortly") from None
+
+    def progress(self, ctx: RequestContext, out: RequestOutput) -> Awaitable[None] | None:
+        """Record the prompt tokens the engine processed; checkpoint when one is due (the
+        output waits for it). See ledger.py for the bound this gives."""
+        ctx.num_processed_prompt_tokens = max(ctx.num_processed_prompt_tokens, out.num_processed_prompt_tokens)
+        if not out.new_token_ids or ctx.request_id not in self._open:
+            return None
+        now = time.monotonic()
+        if not self.ledger.due(ctx.request_id, ctx.num_output_tokens, now):
+            return None
+        try:
+            lsn = self.ledger.checkpoint(checkpoint_of(ctx, out, time.time()), _charges(ctx), now)
+        except JournalError:
+            return None  # admission refuses new requests; this one's final event still goes to the database
+        return self.journal.durable(lsn)
 
     async def finish(self, ctx: RequestContext) -> None:
         if self._open.pop(ctx.request_id, None) is None:
@@ -154,20 +209,38 @@ class UsageHooks:
             event = event_of(ctx)
         except Exception:  # finish must not raise
             log.exception("building the usage event of %s failed", ctx.request_id)
+            self.ledger.forget(ctx.request_id)
             return
-        self.writer.submit(event)  # first: the event is never lost, whatever follows
         res = ctx.hook_state
-        if isinstance(res, Reservation) and res.leased:
+        charges = _charges(ctx)
+        try:
+            lsn, seg = self.ledger.finish(event, charges)  # first: the event is never lost, whatever follows
+        except JournalError:
+            lsn, seg = None, None
+            self.ledger.forget(ctx.request_id)
+            self.writer.submit(event)
+        if charges is not None:
             used = event.total_tokens
+            settled = (lambda: self.ledger.settled(seg)) if seg is not None else (lambda: None)
+
+            def retry() -> None:
+                self.writer.submit_op(lambda: self.store.settle(res, used), seg)
+
             try:
-                await self._completing(self.store.start_settle(res, used),
-                                       retry=lambda: self.writer.submit_op(lambda: self.store.settle(res, used)))
+                await self._completing(self.store.start_settle(res, used), retry=retry)
+                settled()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - retried by the writer thread
                 log.warning("settling the quota of %s failed (%s); retrying in the background",
                             ctx.request_id, exc)
-                self.writer.submit_op(lambda: self.store.settle(res, used))
+                retry()
+        if lsn is not None:
+            try:
+                await self.journal.durable(lsn)  # the acknowledgement: the event survives a crash now
+            except JournalError:
+                log.error("the usage event of %s is not durable (journal failed); it is queued for the database",
+                          ctx.request_id)
 
     async def _completing(self, fut: asyncio.Future, undo: Callable | None = None,
                           retry: Callable | None = None) -> Any:
@@ -224,5 +297,10 @@ class _UsageCollector:
         yield CounterMetricFamily("loraplex:usage_events_written", "Usage events written.", value=w.written)
         yield CounterMetricFamily("loraplex:usage_write_failures", "Failed usage batch writes (retried).",
                                   value=w.failures)
-        yield CounterMetricFamily("loraplex:usage_events_spooled", "Usage events spooled to disk at shutdown.",
-                                  value=w.spooled)
+        yield CounterMetricFamily("loraplex:usage_journal_fsyncs", "Group commits (fsyncs) of the usage journal.",
+                                  value=h.journal.fsyncs)
+        yield CounterMetricFamily("loraplex:usage_checkpoints", "In-flight usage checkpoints journalled.",
+                                  value=h.ledger.checkpoints)
+        yield CounterMetricFamily("loraplex:usage_events_recovered",
+                                  "Usage events recovered from the journals of stopped processes.",
+                                  value=h.ledger.recovered)

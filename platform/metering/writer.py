@@ -1,5 +1,9 @@
 """Metering: one usage event per request, written by a batched background writer.
 
+Durability comes first from the usage journal (journal.py, driven by hooks.py): an event
+is fsync'd there before its request is acknowledged, and stays there until this writer
+has committed it to the database.
+
 The writer owns a thread. `submit()` (called on the event loop, costs a deque append)
 never blocks and never drops: the buffer is bounded by refusing NEW requests (503) once
 `backlog()` passes `max_buffer`, while events of requests already running are always
@@ -13,28 +17,23 @@ so a batch retried after an ambiguous failure (the commit went through, its answ
 not) writes no event twice and counts none twice in the rollups. On a database error
 the same batch is retried with exponential backoff (up to `max_backoff` seconds) until
 it goes through. At close (server shutdown) the buffer is flushed; whatever the database
-still refuses after `close_timeout` is spooled to `<spool_dir>/*.jsonl`, and an exit
-without close() (a forced exit) spools it from an atexit hook. Spool files are replayed
-(idempotently) at the next start.
+still refuses after `close_timeout` stays in the journal and is replayed (idempotently)
+at the next start.
 """
 from __future__ import annotations
 
-import atexit
 import collections
 import datetime as dt
 import logging
-import os
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
-import orjson
 from sqlalchemy import Engine, select
 
 from loraplex.platform.db.usage_tables import BASE_ADAPTER_ID, UsageAdapter, UsageEvent, UsageHourly
+from loraplex.platform.metering.journal import Journal
 
 log = logging.getLogger(__name__)
 
@@ -181,40 +180,50 @@ class EventStore:
 
 
 class UsageWriter:
+    """Writes events to the database in batches from its own thread.
+
+    With a `journal`, an event is submitted together with the journal segment its record
+    is in (pinned by the caller); the writer unpins it once the event is committed, so
+    the journal keeps every event until the database has it. An idempotent operation
+    (a quota settlement) is retried the same way and unpins its segment when it succeeds.
+    """
+
     def __init__(self, engine: Engine, *, batch_size: int = 500, flush_interval: float = 0.25,
                  max_buffer: int = 100_000, max_backoff: float = 5.0, close_timeout: float = 10.0,
-                 spool_dir: Path | None = None) -> None:
+                 journal: Journal | None = None) -> None:
         self.store = EventStore(engine)
         self.batch_size = batch_size
         self.flush_interval = flush_interval
         self.max_buffer = max_buffer
         self.max_backoff = max_backoff
         self.close_timeout = close_timeout
-        self.spool_dir = Path(spool_dir) if spool_dir is not None else None
-        self._q: collections.deque[Event] = collections.deque()
-        self._ops: collections.deque[Callable[[], None]] = collections.deque()
-        self._batch: list[Event] = []  # taken from the queue, not yet committed
+        self.journal = journal
+        self._q: collections.deque[tuple[Event, int | None]] = collections.deque()
+        self._ops: collections.deque[tuple[Callable[[], None], int | None]] = collections.deque()
+        self._batch: list[tuple[Event, int | None]] = []  # taken from the queue, not yet committed
         self._cond = threading.Condition()
         self._stop = False
         self._deadline = float("inf")
         self._thread: threading.Thread | None = None
         # Counters for metrics and tests.
         self.written = 0  # events inserted
-        self.duplicates = 0  # events already present (a retry after an ambiguous commit)
+        self.duplicates = 0  # events already present (a retry after an ambiguous commit, a replay)
         self.failures = 0  # failed batch attempts
-        self.spooled = 0
+        self.left_in_journal = 0  # events the database had not taken at close (replayed at the next start)
 
     # -- producer side (event loop) -------------------------------------------------
-    def submit(self, event: Event) -> None:
-        self._q.append(event)  # deque.append is atomic; never blocks, never drops
+    def submit(self, event: Event, segment: int | None = None) -> None:
+        """Queue `event` for the database; `segment` (a journal segment pinned for it) is
+        unpinned once it is committed. Never blocks, never drops."""
+        self._q.append((event, segment))  # deque.append is atomic
         if len(self._q) >= self.batch_size:
             with self._cond:
                 self._cond.notify()
 
-    def submit_op(self, op: Callable[[], None]) -> None:
+    def submit_op(self, op: Callable[[], None], segment: int | None = None) -> None:
         """An idempotent database operation to retry in the writer thread (a quota settlement
-        that failed inline)."""
-        self._ops.append(op)
+        that failed inline); `segment` is unpinned when it succeeds."""
+        self._ops.append((op, segment))
         with self._cond:
             self._cond.notify()
 
@@ -225,12 +234,15 @@ class UsageWriter:
     def overloaded(self) -> bool:
         return self.backlog() >= self.max_buffer
 
+    def _unpin(self, segment: int | None) -> None:
+        if segment is not None and self.journal is not None:
+            self.journal.unpin(segment)
+
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="loraplex-usage-writer", daemon=True)
             self._thread.start()
-            atexit.register(self._atexit)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything submitted so far is written (tests, benchmarks)."""
@@ -244,7 +256,8 @@ class UsageWriter:
         return True
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush and stop; spool what the database would not take within `timeout`."""
+        """Flush and stop. What the database would not take within `timeout` stays in the
+        journal (replayed at the next start); without a journal it is lost, loudly."""
         timeout = self.close_timeout if timeout is None else timeout
         with self._cond:
             self._stop = True
@@ -253,16 +266,16 @@ class UsageWriter:
         if self._thread is not None:
             self._thread.join(timeout + 5)
             self._thread = None
-        self._spool_rest()
-        atexit.unregister(self._atexit)
-
-    def _atexit(self) -> None:
-        self._stop, self._deadline = True, 0.0
-        self._spool_rest()
+        left = self.backlog()
+        if left and self.journal is None:
+            log.error("usage writer: %d usage events could not be written and there is no journal: LOST", left)
+        elif left:
+            self.left_in_journal += left
+            log.warning("usage writer: %d usage events left in the journal %s (replayed at the next start)",
+                        left, self.journal.dir)
 
     # -- the thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        self._replay_spool()
         backoff = 0.05
         while True:
             with self._cond:  # wait for a full batch, the flush interval, work to retry or stop
@@ -273,18 +286,14 @@ class UsageWriter:
                 self._batch = [self._q.popleft() for _ in range(n)]
             if not self._batch and not self._ops and self._stop:
                 return
-            failed: Exception | None = None
-            try:
-                while self._ops:
-                    self._ops[0]()
-                    self._ops.popleft()
-            except Exception as exc:  # noqa: BLE001 - kept and retried; events go on meanwhile
-                failed = exc
+            failed = self._run_ops()
             try:
                 if self._batch:
-                    new = self.store.write(self._batch)
+                    new = self.store.write([e for e, _seg in self._batch])
                     self.written += new
                     self.duplicates += len(self._batch) - new
+                    for _e, seg in self._batch:
+                        self._unpin(seg)
                     self._batch = []
             except Exception as exc:  # noqa: BLE001 - keep the batch, retry with backoff
                 failed = exc
@@ -293,7 +302,7 @@ class UsageWriter:
                 continue
             self.failures += 1
             if self._stop and time.monotonic() >= self._deadline:
-                log.error("usage writer: database still failing at shutdown (%s); spooling", failed)
+                log.error("usage writer: database still failing at shutdown (%s)", failed)
                 return
             log.warning("usage writer: writing %d events failed (%s: %s); retrying in %.2f s",
                         len(self._batch), type(failed).__name__, failed, backoff)
@@ -301,36 +310,13 @@ class UsageWriter:
                 self._cond.wait(min(backoff, max(0.0, self._deadline - time.monotonic())))
             backoff = min(self.max_backoff, backoff * 2)
 
-    # -- the spool -----------------------------------------------------------------------
-    def _spool_rest(self) -> None:
-        events = list(self._batch) + list(self._q)
-        if not events:
-            return
-        if self.spool_dir is None:
-            log.error("usage writer: %d usage events could not be written and no spool folder is set: LOST",
-                      len(events))
-            return
-        self.spool_dir.mkdir(parents=True, exist_ok=True)
-        path = self.spool_dir / f"usage-{int(time.time())}-{uuid.uuid4().hex[:8]}.jsonl"
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.writelines(orjson.dumps(asdict(e)) + b"\n" for e in events)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        self.spooled += len(events)
-        self._batch, self._q = [], collections.deque()
-        log.warning("usage writer: spooled %d usage events to %s (replayed at the next start)", len(events), path)
-
-    def _replay_spool(self) -> None:
-        if self.spool_dir is None or not self.spool_dir.is_dir():
-            return
-        for path in sorted(self.spool_dir.glob("usage-*.jsonl")):
-            try:
-                events = [Event(**orjson.loads(line)) for line in path.read_bytes().splitlines() if line.strip()]
-                for i in range(0, len(events), self.batch_size):
-                    self.written += self.store.write(events[i:i + self.batch_size])
-                path.unlink()
-                log.info("usage writer: replayed %d spooled usage events from %s", len(events), path)
-            except Exception:  # leave the file for the next start
-                log.exception("usage writer: replaying %s failed; kept for the next start", path)
+    def _run_ops(self) -> Exception | None:
+        try:
+            while self._ops:
+                op, seg = self._ops[0]
+                op()
+                self._ops.popleft()
+                self._unpin(seg)
+        except Exception as exc:  # noqa: BLE001 - kept and retried; events go on meanwhile
+            return exc
+        return None

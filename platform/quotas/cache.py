@@ -23,11 +23,16 @@ class TenantLimits:
 
 class QuotaCache:
     """tenant id -> its limits and its keys' limits, trusted for `ttl` seconds. One
-    database query per tenant per TTL, however many requests wait for it."""
+    database query per tenant per TTL, however many requests wait for it.
 
-    def __init__(self, engine: Engine, ttl: float = 5.0, max_entries: int = 100_000) -> None:
+    While the database is unreachable, limits read less than `stale_for` seconds ago are
+    used as they were (so a tenant without limits keeps being served); older ones are not
+    trusted and the lookup raises."""
+
+    def __init__(self, engine: Engine, ttl: float = 5.0, max_entries: int = 100_000, stale_for: float = 300.0) -> None:
         self.engine = engine
         self.ttl = ttl
+        self.stale_for = stale_for
         self.max_entries = max_entries
         self._cache: dict[int, tuple[TenantLimits, float]] = {}
         self._inflight: dict[int, asyncio.Future] = {}
@@ -41,7 +46,12 @@ class QuotaCache:
             fut = asyncio.ensure_future(asyncio.to_thread(self.load, tenant_id))
             self._inflight[tenant_id] = fut
             fut.add_done_callback(lambda _f: self._inflight.pop(tenant_id, None))
-        limits = await asyncio.shield(fut)
+        try:
+            limits = await asyncio.shield(fut)
+        except Exception:
+            if hit is not None and hit[1] + self.stale_for > time.monotonic():
+                return hit[0]
+            raise
         if len(self._cache) >= self.max_entries:
             self._cache.clear()
         self._cache[tenant_id] = (limits, time.monotonic() + self.ttl)

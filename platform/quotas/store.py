@@ -10,7 +10,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from sqlalchemy import Engine, delete, event, text
+from sqlalchemy import Engine, delete, event, text, update
 
 from loraplex.platform.db.database import make_db_engine
 from loraplex.platform.db.usage_tables import QuotaCounter, QuotaLease
@@ -22,7 +22,6 @@ log = logging.getLogger(__name__)
 
 Move = tuple[str, str, int, int]  # (scope, kind, window_start, delta)
 
-RENEW = text("UPDATE quota_leases SET expires_at = :e WHERE holder = :h AND state = 'live'")
 REAP = text("UPDATE quota_leases SET state = 'reaped' WHERE state = 'live' AND expires_at < :now "
             "RETURNING request_id, charges")
 _MOVE_SQL: dict[int, str] = {}
@@ -190,11 +189,18 @@ class QuotaStore(abc.ABC):
         return done
 
     # -- maintenance --------------------------------------------------------------------------
-    def renew(self, now: float | None = None) -> int:
-        """Extend this holder's live leases (the heartbeat)."""
+    def renew(self, request_ids: list[str], now: float | None = None) -> int:
+        """Extend the leases of these requests, live in this process (the heartbeat). Only
+        these: a lease of this holder whose request is gone (its settlement lost) expires."""
         now = time.time() if now is None else now
+        n = 0
         with self.engine.begin() as conn:
-            return conn.execute(RENEW, {"e": int(now + self.lease_ttl), "h": self.holder}).rowcount
+            for i in range(0, len(request_ids), 500):
+                n += conn.execute(update(QuotaLease).where(
+                    QuotaLease.holder == self.holder, QuotaLease.state == "live",
+                    QuotaLease.request_id.in_(sorted(request_ids[i:i + 500]))
+                ).values(expires_at=int(now + self.lease_ttl))).rowcount
+        return n
 
     def reap(self, now: float | None = None) -> int:
         """Give back the reservations of expired leases (their holder died or hung), and

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
+from loraplex.engine.client import EngineStats
+
+from loraplex.platform.lanes import lane_name
 from loraplex.platform.routing.errors import StatsError
 
 
@@ -55,18 +58,14 @@ class WorkerStats:
                 "prefix_keys": list(self.prefix_keys)}
 
     @classmethod
-    def from_engine(cls, engine_stats: Mapping[str, Any], tiers: Mapping[str, Sequence[str]], *,
-                    max_loras: int, ready: bool = True, draining: bool = False,
+    def from_engine(cls, stats: EngineStats, *, ready: bool = True, draining: bool = False,
                     prefix_keys: Sequence[str] = ()) -> WorkerStats:
-        """A worker's report from its engine: `Engine.stats()` (num_running, kv_cache_usage,
-        lanes: {lane: {running, waiting}}) and `LoRAManager.tiers()` ({device, cpu} digests)."""
-        lanes = engine_stats.get("lanes", {})
-        return cls(ready=ready, draining=draining, running=int(engine_stats.get("num_running", 0)),
-                   waiting={lane: int(c.get("waiting", 0)) for lane, c in lanes.items()},
-                   kv_usage=min(1.0, max(0.0, float(engine_stats.get("kv_cache_usage", 0.0)))),
-                   device_adapters=frozenset(tiers.get("device", ())),
-                   cpu_adapters=frozenset(tiers.get("cpu", ())), max_loras=max_loras,
-                   prefix_keys=tuple(prefix_keys))
+        """A worker's report from its engine's `EngineStats` (queues, KV usage, adapter tiers)."""
+        return cls(ready=ready, draining=draining, running=stats.running,
+                   waiting={lane_name(lane): depth.waiting for lane, depth in stats.lanes.items()},
+                   kv_usage=min(1.0, max(0.0, float(stats.kv_cache_usage))),
+                   device_adapters=frozenset(stats.adapters.device), cpu_adapters=frozenset(stats.adapters.cpu),
+                   max_loras=stats.max_loras, prefix_keys=tuple(prefix_keys))
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> WorkerStats:

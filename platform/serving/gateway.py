@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -46,6 +46,8 @@ class RequestContext:
     finished_at: float | None = None
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    # Prompt tokens the engine processed (billed even if no token came out).
+    num_processed_prompt_tokens: int = 0
     # stop | length | abort (client left or cancelled) | error
     finish_reason: str | None = None
     # The adapter version (content digest) the engine runs: the one metered.
@@ -71,6 +73,10 @@ class Hooks(Protocol):
     async def admit(self, ctx: RequestContext) -> None: ...
 
     async def finish(self, ctx: RequestContext) -> None: ...
+
+    def progress(self, ctx: RequestContext, out: RequestOutput) -> Awaitable[None] | None:
+        """Each engine output, before the gateway hands it on (`ctx` still counts only what
+        was handed on before it). An awaitable returned is awaited first (a checkpoint)."""
 
 
 class Gateway:
@@ -170,15 +176,19 @@ class Gateway:
         try:
             async with aclosing(stream):
                 async for out in stream:
+                    if self.hooks is not None and (pending := self.hooks.progress(ctx, out)) is not None:
+                        await pending
+                    if not out.new_token_ids and not out.finished:
+                        continue  # prefill progress: no token yet
                     now = time.perf_counter()
-                    if first:
+                    if first and out.new_token_ids:
                         first = False
                         ctx.first_token_at = time.time()
                         ctx.num_cached_tokens = out.num_cached_tokens
                         ctx.num_prompt_tokens = out.num_prompt_tokens or ctx.num_prompt_tokens
                         times, t_first = (out.queue_time, out.prefill_time), now
                         m.first_token(ctx.adapter, ctx.lane, now - t0, out.num_prompt_tokens, *times)
-                    else:
+                    elif out.new_token_ids:
                         m.inter_token(now - last)
                     last = now
                     m.generated(ctx.adapter, ctx.lane, len(out.new_token_ids))

@@ -82,6 +82,9 @@ class RecordingHooks:
     async def finish(self, ctx: RequestContext) -> None:
         self.finished.append(ctx)
 
+    def progress(self, ctx: RequestContext, out) -> None:
+        return None
+
 
 @dataclass
 class Live:

@@ -45,11 +45,26 @@ def hooks_factory(db, tmp_path):
 def test_billing_rules():
     t = type("T", (), {"id": 1})
     ctx = _ctx(t, "acme")
-    assert billed_tokens(_done(ctx, 0, "abort")) == (0, 0, 0)  # left before any output: nothing
+    assert billed_tokens(_done(ctx, 0, "abort")) == (0, 0, 0)  # left before the engine ran it: nothing
+    ctx.num_processed_prompt_tokens = 8
+    assert billed_tokens(_done(ctx, 0, "abort")) == (8, 0, 0)  # left mid-prefill: the chunks that ran
     ctx.num_cached_tokens = 4
     assert billed_tokens(_done(ctx, 3, "abort")) == (10, 4, 3)  # left mid-stream: what was generated
     ev = event_of(_done(ctx, 3, "abort"))
     assert ev.status == "aborted" and ev.total_tokens == 13 and ev.key_id == 7 and ev.lane == 1
+
+
+def test_checkpoints_every_16_tokens_and_1_second_whichever_is_later(db, hooks_factory):
+    h = hooks_factory()
+    t = create_tenant(db, "acme")
+    e = event_of(_done(_ctx(t, "acme"), 0))
+    rid, due = e.request_id, h.ledger.due
+    assert due(rid, 0, 100.0), "the first output always checkpoints"
+    assert h.journal.wait_durable(h.ledger.checkpoint(e, None, 100.0))
+    assert not due(rid, 15, 200.0) and not due(rid, 500, 100.9)
+    assert due(rid, 16, 101.0) and due(rid, 500, 101.0)
+    h.ledger.forget(rid)
+    assert h.journal.pinned() == 0
 
 
 def test_unlimited_tenant_touches_no_quota_table(db, hooks_factory):

@@ -1,5 +1,5 @@
 """The usage writer and the billing export, on SQLite and PostgreSQL: idempotent batches,
-retries, spooling, rollups equal to the events, export formats and stable ids."""
+retries, rollups equal to the events, export formats and stable ids."""
 from __future__ import annotations
 
 import csv
@@ -99,22 +99,6 @@ def test_writer_retries_and_never_writes_twice(db, engine, after_commit):
     assert w.failures == 3 and flaky.calls > 3
     assert _count(engine, UsageEvent) == 30
     assert _rollup_sums(engine) == (30, sum(e.prompt_tokens for e in events), sum(e.completion_tokens for e in events))
-
-
-def test_writer_spools_what_the_database_refuses_and_replays_it(db, engine, tmp_path):
-    t = create_tenant(db, "acme")
-    w = UsageWriter(engine, flush_interval=0.01, max_backoff=0.02, spool_dir=tmp_path / "spool")
-    w.store = Flaky(w.store, 10**9, False)  # the database is down for good
-    w.start()
-    for i in range(12):
-        w.submit(ev(i, t.id, T0 + i))
-    w.close(timeout=0.3)
-    assert w.spooled == 12 and _count(engine, UsageEvent) == 0
-    assert len(list((tmp_path / "spool").glob("usage-*.jsonl"))) == 1
-    w2 = UsageWriter(engine, flush_interval=0.01, spool_dir=tmp_path / "spool")  # the next start
-    w2.start()
-    w2.close()
-    assert _count(engine, UsageEvent) == 12 and not list((tmp_path / "spool").iterdir())
 
 
 def test_backlog_marks_the_writer_overloaded(engine):

@@ -139,11 +139,11 @@ def test_leases_renewed_reaped_and_late_settlement(db, store):
     dead = _reserve(store, t.id, lim, 100, "dead")
     other = open_quota_store(store.engine, "holder-b", lease_ttl=30)
     assert other.reap(NOW + 10) == 0  # nothing expired yet
-    # holder-a renews (it is alive) at NOW+20; then both leases are checked at NOW+40.
-    assert store.renew(NOW + 20) == 2
-    assert other.reap(NOW + 40) == 0
-    with store.engine.begin() as conn:  # "dead" stops being renewed: it expires
-        conn.execute(QuotaLease.__table__.update().where(QuotaLease.request_id == "dead").values(expires_at=int(NOW) + 35))
+    # holder-a is alive but only "live" is still running there ("dead"'s settlement was
+    # lost): renewing at NOW+20 extends that one lease alone, and "dead" expires at NOW+30.
+    assert store.renew(["live"], NOW + 20) == 1
+    assert store.renew([], NOW + 20) == 0
+    assert other.reap(NOW + 29) == 0
     assert other.reap(NOW + 41) == 1
     st = quota_status(db, "acme", now=NOW)
     assert (st.in_flight, st.budget_used) == (1, 100)  # the dead request's reservation is back

@@ -41,6 +41,9 @@ def test_prefix_key_depends_on_salt_adapter_and_leading_blocks():
 
 
 def test_stats_from_a_real_engine(tiny_llama_dir):
+    import dataclasses
+
+    from loraplex.engine.client import AdapterResidency
     from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig
     from loraplex.engine.engine import LLMEngine
     from loraplex.engine.request import SamplingParams
@@ -49,11 +52,13 @@ def test_stats_from_a_real_engine(tiny_llama_dir):
                                     cache=CacheConfig(block_size=16, num_blocks=64)))
     engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=4), lane="batch")
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
-    queued = WorkerStats.from_engine(engine.stats(), {"device": ["d1"], "cpu": ["c1"]}, max_loras=4)
+    def with_adapters(stats):  # this engine serves none: give it a residency to report
+        return dataclasses.replace(stats, adapters=AdapterResidency(("d1",), ("c1",)), max_loras=4)
+
+    queued = WorkerStats.from_engine(with_adapters(engine.stats()))
     assert (queued.running, queued.waiting["batch"], queued.waiting_total) == (0, 1, 2)
     engine.step()
-    stats = WorkerStats.from_engine(engine.stats(), {"device": ["d1"], "cpu": ["c1"]}, max_loras=4,
-                                    draining=True)
+    stats = WorkerStats.from_engine(with_adapters(engine.stats()), draining=True)
     assert stats.running == 2 and stats.waiting_total == 0 and 0.0 < stats.kv_usage <= 1.0
     assert stats.residency("d1") == Residency.DEVICE and stats.residency("c1") == Residency.CPU
     assert stats.draining and WorkerStats.from_json(stats.to_json()) == stats

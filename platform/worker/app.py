@@ -1,0 +1,73 @@
+"""The worker's Starlette app: routes, the one error mapping, the engine's lifetime."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+
+from loraplex.adapters.errors import AdapterError
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.errors import EngineError
+
+from loraplex.platform.errors import PlatformError
+from loraplex.platform.observability.request_id import RequestIdMiddleware
+from loraplex.platform.worker_wire import error_status
+from loraplex.platform.worker.adapters import BlobAdapterSource
+from loraplex.platform.worker.routes import json_response, worker_routes
+from loraplex.platform.worker.state import WorkerState
+
+log = logging.getLogger(__name__)
+
+Loader = Callable[[], tuple[AsyncEngine, "BlobAdapterSource | None"]]
+
+
+async def _error(request: Request, exc: Exception) -> Response:
+    """Every error leaves as WIRE.md's body; an unexpected one (which Starlette then logs
+    with its traceback) says nothing of internals."""
+    status, body = error_status(exc)
+    return json_response(body, status)
+
+
+def create_worker_app(state: WorkerState, *, loader: Loader | None = None,
+                      on_load_failure: Callable[[BaseException], None] | None = None) -> Starlette:
+    """The worker app over `state`. With `loader`, the engine loads in a thread after the
+    server starts (/health answers meanwhile, /ready says 503) and shuts down at exit;
+    without one, `state` already holds an engine, which stays the caller's."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        task = asyncio.ensure_future(_load(state, loader, on_load_failure)) if loader is not None else None
+        try:
+            yield
+        finally:
+            state.draining = True
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                if state.engine is not None:
+                    await asyncio.to_thread(state.engine.shutdown)
+
+    app = Starlette(routes=worker_routes(), lifespan=lifespan, exception_handlers={
+        EngineError: _error, AdapterError: _error, PlatformError: _error, HTTPException: _error,
+        Exception: _error}, middleware=[Middleware(RequestIdMiddleware)])  # the gateway's x-request-id
+    app.state.worker = state
+    return app
+
+
+async def _load(state: WorkerState, loader: Loader, on_failure: Callable[[BaseException], None] | None) -> None:
+    try:
+        engine, source = await asyncio.to_thread(loader)
+    except Exception as exc:  # noqa: BLE001 - reported, and the process exits
+        log.error("loading the model failed: %s", exc)
+        if on_failure is not None:
+            on_failure(exc)
+        return
+    state.attach(engine, source)
+    log.info("worker ready: %s", state.model_name)

@@ -1,0 +1,49 @@
+"""The worker's one config dataclass."""
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraplex.platform.errors import ConfigError
+from loraplex.platform.worker_wire import TOKEN_ENV
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How a worker listens, authenticates and reaches the adapter store.
+
+    `adapter_store`: a database URL (the `adapter_blobs` table) or `s3://bucket/prefix`;
+    fetched blobs are cached under `cache_dir`. `internal_token`: None reads
+    $LORAPLEX_INTERNAL_TOKEN; without one the worker listens on loopback only.
+    """
+
+    adapter_store: str
+    cache_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8001
+    internal_token: str | None = None
+    s3_endpoint_url: str | None = None
+    drain_timeout_s: float = 600.0  # SIGTERM: the longest it waits for running requests
+    prefix_keys: int = 64  # recent prefix keys reported to routers
+
+    @property
+    def token(self) -> str | None:
+        token = self.internal_token if self.internal_token is not None else os.environ.get(TOKEN_ENV, "")
+        return token.strip() or None
+
+    def check(self) -> None:
+        """Refuse to listen beyond loopback without the shared secret."""
+        if self.token is None and not is_loopback(self.host):
+            raise ConfigError(f"refusing to listen on {self.host} without ${TOKEN_ENV}: set the shared secret "
+                              "(the gateways send it), or listen on 127.0.0.1")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything

@@ -1,0 +1,167 @@
+"""The worker's HTTP routes (WIRE.md): /internal/v1/* behind the shared secret, probes open."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from loraplex.engine.errors import InvalidRequestError
+
+from loraplex.platform.errors import AuthenticationError
+from loraplex.platform.serving.metrics import CONTENT_TYPE
+from loraplex.platform.worker_wire import STATS_HEADER, GenerateRequest, adapter_from_json
+from loraplex.platform.worker.state import WorkerState
+from loraplex.platform.worker.stream import ClientGone, NdjsonResponse, Relay, unless_gone, wait_disconnect
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def json_response(doc: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(doc), status_code=status, media_type="application/json")
+
+
+async def json_body(request: Request) -> Any:
+    try:
+        return orjson.loads(await request.body())
+    except orjson.JSONDecodeError:
+        raise InvalidRequestError("the request body is not valid JSON") from None
+
+
+def _state(request: Request) -> WorkerState:
+    return request.app.state.worker
+
+
+def internal(handler: Handler) -> Handler:
+    """Only callers holding the shared secret (constant-time compare); none set: loopback."""
+
+    @functools.wraps(handler)
+    async def checked(request: Request) -> Response:
+        expected = _state(request).token
+        if expected is not None:
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
+                raise AuthenticationError("missing or wrong internal token")
+        return await handler(request)
+
+    return checked
+
+
+@internal
+async def generate(request: Request) -> Response:
+    state = _state(request)
+    req = GenerateRequest.from_json(await json_body(request))
+    engine = state.check_admitting()
+    if req.request_id in state.relays:
+        raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+    relay = Relay(state, req)
+    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
+
+    async def admit() -> list:
+        state.relays[req.request_id] = relay  # abortable (and its id taken) from here on
+        await state.ensure_adapter(req.adapter)  # may fetch it from the store (first use)
+        relay.start(engine)
+        first = await relay.take()
+        if relay.done and relay.error is not None and not first:
+            raise relay.error  # refused before any output: a plain HTTP error, retryable elsewhere
+        return first
+
+    state.begin()
+    try:
+        first = await unless_gone(admit(), watcher)
+    except BaseException as exc:
+        watcher.cancel()
+        relay.cancel()
+        if state.relays.get(req.request_id) is relay:
+            del state.relays[req.request_id]
+        state.end()
+        if isinstance(exc, ClientGone):
+            return Response(status_code=499)  # nobody reads it
+        raise
+    state.served_prefix(req.cache_salt, relay.adapter, req.prompt_token_ids)
+    headers = {STATS_HEADER: orjson.dumps(state.stats().to_json()).decode()}
+    return NdjsonResponse(state, relay, first, watcher, headers)
+
+
+@internal
+async def abort(request: Request) -> Response:
+    state = _state(request)
+    doc = await json_body(request)
+    rid = doc.get("request_id") if isinstance(doc, dict) else None
+    if not isinstance(rid, str):
+        raise InvalidRequestError("the body must be {\"request_id\": str}")
+    relay = state.relays.get(rid)
+    if relay is not None:
+        relay.abort()
+    elif state.engine is not None:
+        state.engine.abort(rid)
+    return Response(status_code=204)
+
+
+@internal
+async def stats(request: Request) -> Response:
+    return json_response(_state(request).stats().to_json())
+
+
+@internal
+async def model(request: Request) -> Response:
+    state = _state(request)
+    state.running_engine()
+    return json_response(state.model_info)
+
+
+@internal
+async def load_adapter(request: Request) -> Response:
+    state = _state(request)
+    ref = adapter_from_json(await json_body(request))
+    if ref is None:
+        raise InvalidRequestError("the body must be {\"name\": str, \"digest\": \"sha256:...\"}")
+    await state.ensure_adapter(ref)
+    return json_response({"name": ref.name, "digest": ref.digest, "resident": "cpu"})
+
+
+@internal
+async def unload_adapter(request: Request) -> Response:
+    _state(request).unload(request.path_params["digest"])
+    return Response(status_code=204)
+
+
+async def health(request: Request) -> Response:
+    """Liveness: the process lives (also while the model loads) and its engine loop runs."""
+    engine = _state(request).engine
+    if engine is not None and not engine.is_running:
+        return json_response({"status": "engine stopped"}, 503)
+    return json_response({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    state = _state(request)
+    if state.ready:
+        return json_response({"status": "ready", "model": state.model_name})
+    why = "draining" if state.draining else "loading" if state.engine is None else "engine stopped"
+    return json_response({"status": "not ready", "problems": [why]}, 503)
+
+
+async def metrics(request: Request) -> Response:
+    m = _state(request).metrics
+    return Response(m.render() if m is not None else b"", media_type=CONTENT_TYPE)
+
+
+def worker_routes() -> list[Route]:
+    return [
+        Route("/internal/v1/generate", generate, methods=["POST"]),
+        Route("/internal/v1/abort", abort, methods=["POST"]),
+        Route("/internal/v1/stats", stats, methods=["GET"]),
+        Route("/internal/v1/model", model, methods=["GET"]),
+        Route("/internal/v1/adapters/load", load_adapter, methods=["POST"]),
+        Route("/internal/v1/adapters/{digest}", unload_adapter, methods=["DELETE"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]

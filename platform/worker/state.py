@@ -1,0 +1,132 @@
+"""A worker's state: its engine (once loaded), drain, in-flight requests, metrics."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.client import AdapterResidency
+from loraplex.engine.errors import EngineDeadError, EngineOverloadedError, UnknownAdapterError
+from loraplex.engine.request import AdapterRef
+
+from loraplex.platform.errors import ShuttingDownError
+from loraplex.platform.routing.view import WorkerStats, prefix_key
+from loraplex.platform.serving.metrics import Metrics
+from loraplex.platform.worker.config import WorkerConfig
+
+if TYPE_CHECKING:
+    from loraplex.platform.worker.adapters import BlobAdapterSource
+    from loraplex.platform.worker.stream import Relay
+
+# Files a gateway needs to rebuild the tokenizer and chat template (`Tokenizer(folder)`).
+TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template*", "vocab.json",
+                   "merges.txt", "config.json", "generation_config.json")
+
+
+class WorkerState:
+    """Everything the routes share. The engine arrives once loaded (`attach`); until then
+    the worker is alive (/health) but not ready, and refuses work with 503."""
+
+    def __init__(self, config: WorkerConfig, model_name: str) -> None:
+        self.config = config
+        self.token = config.token  # the shared secret, read once
+        self.model_name = model_name
+        self.engine: AsyncEngine | None = None
+        self.source: BlobAdapterSource | None = None
+        self.metrics: Metrics | None = None
+        self.model_info: dict[str, Any] = {}
+        self.draining = False
+        self.in_flight = 0
+        self.relays: dict[str, Relay] = {}
+        self._prefix_keys: OrderedDict[str, None] = OrderedDict()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def attach(self, engine: AsyncEngine, source: BlobAdapterSource | None) -> None:
+        lora = engine.engine.lora
+        self.metrics = Metrics(self.model_name, engine.stats, lora.config.max_loras if lora is not None else 0)
+        self.model_info = {"model": self.model_name, "max_model_len": engine.engine.max_model_len,
+                           "vocab_size": engine.engine.arch.vocab_size,
+                           "eos_token_ids": list(engine.tokenizer.eos_token_ids),
+                           "tokenizer_files": tokenizer_files(engine.engine.model_dir)}
+        self.source = source
+        self.engine = engine  # last: the routes take a set engine to mean "ready"
+
+    # -- admission -------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.is_running and not self.draining
+
+    def running_engine(self) -> AsyncEngine:
+        if self.engine is None:
+            raise EngineOverloadedError("the worker is still loading its model")
+        if not self.engine.is_running:
+            raise EngineDeadError("the engine is not running")
+        return self.engine
+
+    def check_admitting(self) -> AsyncEngine:
+        if self.draining:
+            raise ShuttingDownError("the worker is draining; send the request to another worker")
+        return self.running_engine()
+
+    def begin(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def end(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def drained(self) -> None:
+        """Returns once no request is in flight (the caller stopped admitting)."""
+        await self._idle.wait()
+
+    # -- adapters --------------------------------------------------------------------
+    async def ensure_adapter(self, ref: AdapterRef | None) -> None:
+        """Bring the request's adapter version into the CPU tier (fetched from the store on
+        first use, off the engine thread); refusals happen here, before any output."""
+        if ref is None:
+            return
+        lora = self.running_engine().engine.lora
+        if lora is None:
+            raise UnknownAdapterError("this worker serves no adapters")
+        await asyncio.wrap_future(lora.prefetch(ref.digest))
+
+    def unload(self, digest: str) -> None:
+        """Drop a version's CPU-tier copy and local cache, unless a request still holds it."""
+        lora = self.running_engine().engine.lora
+        if lora is not None and lora.drop(digest) and self.source is not None:
+            self.source.evict(digest)
+
+    # -- stats -----------------------------------------------------------------------
+    def served_prefix(self, cache_salt: str, adapter: str | None, token_ids: list[int]) -> None:
+        engine = self.running_engine()
+        key = prefix_key(cache_salt, adapter, token_ids, engine.engine.config.cache.block_size)
+        if key is None:
+            return
+        self._prefix_keys[key] = None
+        self._prefix_keys.move_to_end(key)
+        while len(self._prefix_keys) > self.config.prefix_keys:
+            self._prefix_keys.popitem(last=False)
+
+    def stats(self) -> WorkerStats:
+        if self.engine is None:
+            return WorkerStats(ready=False, draining=self.draining)
+        stats = self.engine.stats()
+        lora = self.engine.engine.lora
+        if lora is not None:  # fresh: a load finishes on the loader thread, between snapshots
+            tiers = lora.tiers()
+            stats = dataclasses.replace(stats, adapters=AdapterResidency(tuple(tiers["device"]), tuple(tiers["cpu"])))
+        return WorkerStats.from_engine(stats, ready=self.ready, draining=self.draining,
+                                       prefix_keys=tuple(self._prefix_keys))
+
+
+def tokenizer_files(model_dir: Path) -> dict[str, str]:
+    """{file name: base64 of its bytes} for the tokenizer files in `model_dir`."""
+    files = sorted({p for g in TOKENIZER_GLOBS for p in Path(model_dir).glob(g) if p.is_file()})
+    return {p.name: base64.b64encode(p.read_bytes()).decode() for p in files}

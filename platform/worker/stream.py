@@ -1,0 +1,183 @@
+"""One generate's life: the relay from the engine, and the NDJSON response to the gateway.
+
+The relay pumps the engine's outputs into a buffer; the writer sends whatever the buffer
+holds as one line, so a client that reads slower than the engine steps gets several
+steps coalesced into a line (never a step split across lines), and the engine never
+waits for the network. The client closing the connection cancels the relay, which
+aborts the request in the engine at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.engine import RequestOutput
+
+from loraplex.platform.worker_wire import NDJSON, GenerateRequest, coalesce, dumps_line, error_status, output_to_json
+
+if TYPE_CHECKING:
+    from loraplex.platform.worker.state import WorkerState
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the response started."""
+
+
+async def wait_disconnect(receive: Callable[[], Awaitable[Mapping[str, Any]]]) -> None:
+    """Returns when the client disconnects (the request body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(work: Awaitable[T], watcher: asyncio.Future) -> T:
+    """`work`'s result, or ClientGone (work cancelled) if the client leaves first."""
+    task = asyncio.ensure_future(work)
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone
+
+
+class Relay:
+    """Pumps one request's outputs from the engine into a buffer, keeping its metrics."""
+
+    def __init__(self, state: WorkerState, req: GenerateRequest) -> None:
+        self.state, self.req = state, req
+        self.adapter = req.adapter.name if req.adapter is not None else None
+        self.error: BaseException | None = None
+        self.aborted = False
+        self.done = False
+        self.last: RequestOutput | None = None
+        self._buf: list[RequestOutput] = []
+        self._ready = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self, engine: AsyncEngine) -> None:
+        if self.aborted:  # aborted while its adapter was fetched: it never reaches the engine
+            self.done = True
+            self._ready.set()
+            return
+        r = self.req
+        stream = engine.generate(r.prompt_token_ids, r.sampling, request_id=r.request_id, lane=r.lane,
+                                 adapter=r.adapter, cache_salt=r.cache_salt, tenant=r.tenant,
+                                 tenant_weight=r.tenant_weight, timeout=r.timeout)
+        self._task = asyncio.ensure_future(self._pump(stream))
+
+    async def _pump(self, stream) -> None:
+        m, lane = self.state.metrics, self.req.lane
+        t0 = last = time.perf_counter()
+        first, reason = True, None
+        m.request_started(self.adapter, lane)
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    now = time.perf_counter()
+                    if first and out.new_token_ids:
+                        m.first_token(self.adapter, lane, now - t0, out.num_prompt_tokens, out.queue_time,
+                                      out.prefill_time)
+                        first = False
+                    elif out.new_token_ids:
+                        m.inter_token(now - last)
+                    last = now
+                    m.generated(self.adapter, lane, len(out.new_token_ids))
+                    reason = out.finish_reason if out.finished else None
+                    self.last = out
+                    self._buf.append(out)
+                    self._ready.set()
+        except asyncio.CancelledError:
+            reason = "abort"
+            raise
+        except Exception as exc:  # noqa: BLE001 - the engine refused or failed this request
+            reason, self.error = "error", exc
+        finally:
+            self.done = True
+            self._ready.set()
+            m.request_finished(self.adapter, lane, first, time.perf_counter() - t0, reason or "abort")
+
+    @property
+    def pending(self) -> bool:
+        """Outputs wait in the buffer (a take() returns at once)."""
+        return bool(self._buf)
+
+    async def take(self) -> list[RequestOutput]:
+        """The outputs produced since the last take (waits for at least one, or the end)."""
+        await self._ready.wait()
+        self._ready.clear()
+        items, self._buf = self._buf, []
+        return items
+
+    def abort(self) -> None:
+        """End the request now; the stream ends with a finished `abort` output."""
+        self.aborted = True
+        self.cancel()
+
+    def cancel(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+    def abort_output(self) -> RequestOutput:
+        last = self.last
+        return RequestOutput(self.req.request_id, [], "", True, "abort",
+                             last.num_prompt_tokens if last else 0, last.num_cached_tokens if last else 0,
+                             last.num_output_tokens if last else 0)
+
+
+class NdjsonResponse:
+    """The 200 stream: output lines, then a stats line (or an error line on a failure)."""
+
+    def __init__(self, state: WorkerState, relay: Relay, first: list[RequestOutput], watcher: asyncio.Future,
+                 headers: Mapping[str, str]) -> None:
+        self.state, self.relay, self.first, self.watcher = state, relay, first, watcher
+        self.headers = [(k.encode(), v.encode()) for k, v in {"content-type": NDJSON, **headers}.items()]
+
+    async def __call__(self, scope, receive, send) -> None:
+        writer = asyncio.ensure_future(self._write(send))
+        try:
+            await asyncio.wait({writer, self.watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not writer.done():  # the client left: stop writing, abort in the engine
+                writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
+            failed = None if writer.cancelled() else writer.exception()
+            if failed is not None and not isinstance(failed, OSError):  # OSError: the client left
+                log.error("streaming %s failed", self.relay.req.request_id, exc_info=failed)
+        finally:
+            self.watcher.cancel()
+            self.relay.cancel()
+            self.state.relays.pop(self.relay.req.request_id, None)
+            self.state.end()
+
+    async def _write(self, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        relay, items = self.relay, self.first
+        while True:
+            if items:
+                out = coalesce(items)
+                await send({"type": "http.response.body", "body": dumps_line(output_to_json(out)), "more_body": True})
+                if out.finished:
+                    break
+            if relay.done and not relay.pending:
+                await send({"type": "http.response.body", "body": self._end_line(), "more_body": True})
+                if relay.error is not None:
+                    await send({"type": "http.response.body", "body": b""})
+                    return
+                break
+            items = await relay.take()
+        stats = {"type": "stats", **self.state.stats().to_json()}
+        await send({"type": "http.response.body", "body": dumps_line(stats)})
+
+    def _end_line(self) -> bytes:
+        """What ends a stream whose last output was not finished: an abort, or an error."""
+        if self.relay.error is None:
+            return dumps_line(output_to_json(self.relay.abort_output()))
+        _, body = error_status(self.relay.error)
+        return dumps_line({"type": "error", **body})

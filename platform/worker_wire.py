@@ -1,0 +1,296 @@
+"""The gateway <-> worker wire (WIRE.md): JSON codecs both sides share.
+
+Everything here is plain data in, plain data out: a generate request, a sampling
+configuration, a `RequestOutput` line, and the error body `{"error": {"type", "message"}}`
+that carries a domain error's class name across the hop, so the other side raises the
+same typed error. Bad input raises `InvalidRequestError` naming the field at fault.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from starlette.exceptions import HTTPException
+
+from loraplex.adapters.errors import (
+    AdapterCorruptedError,
+    AdapterNotFoundError,
+    AdapterValidationError,
+    BlobStoreError,
+)
+from loraplex.engine.engine import RequestOutput
+from loraplex.engine.errors import (
+    EngineDeadError,
+    EngineError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    ModelLoadError,
+    PromptTooLongError,
+    UnknownAdapterError,
+)
+from loraplex.engine.fairness import TenantShareExceededError
+from loraplex.engine.request import AdapterRef, Lane, SamplingParams
+from loraplex.engine.structured.spec import StructuredOutput
+
+from loraplex.platform.errors import AuthenticationError, ShuttingDownError, api_error
+from loraplex.platform.lanes import lane_name
+
+STATS_HEADER = "x-loraplex-stats"  # the worker's WorkerStats JSON at admission
+NDJSON = "application/x-ndjson"
+TOKEN_ENV = "LORAPLEX_INTERNAL_TOKEN"
+
+
+class WorkerError(EngineError):
+    """A worker failed in a way it did not name (an unknown error type on the wire)."""
+
+
+# The domain errors that cross the wire by class name; anything else is a WorkerError.
+WIRE_ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (
+    InvalidRequestError, PromptTooLongError, UnknownAdapterError, EngineOverloadedError, EngineDeadError,
+    ModelLoadError, ShuttingDownError, AuthenticationError, AdapterNotFoundError, AdapterValidationError,
+    AdapterCorruptedError, BlobStoreError, WorkerError, TenantShareExceededError)}
+
+
+# -- errors ------------------------------------------------------------------------------
+def error_status(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and error body for `exc`; internals never leave (500: a generic body)."""
+    if isinstance(exc, BlobStoreError):  # the shared store is unreachable: another worker may do
+        return 503, _body("BlobStoreError", "the adapter store is unreachable")
+    if isinstance(exc, AdapterCorruptedError):
+        return 502, _body("AdapterCorruptedError", str(exc))
+    if isinstance(exc, HTTPException):  # no such route or method
+        kind = "InvalidRequestError" if exc.status_code < 500 else "WorkerError"
+        return exc.status_code, _body(kind, str(exc.detail))
+    err = api_error(exc)
+    name = next((c.__name__ for c in type(exc).__mro__ if c.__name__ in WIRE_ERRORS), None)
+    if name is None:
+        return err.status, _body("WorkerError", "the worker failed")
+    # (TenantShareExceededError's `reason` is its code, not a message.)
+    message = (str(exc) if isinstance(exc, TenantShareExceededError) else getattr(exc, "reason", None)) \
+        or str(exc) or name
+    return err.status, _body(name, message)
+
+
+def _body(type_: str, message: str) -> dict[str, Any]:
+    return {"error": {"type": type_, "message": message}}
+
+
+def error_from_body(doc: Any) -> Exception:
+    """The typed error an error body names (a WorkerError for a type this side lacks)."""
+    err = doc.get("error") if isinstance(doc, Mapping) else None
+    if not isinstance(err, Mapping):
+        return WorkerError("the worker answered with a malformed error")
+    message = str(err.get("message") or "the worker failed")
+    cls = WIRE_ERRORS.get(str(err.get("type")), WorkerError)
+    return cls(message)
+
+
+# -- requests ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GenerateRequest:
+    """`POST /internal/v1/generate`'s body, validated."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    lane: Lane = Lane.STANDARD
+    adapter: AdapterRef | None = None
+    cache_salt: str = ""
+    tenant: str = ""
+    # Tenant-fair scheduling: the tenant's weight; the engine's deadline (seconds, None: none).
+    tenant_weight: float = 1.0
+    timeout: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
+                "sampling": sampling_to_json(self.sampling), "lane": lane_name(self.lane),
+                "adapter": None if self.adapter is None else {"name": self.adapter.name,
+                                                              "digest": self.adapter.digest},
+                "cache_salt": self.cache_salt, "tenant": self.tenant, "tenant_weight": self.tenant_weight,
+                "timeout": self.timeout}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> GenerateRequest:
+        doc = _object(doc, "the request body")
+        _no_unknown(doc, {f.name for f in dataclasses.fields(cls)}, "the request body")
+        rid = doc.get("request_id")
+        if not isinstance(rid, str) or not 0 < len(rid) <= 256:
+            raise InvalidRequestError("'request_id' must be a string of 1 to 256 characters")
+        ids = doc.get("prompt_token_ids")
+        if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
+            raise InvalidRequestError("'prompt_token_ids' must be a non-empty list of integers")
+        lane = doc.get("lane", "standard")
+        if not isinstance(lane, str):
+            raise InvalidRequestError("'lane' must be interactive, standard or batch")
+        weight, timeout = doc.get("tenant_weight", 1.0), doc.get("timeout")
+        if not _is_number(weight) or not 0 < weight < float("inf"):
+            raise InvalidRequestError("'tenant_weight' must be a finite number > 0")
+        if timeout is not None and (not _is_number(timeout) or not 0 < timeout < float("inf")):
+            raise InvalidRequestError("'timeout' must be null or a finite number of seconds > 0")
+        return cls(rid, ids, sampling_from_json(doc.get("sampling", {})), Lane.parse(lane),
+                   adapter_from_json(doc.get("adapter")), _str(doc, "cache_salt"), _str(doc, "tenant"),
+                   float(weight), None if timeout is None else float(timeout))
+
+
+def adapter_from_json(doc: Any) -> AdapterRef | None:
+    if doc is None:
+        return None
+    doc = _object(doc, "'adapter'")
+    name, digest = doc.get("name"), doc.get("digest")
+    if not isinstance(name, str) or not name or not isinstance(digest, str) or not digest.startswith("sha256:"):
+        raise InvalidRequestError("'adapter' must be {\"name\": str, \"digest\": \"sha256:...\"}")
+    return AdapterRef(name, digest)
+
+
+# Each SamplingParams field's JSON type: what the value must be before the dataclass checks ranges.
+_FLOATS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+_INTS = ("max_tokens", "top_k", "min_tokens")
+
+
+def sampling_to_json(sp: SamplingParams) -> dict[str, Any]:
+    doc = dataclasses.asdict(sp)
+    doc["stop"], doc["stop_token_ids"] = list(sp.stop), list(sp.stop_token_ids)
+    doc["logit_bias"] = [[t, b] for t, b in sp.logit_bias]
+    so = sp.structured_output
+    doc["structured_output"] = None if so is None else {"kind": so.kind, "spec": so.spec, "strict": so.strict}
+    return doc
+
+
+def sampling_from_json(doc: Any) -> SamplingParams:
+    doc = _object(doc, "'sampling'")
+    _no_unknown(doc, {f.name for f in dataclasses.fields(SamplingParams)}, "'sampling'")
+    for k in _FLOATS:
+        if k in doc and not _is_number(doc[k]):
+            raise InvalidRequestError(f"'sampling.{k}' must be a number")
+    for k in _INTS:
+        if k in doc and not _is_int(doc[k]):
+            raise InvalidRequestError(f"'sampling.{k}' must be an integer")
+    for k in ("seed", "logprobs"):
+        if doc.get(k) is not None and not _is_int(doc[k]):
+            raise InvalidRequestError(f"'sampling.{k}' must be an integer or null")
+    if "ignore_eos" in doc and not isinstance(doc["ignore_eos"], bool):
+        raise InvalidRequestError("'sampling.ignore_eos' must be true or false")
+    kw = dict(doc)
+    kw["stop"] = tuple(_list_of(doc.get("stop", []), str, "stop"))
+    kw["stop_token_ids"] = tuple(_list_of(doc.get("stop_token_ids", []), int, "stop_token_ids"))
+    kw["logit_bias"] = tuple(tuple(p) for p in _list_of(doc.get("logit_bias", []), list, "logit_bias"))
+    kw["structured_output"] = _structured(doc.get("structured_output"))
+    return SamplingParams(**kw)
+
+
+def _structured(doc: Any) -> StructuredOutput | None:
+    if doc is None:
+        return None
+    doc = _object(doc, "'sampling.structured_output'")
+    kind, spec, strict = doc.get("kind"), doc.get("spec", ""), doc.get("strict", False)
+    if kind not in ("json_object", "json_schema", "tool_call") or not isinstance(spec, str) \
+            or not isinstance(strict, bool):
+        raise InvalidRequestError("'sampling.structured_output' must be {kind, spec: str, strict: bool}")
+    if kind == "json_object":
+        return StructuredOutput.json_object()
+    try:
+        doc = orjson.loads(spec)
+    except orjson.JSONDecodeError:
+        raise InvalidRequestError("'sampling.structured_output.spec' is not JSON") from None
+    # Rebuilt through the gateway's own constructors: the same refusals, whoever sent it.
+    if kind == "json_schema":
+        return StructuredOutput.json_schema(doc, strict)
+    functions = doc.get("functions") if isinstance(doc, Mapping) else None
+    parallel = doc.get("parallel") if isinstance(doc, Mapping) else None
+    if not isinstance(functions, list) or not isinstance(parallel, bool):
+        raise InvalidRequestError("a tool_call spec must be {\"functions\": [...], \"parallel\": bool}")
+    tools = [{"type": "function", "function": f} for f in functions]
+    return StructuredOutput.tool_call(tools, "required", parallel)
+
+
+# -- outputs -----------------------------------------------------------------------------
+def output_to_json(out: RequestOutput) -> dict[str, Any]:
+    return {"type": "output", "new_token_ids": out.new_token_ids, "new_text": out.new_text,
+            "finished": out.finished, "finish_reason": out.finish_reason,
+            "num_prompt_tokens": out.num_prompt_tokens, "num_cached_tokens": out.num_cached_tokens,
+            "num_output_tokens": out.num_output_tokens,
+            "logprobs": [[lp, [list(p) for p in top]] for lp, top in out.logprobs],
+            "stop_reason": out.stop_reason, "queue_time": out.queue_time, "prefill_time": out.prefill_time}
+
+
+def output_from_json(request_id: str, doc: Mapping[str, Any]) -> RequestOutput:
+    """A RequestOutput from one `output` line (the worker wrote it: trusted, not re-checked)."""
+    return RequestOutput(
+        request_id=request_id, new_token_ids=list(doc["new_token_ids"]), new_text=doc["new_text"],
+        finished=doc["finished"], finish_reason=doc.get("finish_reason"),
+        num_prompt_tokens=doc.get("num_prompt_tokens", 0), num_cached_tokens=doc.get("num_cached_tokens", 0),
+        num_output_tokens=doc.get("num_output_tokens", 0),
+        logprobs=[(lp, [(int(t), v) for t, v in top]) for lp, top in doc.get("logprobs", [])],
+        stop_reason=doc.get("stop_reason"), queue_time=doc.get("queue_time"), prefill_time=doc.get("prefill_time"))
+
+
+def coalesce(outs: Sequence[RequestOutput]) -> RequestOutput:
+    """Several consecutive outputs of one request as one (deltas joined, counts the last's)."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    return dataclasses.replace(
+        last, new_token_ids=[t for o in outs for t in o.new_token_ids], new_text="".join(o.new_text for o in outs),
+        logprobs=[lp for o in outs for lp in o.logprobs])
+
+
+def dumps_line(doc: Mapping[str, Any]) -> bytes:
+    return orjson.dumps(doc) + b"\n"
+
+
+# -- validation helpers ------------------------------------------------------------------
+def _object(doc: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(doc, Mapping):
+        raise InvalidRequestError(f"{what} must be a JSON object")
+    return doc
+
+
+def _no_unknown(doc: Mapping[str, Any], known: set[str], what: str) -> None:
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise InvalidRequestError(f"{what} has unknown fields: {', '.join(map(repr, unknown[:5]))}")
+
+
+def _str(doc: Mapping[str, Any], key: str) -> str:
+    v = doc.get(key, "")
+    if not isinstance(v, str):
+        raise InvalidRequestError(f"'{key}' must be a string")
+    return v
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _list_of(v: Any, kind: type, key: str) -> list:
+    ok = isinstance(v, list) and all(_is_int(x) if kind is int else isinstance(x, kind) for x in v)
+    if not ok:
+        raise InvalidRequestError(f"'sampling.{key}' must be a list of {kind.__name__}")
+    return v
+
+
+__all__ = [
+    "NDJSON",
+    "STATS_HEADER",
+    "TOKEN_ENV",
+    "WIRE_ERRORS",
+    "GenerateRequest",
+    "WorkerError",
+    "adapter_from_json",
+    "coalesce",
+    "dumps_line",
+    "error_from_body",
+    "error_status",
+    "output_from_json",
+    "output_to_json",
+    "sampling_from_json",
+    "sampling_to_json",
+]

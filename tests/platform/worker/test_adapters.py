@@ -1,0 +1,42 @@
+"""The LoRA manager over a worker's blob store: versions by digest, fetched on first use."""
+from __future__ import annotations
+
+import pytest
+
+from loraplex.adapters.errors import AdapterNotFoundError
+from loraplex.engine.errors import UnknownAdapterError
+from loraplex.engine.request import AdapterRef
+
+
+def test_prefetch_fetches_by_digest_and_drop_forgets(blob_engine):
+    engine, digests = blob_engine
+    lora = engine.lora
+    d1 = digests["ad1"]
+    assert lora.prefetch(d1).result(timeout=60) is None
+    assert d1 in lora.tiers()["cpu"]
+    assert lora.prefetch(d1).done()  # resident: answered at once
+    assert lora.drop(d1) and d1 not in lora.tiers()["cpu"]
+    assert not lora.drop(d1)
+
+
+def test_a_missing_digest_fails_and_is_tried_again(blob_engine):
+    lora = blob_engine[0].lora
+    ghost = "sha256:" + "1" * 64
+    for _ in range(2):  # a failure nobody holds is not remembered
+        with pytest.raises(AdapterNotFoundError):
+            lora.prefetch(ghost).result(timeout=60)
+
+
+def test_a_held_version_is_not_dropped(blob_engine):
+    engine, digests = blob_engine
+    lora, d2 = engine.lora, digests["ad2"]
+    lora.prefetch(d2).result(timeout=60)
+    lora.retain(AdapterRef("ad2", d2))
+    assert not lora.drop(d2) and d2 in lora.tiers()["cpu"]
+    lora.release(d2)
+    assert lora.drop(d2)
+
+
+def test_names_do_not_resolve_on_a_worker(blob_engine):
+    with pytest.raises(UnknownAdapterError):
+        blob_engine[0].lora.ref("ad1")

@@ -1,0 +1,57 @@
+"""The NDJSON writer: a client that reads slowly gets the steps it missed in one line."""
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.request import SamplingParams
+from loraplex.platform.worker.config import WorkerConfig
+from loraplex.platform.worker.state import WorkerState
+from loraplex.platform.worker.stream import NdjsonResponse, Relay, wait_disconnect
+from loraplex.platform.worker_wire import GenerateRequest
+
+
+def test_outputs_a_slow_client_missed_are_coalesced(blob_engine, tmp_path):
+    engine = AsyncEngine(blob_engine[0])
+    sampling = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[list[dict], list[int]]:
+        state = WorkerState(WorkerConfig("sqlite://", tmp_path), "tiny")
+        state.attach(engine, None)
+        relay = Relay(state, GenerateRequest("slow", [1, 2, 3, 4], sampling))
+        state.begin()
+        relay.start(engine)
+        first = await relay.take()
+        reading, chunks = asyncio.Event(), []
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                chunks.append(message["body"])
+                if len(chunks) == 1:
+                    await reading.wait()  # the client reads nothing more for a while
+
+        stays: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def receive() -> dict:
+            return await stays  # the client never leaves
+
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
+        task = asyncio.ensure_future(NdjsonResponse(state, relay, first, watcher, {})({}, receive, send))
+        while not relay.done:  # the engine runs to the end meanwhile
+            await asyncio.sleep(0.01)
+        reading.set()
+        await task
+        assert state.in_flight == 0
+        whole = [t async for out in engine.generate([1, 2, 3, 4], sampling) for t in out.new_token_ids]
+        return [orjson.loads(line) for line in b"".join(chunks).splitlines()], whole
+
+    try:
+        lines, whole = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    outputs = [line for line in lines if line["type"] == "output"]
+    assert len(outputs) == 2 and lines[-1]["type"] == "stats"  # the first step, then the 19 it missed
+    assert len(outputs[1]["new_token_ids"]) == 19 and outputs[1]["finished"]
+    assert [t for o in outputs for t in o["new_token_ids"]] == whole

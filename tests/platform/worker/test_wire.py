@@ -1,0 +1,109 @@
+"""The worker wire's codec: what one side writes, the other reads back the same; bad
+input is refused by name; errors cross as their class names, internals never."""
+from __future__ import annotations
+
+import pytest
+
+from loraplex.adapters.errors import AdapterNotFoundError, BlobStoreError
+from loraplex.engine.engine import RequestOutput
+from loraplex.engine.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError
+from loraplex.engine.request import AdapterRef, Lane, SamplingParams
+from loraplex.engine.structured.spec import StructuredOutput
+from loraplex.platform.errors import ShuttingDownError
+from loraplex.platform.worker_wire import (
+    GenerateRequest,
+    WorkerError,
+    coalesce,
+    error_from_body,
+    error_status,
+    output_from_json,
+    output_to_json,
+    sampling_from_json,
+    sampling_to_json,
+)
+
+
+def test_generate_request_round_trip():
+    sp = SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=9, stop=("x", "y"), stop_token_ids=(2,),
+                        logprobs=2, logit_bias={5: -1.5}, structured_output=StructuredOutput.json_schema(
+                            {"type": "object", "properties": {"a": {"type": "integer"}}}))
+    req = GenerateRequest("r1", [1, 2, 3], sp, Lane.BATCH, AdapterRef("ad", "sha256:" + "a" * 64), "salt", "acme")
+    assert GenerateRequest.from_json(req.to_json()) == req
+    assert sampling_from_json({}) == SamplingParams()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"z": {"type": "string"}, "a": {"type": "integer"}}}}},
+        {"type": "function", "function": {"name": "g"}}]
+    for so in (StructuredOutput.tool_call(tools, "required", True), StructuredOutput.json_object(),
+               StructuredOutput.tool_call(tools, {"type": "function", "function": {"name": "g"}})):
+        sp = SamplingParams(structured_output=so)
+        assert sampling_from_json(sampling_to_json(sp)) == sp
+    assert sampling_from_json(sampling_to_json(SamplingParams())) == SamplingParams()
+
+
+@pytest.mark.parametrize("sampling, field", [
+    ({"max_tokens": 1.5}, "max_tokens"), ({"max_tokens": True}, "max_tokens"), ({"top_p": "1"}, "top_p"),
+    ({"seed": "7"}, "seed"), ({"ignore_eos": 1}, "ignore_eos"), ({"stop": "x"}, "stop"),
+    ({"stop_token_ids": [1.0]}, "stop_token_ids"), ({"logit_bias": {"1": 2}}, "logit_bias"),
+    ({"structured_output": {"kind": "regex"}}, "structured_output"), ({"best_of": 2}, "best_of"),
+    ({"max_tokens": 0}, "max_tokens"), ({"logit_bias": [[1, 2, 3]]}, "logit_bias"),
+    ({"structured_output": {"kind": "tool_call", "spec": "garbage", "strict": True}}, "spec"),
+    ({"structured_output": {"kind": "tool_call", "spec": '{"functions": [1], "parallel": true}', "strict": True}},
+     "tools"),
+    ({"structured_output": {"kind": "json_schema", "spec": '{"type": "object", "not": {}}'}}, "not"),
+])
+def test_bad_sampling_is_refused_by_name(sampling, field):
+    with pytest.raises(InvalidRequestError, match=field):
+        sampling_from_json(sampling)
+
+
+def test_outputs_round_trip_and_coalesce():
+    a = RequestOutput("r", [5], "he", False, num_prompt_tokens=3, num_output_tokens=1, logprobs=[(-0.5, [(5, -0.5)])])
+    b = RequestOutput("r", [6, 7], "llo", True, "stop", 3, 2, 3, [(-0.1, [(6, -0.1)]), (-0.2, [(7, -0.2)])], "o")
+    assert output_from_json("r", output_to_json(b)) == b
+    joined = coalesce([a, b])
+    assert (joined.new_token_ids, joined.new_text, joined.finished, joined.finish_reason) == ([5, 6, 7], "hello",
+                                                                                             True, "stop")
+    assert joined.logprobs == a.logprobs + b.logprobs and joined.num_output_tokens == 3
+
+
+@pytest.mark.parametrize("exc, status", [
+    (InvalidRequestError("bad"), 400), (PromptTooLongError("long"), 413), (AdapterNotFoundError("gone"), 404),
+    (EngineOverloadedError("busy"), 503), (ShuttingDownError("draining"), 503)])
+def test_domain_errors_cross_by_class_name(exc, status):
+    got_status, body = error_status(exc)
+    assert got_status == status and body["error"]["type"] == type(exc).__name__
+    back = error_from_body(body)
+    assert type(back) is type(exc) and str(back) == str(exc)
+
+
+def test_internal_errors_are_not_echoed():
+    status, body = error_status(KeyError("/secret/path"))
+    assert status == 500 and "secret" not in str(body) and body["error"]["type"] == "WorkerError"
+    status, body = error_status(BlobStoreError("postgresql://user:pw@db failed"))
+    assert status == 503 and "pw" not in str(body)
+    assert isinstance(error_from_body({"error": {"type": "NoSuchError", "message": "m"}}), WorkerError)
+    assert isinstance(error_from_body({"nope": 1}), WorkerError)
+
+
+def test_tenant_weight_timeout_and_engine_times_cross_the_wire():
+    req = GenerateRequest("r2", [1, 2], SamplingParams(), Lane.STANDARD, None, "salt", "7", 2.5, 30.0)
+    assert GenerateRequest.from_json(req.to_json()) == req
+    assert GenerateRequest.from_json({"request_id": "r3", "prompt_token_ids": [1]}).tenant_weight == 1.0
+    for bad in ({"tenant_weight": 0}, {"tenant_weight": "2"}, {"timeout": -1}, {"timeout": float("inf")}):
+        with pytest.raises(InvalidRequestError, match=next(iter(bad))):
+            GenerateRequest.from_json({"request_id": "r", "prompt_token_ids": [1], **bad})
+    out = RequestOutput("r", [5], "x", False, num_prompt_tokens=3, num_output_tokens=1, queue_time=0.25,
+                        prefill_time=0.5)
+    assert output_from_json("r", output_to_json(out)) == out
+
+
+def test_a_tenant_over_its_share_crosses_as_a_429_with_its_message():
+    from loraplex.engine.fairness import TenantShareExceededError
+    from loraplex.platform.errors import api_error
+
+    status, body = error_status(TenantShareExceededError("7", 3, 3))
+    assert status == 429 and body["error"]["type"] == "TenantShareExceededError"
+    back = error_from_body(body)
+    assert isinstance(back, TenantShareExceededError) and "its share of the queue is 3" in str(back)
+    err = api_error(back)  # what the gateway answers its client
+    assert (err.status, err.code) == (429, "tenant_queue_share_exceeded")
