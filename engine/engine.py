@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_pool import KVCacheManager
-from .client import AdapterLoad
+from .client import AdapterLoad, AdapterResidency, EngineStats, LaneDepth
 from .config import EngineConfig
 from .errors import InvalidRequestError, UnknownAdapterError
 from .loader import ModelArch, resolve_model_dir
@@ -295,8 +295,6 @@ class LLMEngine:
 
     # -- introspection -------------------------------------------------------------
     def stats(self) -> EngineStats:
-        from .client import AdapterResidency, EngineStats, LaneDepth
-
         s = self.scheduler
         lanes = s.lane_counts()
         tiers = self.lora.tiers() if self.lora is not None else {}
