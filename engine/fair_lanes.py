@@ -69,6 +69,9 @@ class FairLaneQueue(RequestQueue):
     def __contains__(self, req: object) -> bool:
         return isinstance(req, Request) and self._queued.get(req.request_id) is req
 
+    def lane_sizes(self) -> dict[Lane, int]:
+        return {lane: len(self._lanes[lane]) for lane in Lane}
+
     def effective_lane(self, req: Request, now: float) -> int:
         return max(0, int(req.lane) - int((now - req.enqueue_time) / self.aging_seconds))
 

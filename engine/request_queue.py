@@ -34,6 +34,13 @@ class RequestQueue(ABC):
     def check(self, req: Request) -> None:
         pass
 
+    def lane_sizes(self) -> dict[Lane, int]:
+        """How many requests of each lane wait (by the lane they asked for)."""
+        sizes = dict.fromkeys(Lane, 0)
+        for req in self:
+            sizes[req.lane] += 1
+        return sizes
+
     def charge(self, req: Request, input_tokens: int = 0, output_tokens: int = 0) -> None:
         pass
 
@@ -97,6 +104,9 @@ class LaneQueue(RequestQueue):
 
     def __contains__(self, req: object) -> bool:
         return isinstance(req, Request) and self._key.get(req.request_id, (0, 0, None))[2] is req
+
+    def lane_sizes(self) -> dict[Lane, int]:
+        return {lane: len(self._lanes[lane]) for lane in Lane}
 
     def effective_lane(self, req: Request, now: float) -> int:
         return max(0, int(req.lane) - int((now - req.enqueue_time) / self.aging_seconds))

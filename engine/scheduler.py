@@ -291,8 +291,9 @@ class Scheduler:
         counts = {lane.name.lower(): {"running": 0, "waiting": 0} for lane in Lane}
         for r in self.running:
             counts[r.lane.name.lower()]["running"] += 1
-        for r in self.waiting:
-            counts[r.lane.name.lower()]["waiting"] += 1
+        # Per lane, not a walk of the queue: stats are taken after every step.
+        for lane, n in self.waiting.lane_sizes().items():
+            counts[lane.name.lower()]["waiting"] = n
         return counts
 
 

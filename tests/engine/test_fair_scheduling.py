@@ -248,3 +248,16 @@ def test_deadlines_free_waiting_and_running_requests():
     assert set(s.requests) == {forever.request_id}
     step(s, service)
     assert forever.status is RequestStatus.RUNNING
+
+
+@pytest.mark.parametrize("scheduling", ["fair", "fcfs"])
+def test_lane_counts_match_the_queue(scheduling):
+    s = make_scheduler(scheduling, max_num_seqs=1)
+    for lane, n in ((Lane.INTERACTIVE, 2), (Lane.STANDARD, 1), (Lane.BATCH, 3)):
+        for _ in range(n):
+            s.add_request(request("a", 4, 1, lane=lane))
+    step(s, {"a": 0.0})
+    counts = s.lane_counts()
+    assert {k: v["waiting"] for k, v in counts.items()} == {"interactive": 1, "standard": 1, "batch": 3}
+    assert sum(v["running"] for v in counts.values()) == 0  # one token each: finished in its step
+    assert s.waiting.lane_sizes() == {lane: sum(r.lane == lane for r in s.waiting) for lane in Lane}
