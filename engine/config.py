@@ -1,20 +1,57 @@
 """One frozen config dataclass per subsystem, composed into `EngineConfig`."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
+from .errors import EngineError
+
 DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct
+# The KV pool on a CPU when neither a block count nor a size is given.
+CPU_KV_CACHE_MEMORY = 1 << 30
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+class DeviceUnavailableError(EngineError, ValueError):
+    """`--device` names a device this machine does not have, or is not a device at all."""
+
+
+def resolve_device(spec: str) -> str:
+    """"auto" | "cpu" | "cuda" | "cuda:N" -> the torch device the engine runs on: auto is
+    the first CUDA device when torch sees one, else the CPU."""
+    import torch
+
+    spec = spec.strip().lower()
+    if not _DEVICE_RE.match(spec):
+        raise DeviceUnavailableError(f"unknown device {spec!r}: use {DEVICE_CHOICES}")
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cpu":
+        return spec
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA support" if torch.version.cuda is None else "torch sees no CUDA GPU"
+        raise DeviceUnavailableError(f"device {spec!r} asked for, but {why}: install the CUDA torch wheel "
+                                     f"(see the README, On a GPU) or use --device cpu")
+    index = int(spec.partition(":")[2] or 0)
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise DeviceUnavailableError(f"device {spec!r} asked for, but torch sees {count} CUDA GPU(s) "
+                                     f"(cuda:0..cuda:{count - 1})")
+    return spec
+
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     # A Hugging Face folder of safetensors, or "default" for the embedded SmolLM2.
     model: str = DEFAULT_MODEL
-    # "bfloat16", "float16" or "float32". bf16 is fastest on AVX512-BF16 CPUs;
-    # the oracle tests use float32 so greedy ties cannot flip between implementations.
+    # "bfloat16", "float16" or "float32". bf16: a GPU's native type, and the fastest on
+    # AVX512-BF16 CPUs; the oracle tests use float32 so greedy ties cannot flip between implementations.
     dtype: str = "bfloat16"
     # None: the model's own max_position_embeddings.
     max_model_len: int | None = None
+    # A torch device ("cpu", "cuda", "cuda:1"): `resolve_device` turns `--device` into one.
     device: str = "cpu"
 
 
@@ -23,8 +60,21 @@ class CacheConfig:
     block_size: int = 16
     # Exactly this many KV blocks, or size the pool from `kv_cache_memory_bytes`.
     num_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
+    # KV pool bytes. None: CPU_KV_CACHE_MEMORY on a CPU; on CUDA, what
+    # `gpu_memory_utilization` of the device leaves after the weights, the adapter slots
+    # and the activation peak (engine/memory_budget.py).
+    kv_cache_memory_bytes: int | None = None
+    # The fraction of the GPU's memory loraplex may use (vLLM's --gpu-memory-utilization).
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.block_size < 1 or (self.num_blocks is not None and self.num_blocks < 1):
+            raise ValueError("block_size and num_blocks must be positive")
 
 
 @dataclass(frozen=True)
@@ -79,3 +129,5 @@ class EngineConfig:
     # compiler can build it (else the torch path); "triton", "cpu" or "torch" force one.
     kernels: str = "auto"
     seed: int = 0
+    # CUDA: replay decode steps from CUDA graphs (engine/cuda_graphs.py) unless this is set.
+    enforce_eager: bool = False

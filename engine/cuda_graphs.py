@@ -66,6 +66,10 @@ class GraphPolicy:
             return None
         return self.widths[bisect.bisect_left(self.widths, num_seqs)]
 
+    def width_for_step(self, token_counts: list[int]) -> int | None:
+        """`width_for` a scheduled step: the tokens each of its sequences computes."""
+        return self.width_for(sum(token_counts), len(token_counts))
+
 
 @dataclass
 class DecodeInputs:
@@ -87,6 +91,22 @@ class DecodeInputs:
                    torch.zeros(width, max_blocks_per_seq, dtype=torch.int32, **z),
                    torch.full((width,), -1, dtype=torch.int32, **z),
                    torch.arange(width + 1, dtype=torch.int32, **z))
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[int, int, list[int], int]], block_size: int) -> DecodeInputs:
+        """A decode step's host tensors: (token id, position, block table, adapter slot) per
+        sequence; each table cut to the blocks its context covers."""
+        n = len(rows)
+        tables = [b[:pos // block_size + 1] for _, pos, b, _ in rows]
+        block_tables = torch.zeros(n, max(map(len, tables)), dtype=torch.int32)
+        for i, b in enumerate(tables):
+            block_tables[i, :len(b)] = torch.tensor(b, dtype=torch.int32)
+        positions = torch.tensor([pos for _, pos, _, _ in rows], dtype=torch.long)
+        last_block = block_tables[torch.arange(n), positions // block_size].long()
+        return cls(torch.tensor([t for t, _, _, _ in rows], dtype=torch.long), positions,
+                   last_block * block_size + positions % block_size, (positions + 1).to(torch.int32), block_tables,
+                   torch.tensor([slot for _, _, _, slot in rows], dtype=torch.int32),
+                   torch.arange(n + 1, dtype=torch.int32))
 
     @property
     def width(self) -> int:

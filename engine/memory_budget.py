@@ -71,14 +71,30 @@ class MemoryPlanConfig:
     max_loras: int = 0  # 0: no adapter slots on the device
     max_lora_rank: int = 16
     dtype_bytes: int = 2
+    # Adapters copied to the device ahead of a slot (the asynchronous load's destination,
+    # engine/lora/staging.py): sized as that many more slots.
+    staged_loras: int = 0
+
+    @classmethod
+    def from_engine(cls, config, max_model_len: int, dtype_bytes: int, adapters: bool = True,
+                    staged: bool = False) -> MemoryPlanConfig:
+        """The knobs of an `EngineConfig`: `adapters` when the engine has a LoRA manager
+        (its `max_loras` slots), `staged` when that manager stages a copy per slot."""
+        max_loras = config.lora.max_loras if adapters else 0
+        return cls(gpu_memory_utilization=config.cache.gpu_memory_utilization,
+                   kv_cache_memory=config.cache.kv_cache_memory_bytes, block_size=config.cache.block_size,
+                   max_model_len=max_model_len, max_loras=max_loras, max_lora_rank=config.lora.max_lora_rank,
+                   dtype_bytes=dtype_bytes, staged_loras=max_loras if staged else 0)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        if self.block_size < 1 or self.max_model_len < 1 or self.max_loras < 0 or self.max_lora_rank < 1:
-            raise ValueError("block_size, max_model_len and max_lora_rank must be positive, max_loras >= 0")
+        if (self.block_size < 1 or self.max_model_len < 1 or self.max_loras < 0 or self.max_lora_rank < 1
+                or self.staged_loras < 0):
+            raise ValueError("block_size, max_model_len and max_lora_rank must be positive, max_loras and "
+                             "staged_loras >= 0")
 
 
 @dataclass(frozen=True)
@@ -118,7 +134,8 @@ class KVPlan:
 
 
 def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
+    # Small pools (a CPU's, a tiny model's) would all read "0.00 GiB".
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB // 16 else f"{n / (1 << 20):.2f} MiB"
 
 
 def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype_bytes: int) -> int:
@@ -139,13 +156,13 @@ def plan_kv_cache(shape: ModelShape, config: MemoryPlanConfig, device: DeviceMem
     plus one `max_model_len` sequence cannot fit."""
     per_block = kv_bytes_per_block(shape, config.block_size, config.dtype_bytes)
     min_blocks = -(-config.max_model_len // config.block_size)
-    adapters = adapter_slot_bytes(shape, config.max_loras, config.max_lora_rank, config.dtype_bytes)
+    adapters = adapter_slot_bytes(shape, config.max_loras + config.staged_loras, config.max_lora_rank,
+                                  config.dtype_bytes)
     fixed = measured.weight_bytes + adapters + measured.activation_peak_bytes + measured.non_torch_bytes
+    staged = f" + {config.staged_loras} staged" if config.staged_loras else ""
     parts = (f"weights {_gib(measured.weight_bytes)} + adapter slots {_gib(adapters)} "
-             f"({config.max_loras} x rank {config.max_lora_rank}) + activations "
+             f"({config.max_loras}{staged} x rank {config.max_lora_rank}) + activations "
              f"{_gib(measured.activation_peak_bytes)} + other {_gib(measured.non_torch_bytes)}")
-    one_seq = (f"one {config.max_model_len}-token sequence needs {min_blocks} KV blocks of "
-               f"{per_block} bytes ({_gib(min_blocks * per_block)})")
     if config.kv_cache_memory is not None:
         kv = config.kv_cache_memory
         budget = fixed + kv
@@ -168,10 +185,29 @@ def plan_kv_cache(shape: ModelShape, config: MemoryPlanConfig, device: DeviceMem
                  f"{_gib(budget)} ({config.gpu_memory_utilization} of {_gib(device.total)}) - {parts} "
                  f"leaves {_gib(max(kv, 0))} for the KV cache")
         raise DeviceMemoryError(
-            f"{where}: {num_blocks} blocks, but {one_seq}. Raise gpu_memory_utilization or "
-            f"kv_cache_memory, or lower max_model_len, max_num_batched_tokens, max_loras or max_lora_rank")
+            f"{where}: {num_blocks} blocks, but {_one_sequence(config, per_block)}. Raise "
+            f"gpu_memory_utilization or kv_cache_memory, or lower max_model_len, max_num_batched_tokens, "
+            f"max_loras or max_lora_rank")
     return KVPlan(num_blocks, per_block, num_blocks * per_block, budget, measured.weight_bytes, adapters,
                   measured.activation_peak_bytes, measured.non_torch_bytes, min_blocks)
+
+
+def _one_sequence(config: MemoryPlanConfig, per_block: int) -> str:
+    n = -(-config.max_model_len // config.block_size)
+    return f"one {config.max_model_len}-token sequence needs {n} KV blocks of {per_block} bytes ({_gib(n * per_block)})"
+
+
+def plan_fixed_kv(shape: ModelShape, config: MemoryPlanConfig, kv_bytes: int) -> KVPlan:
+    """A pool of `kv_bytes` (a CPU's KV cache: no device figures to read), or
+    `DeviceMemoryError` when it cannot hold one `max_model_len` sequence."""
+    per_block = kv_bytes_per_block(shape, config.block_size, config.dtype_bytes)
+    min_blocks = -(-config.max_model_len // config.block_size)
+    num_blocks = kv_bytes // per_block
+    if num_blocks < min_blocks:
+        raise DeviceMemoryError(
+            f"kv_cache_memory {_gib(kv_bytes)}: {num_blocks} blocks, but {_one_sequence(config, per_block)}. "
+            f"Raise kv_cache_memory or lower max_model_len")
+    return KVPlan(num_blocks, per_block, num_blocks * per_block, kv_bytes, 0, 0, 0, 0, min_blocks)
 
 
 # -- measurements on a device ----------------------------------------------------------

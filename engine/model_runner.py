@@ -1,29 +1,36 @@
 """Executes a `SchedulerOutput`: builds the ragged batch, runs the model, samples."""
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 
 import torch
 
-from .config import EngineConfig
+from .config import CPU_KV_CACHE_MEMORY, EngineConfig
 from .cpu_tuning import keep_freed_memory_in_heap
+from .cuda_graphs import CUDAGraphRunner, DecodeInputs, GraphPolicy, LlamaDecodeForward
 from .kernels import create_backend, select_backend
 from .loader import ModelArch, load_state_dict
+from .memory_budget import (DeviceMemory, MemoryPlanConfig, ModelShape, device_memory, kv_bytes_per_block,
+                            plan_fixed_kv, plan_on_device)
 from .models.llama import LlamaModel
 from .request import Request
 from .sampler import Logprobs, Sampler, SampleRow
-from .scheduler import SchedulerOutput
+from .scheduler import ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * block_size * dtype.itemsize
-
-
 class ModelRunner:
+    """Loads the model on its device, sizes and allocates the KV cache (memory_budget.py),
+    captures decode CUDA graphs where they apply (cuda_graphs.py), and runs steps.
+
+    The KV caches and the LoRA slot stacks are allocated before the graphs are captured
+    and never reallocated: the graphs read them by address."""
+
     def __init__(self, config: EngineConfig, arch: ModelArch, model_dir: str, lora_manager=None) -> None:
         if config.model.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {config.model.dtype!r}; use one of {sorted(DTYPES)}")
@@ -31,6 +38,14 @@ class ModelRunner:
         self.arch = arch
         self.dtype = DTYPES[config.model.dtype]
         self.device = torch.device(config.model.device)
+        self.max_model_len = min(config.model.max_model_len or arch.max_position_embeddings,
+                                 arch.max_position_embeddings)
+        at_start = None
+        if self.device.type == "cuda":
+            if self.device.index is None:  # torch.cuda's memory and device calls want an index
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)  # Triton launches on the current device
+            at_start = device_memory(self.device)  # before anything of ours is on it
         keep_freed_memory_in_heap()
         # One kernel backend for the engine's life: attention, KV writes, layer ops, linears, LoRA.
         self.backend = create_backend(select_backend(config.kernels, self.device, self.dtype), self.device, self.dtype)
@@ -45,19 +60,89 @@ class ModelRunner:
             self.model.pack_weights(make_linear)
         self.model.set_attention_ops(self.backend.write_kv, self.backend.paged_attention)
         self.model.set_layer_ops(self.backend.layer_ops())
-        self.num_blocks = self._num_blocks()
-        slots = self.num_blocks * self.block_size
-        self.kv_caches = [
-            (torch.zeros(arch.num_kv_heads, slots, arch.head_dim, dtype=self.dtype, device=self.device),
-             torch.zeros(arch.num_kv_heads, slots, arch.head_dim, dtype=self.dtype, device=self.device))
-            for _ in range(arch.num_layers)
-        ]
         self.sampler = Sampler(config.seed)
         self.lora = lora_manager
-        if lora_manager is not None:
+        if lora_manager is not None:  # slot stacks before sizing the KV cache and capturing
             lora_manager.bind(arch, self.dtype, self.device, self.backend.lora_backend)
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB); %s kernels", self.num_blocks, self.block_size,
-                 self.num_blocks * kv_bytes_per_block(arch, self.block_size, self.dtype) / 2**20, self.backend.name)
+        self.num_blocks = self._plan_kv(at_start)
+        self.kv_caches = self._allocate_kv(self.num_blocks)
+        per_block = kv_bytes_per_block(ModelShape.from_arch(arch), self.block_size, self.dtype.itemsize)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; %s kernels", self.num_blocks, self.block_size,
+                 self.num_blocks * per_block / 2**20, self.device, self.backend.name)
+        self.graphs = self._capture_graphs()
+
+    def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        a, slots = self.arch, num_blocks * self.block_size
+        return [tuple(torch.zeros(a.num_kv_heads, slots, a.head_dim, dtype=self.dtype, device=self.device)
+                      for _ in range(2)) for _ in range(a.num_layers)]
+
+    # -- the KV cache's size ---------------------------------------------------------
+    def memory_plan_config(self) -> MemoryPlanConfig:
+        """What sizing reads of the config; adapter staging only where the LoRA manager stages."""
+        lora = self.lora
+        return MemoryPlanConfig.from_engine(self.config, self.max_model_len, self.dtype.itemsize,
+                                            adapters=lora is not None,
+                                            staged=lora is not None and lora.stager is not None)
+
+    def _plan_kv(self, at_start: DeviceMemory | None) -> int:
+        """`cache.num_blocks` exactly; else on CUDA what gpu_memory_utilization (or
+        kv_cache_memory) leaves, on a CPU kv_cache_memory (1 GiB by default).
+        `DeviceMemoryError` when one max_model_len sequence cannot fit."""
+        c, shape, cfg = self.config.cache, ModelShape.from_arch(self.arch), self.memory_plan_config()
+        if c.num_blocks is not None:
+            return c.num_blocks
+        if at_start is None:
+            return plan_fixed_kv(shape, cfg, c.kv_cache_memory_bytes or CPU_KV_CACHE_MEMORY).num_blocks
+        plan = plan_on_device(shape, cfg, self.device, at_start, itertools.chain(self.model.parameters(),
+                                                                                 self.model.buffers()),
+                              self._profile_forward())
+        torch.cuda.empty_cache()  # the profile's dummy KV cache: give its memory back for the real one
+        log.info("%s", plan.describe())
+        return plan.num_blocks
+
+    def _profile_forward(self):
+        """One forward of a max_num_batched_tokens prefill (capped at max_model_len) and the
+        logits of max_num_seqs rows: the activation peak the KV cache must leave room for.
+        Its dummy KV cache is made here, outside the measured peak."""
+        s = self.config.scheduler
+        n = min(s.max_num_batched_tokens, self.max_model_len)
+        nb = -(-n // self.block_size)
+        caches = self._allocate_kv(nb)
+        meta = self.backend.build_metadata([(0, n, list(range(nb)))], self.block_size)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        positions = torch.arange(n, device=self.device)
+
+        @torch.inference_mode()
+        def forward() -> None:
+            hidden = self.model(ids, positions, meta, caches)
+            self.model.compute_logits(hidden[-min(n, s.max_num_seqs):])
+        return forward
+
+    # -- CUDA graphs -------------------------------------------------------------------
+    def _capture_graphs(self) -> CUDAGraphRunner | None:
+        policy = GraphPolicy.build(self.config.scheduler.max_num_seqs, self.device, self.backend.name,
+                                   self.config.enforce_eager)
+        if not policy.enabled:
+            return None
+        start = time.perf_counter()
+        lora_weights = self.lora.backend if self.lora is not None else None
+        forward = LlamaDecodeForward(self.model, self.kv_caches, self.block_size, lora_weights)
+        graphs = CUDAGraphRunner(forward, policy, -(-self.max_model_len // self.block_size), self.device)
+        graphs.capture()
+        log.info("CUDA graphs for decode widths %s captured in %.1f s (--enforce-eager turns them off)",
+                 ",".join(map(str, policy.widths)), time.perf_counter() - start)
+        return graphs
+
+    def _replay(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
+        """The step's hidden states from a CUDA graph, or None when it runs eagerly (a
+        prefill chunk in it, wider than the widest graph, no graphs)."""
+        if self.graphs is None:
+            return None
+        if self.graphs.policy.width_for_step([len(s.token_ids) for s in seqs]) is None:
+            return None
+        step = DecodeInputs.from_rows([(s.token_ids[0], s.start_pos, s.block_ids, s.adapter_slot) for s in seqs],
+                                      self.block_size)
+        return self.graphs.run(step)
 
     @torch.inference_mode()
     def warm_up(self, row_counts: list[int]) -> None:
@@ -72,16 +157,6 @@ class ModelRunner:
             if head is None:
                 self.model.compute_logits(torch.zeros(n, self.arch.hidden_size, dtype=self.dtype, device=self.device))
 
-    def _num_blocks(self) -> int:
-        c = self.config.cache
-        if c.num_blocks is not None:
-            return c.num_blocks
-        per_block = kv_bytes_per_block(self.arch, c.block_size, self.dtype)
-        n = c.kv_cache_memory_bytes // per_block
-        if n < 1:
-            raise ValueError(f"kv_cache_memory_bytes={c.kv_cache_memory_bytes} holds no block ({per_block} bytes each)")
-        return int(n)
-
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, requests: dict[str, Request]
                 ) -> tuple[dict[str, int], dict[str, Logprobs | None]]:
@@ -89,19 +164,13 @@ class ModelRunner:
         # then prefills; within each, ordered by adapter so every adapter's tokens form
         # one segment, and decodes by length so a base-model group is a run of rows.
         seqs = sorted(out.seqs, key=lambda s: (len(s.token_ids) != 1, s.adapter_slot, s.start_pos))
-        ids, pos = [], []
-        for s in seqs:
-            ids.extend(s.token_ids)
-            pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
-        meta = self.backend.build_metadata([(s.start_pos, len(s.token_ids), s.block_ids) for s in seqs],
-                                           self.block_size)
-        lora = None
         if self.lora is not None:
             self.lora.load(out.adapter_loads)
-            lora = self.lora.batch([(len(s.token_ids), s.adapter_slot) for s in seqs])
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches, lora)
+        # A graph's output is overwritten by the next replay: the logits below are taken
+        # from it within this step.
+        hidden = self._replay(seqs)
+        if hidden is None:
+            hidden = self._eager(seqs)
         rows, sample_seqs, end = [], [], 0
         for s in seqs:
             end += len(s.token_ids)
@@ -117,3 +186,15 @@ class ModelRunner:
         tokens, logprobs = self.sampler.sample(logits, sample_rows)
         ids_ = [s.request_id for s in sample_seqs]
         return dict(zip(ids_, tokens)), dict(zip(ids_, logprobs))
+
+    def _eager(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        ids, pos = [], []
+        for s in seqs:
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+        meta = self.backend.build_metadata([(s.start_pos, len(s.token_ids), s.block_ids) for s in seqs],
+                                           self.block_size)
+        lora = self.lora.batch([(len(s.token_ids), s.adapter_slot) for s in seqs]) if self.lora is not None else None
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        return self.model(input_ids, positions, meta, self.kv_caches, lora)

@@ -3,7 +3,8 @@
 Adapters have three tiers: their source (the disk store, or a worker's shared blob
 store), a CPU tier (LRU, loaded in the background) and the device slots, whose weights
 the LoRA backend (`backend.LoRABackend`, chosen once by the engine's kernel backend) holds
-in its kernels' layout.
+in its kernels' layout. On CUDA an adapter also passes through staging (staging.py):
+copied to the device in the background, it is `ready` only once that copy has completed.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ..errors import InvalidRequestError, UnknownAdapterError
 from ..request import AdapterRef
 from .backend import LoRABackend, LoRAHook
 from .packing import pack_adapter, projection_sizes, segments_of
+from .staging import CudaStager, StagedAdapter, Stager
 from .torch_backend import TorchLoRABackend
 
 if TYPE_CHECKING:
@@ -56,7 +58,8 @@ class LoRAManager:
     `AdapterRef`, whose digest the manager fetches on first use.
     """
 
-    def __init__(self, store: AdapterSource, config: LoRAConfig | None = None) -> None:
+    def __init__(self, store: AdapterSource, config: LoRAConfig | None = None,
+                 stager: Stager | None = None) -> None:
         self.store = store
         self.config = config or LoRAConfig()
         self._cpu: OrderedDict[str, object] = OrderedDict()  # digest -> LoRAAdapter (LRU)
@@ -67,6 +70,11 @@ class LoRAManager:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="loraplex-lora-load")
         self.slot_refs: list[AdapterRef | None] = [None] * self.config.max_loras
         self.backend: LoRABackend | None = None
+        # digest -> its copy to the device (None while the loader thread prepares it);
+        # at most `max_staged` at once, each as large as a slot at most.
+        self.stager = stager
+        self._staged: dict[str, StagedAdapter | None] = {}
+        self.max_staged = self.config.max_loras
 
     def bind(self, arch, dtype: torch.dtype, device: torch.device,
              backend: type[LoRABackend] = TorchLoRABackend) -> None:
@@ -75,6 +83,8 @@ class LoRAManager:
         self.num_layers, self.dtype, self.device = arch.num_layers, dtype, device
         self.backend = backend(self.config.max_loras, arch.num_layers, self.in_sizes, self.out_sizes,
                                self.config.max_lora_rank, dtype, device)
+        if self.stager is None and torch.device(device).type == "cuda":
+            self.stager = CudaStager(torch.device(device))
 
     # -- names and lifetimes ---------------------------------------------------------
     def ref(self, name: str) -> AdapterRef:
@@ -106,16 +116,28 @@ class LoRAManager:
             else:
                 self._live.pop(digest, None)
                 self._failed.pop(digest, None)
+                if self._staged.get(digest) is not None:
+                    del self._staged[digest]  # nobody waits for it (an in-flight one is dropped when done)
             self._trim()
 
     # -- the CPU tier ----------------------------------------------------------------
     def ready(self, ref: AdapterRef) -> bool:
-        """True when `ref` can go into a device slot now; else start loading it."""
+        """True when `ref` can go into a device slot now (in the CPU tier; with a stager,
+        copied to the device); else start what it waits for."""
         d = ref.digest
         with self._lock:
-            if d in self._cpu or d in self._failed or any(r and r.digest == d for r in self.slot_refs):
+            if d in self._failed or any(r and r.digest == d for r in self.slot_refs):
                 return d not in self._failed
-            if d not in self._pending:
+            if d in self._cpu and self.stager is None:
+                return True
+            if d in self._staged:
+                staged = self._staged[d]
+                return staged is not None and staged.done()
+            if d in self._cpu:
+                # Staging may be full: asked again at the next step.
+                if self._reserve_staging(d):
+                    self._pool.submit(self._stage, d, self._cpu[d])
+            elif d not in self._pending:
                 self._pending[d] = self._pool.submit(self._load_to_cpu, d)
         return False
 
@@ -153,16 +175,47 @@ class LoRAManager:
         try:
             adapter = self.store.load(digest, dtype=self.dtype)
         except Exception as exc:  # the request fails, the engine does not
-            log.warning("loading adapter %s failed: %s", digest, exc)
-            with self._lock:
-                self._failed[digest] = str(exc)
-                self._pending.pop(digest, None)
+            self._load_failed(digest, "loading", exc)
             raise  # into the future, for prefetch() callers
         with self._lock:
             self._cpu[digest] = adapter
             self._cpu.move_to_end(digest)
             self._pending.pop(digest, None)
+            stage = self._reserve_staging(digest)
             self._trim()
+        if stage:
+            self._stage(digest, adapter)
+
+    # -- staging (CUDA): copies to the device ahead of a slot ----------------------------
+    def _reserve_staging(self, digest: str) -> bool:
+        """Under the lock: room for the copy of `digest`, which a request waits for,
+        reserved (None until it is issued)."""
+        if (self.stager is None or digest in self._staged or digest not in self._live
+                or len(self._staged) >= self.max_staged):
+            return False
+        self._staged[digest] = None
+        return True
+
+    def _stage(self, digest: str, adapter) -> None:
+        """The loader thread: issue the reserved copy of `adapter` to the device."""
+        try:
+            staged = self.stager.stage(pack_adapter(adapter, self.out_sizes, self.num_layers, self.dtype,
+                                                    torch.device("cpu")))
+        except Exception as exc:
+            self._load_failed(digest, "copying to the device", exc)
+            return
+        with self._lock:
+            if digest in self._live:
+                self._staged[digest] = staged
+            else:
+                self._staged.pop(digest, None)  # released while it was copied
+
+    def _load_failed(self, digest: str, doing: str, exc: Exception) -> None:
+        log.warning("%s adapter %s failed: %s", doing, digest, exc)
+        with self._lock:
+            self._failed[digest] = str(exc)
+            self._pending.pop(digest, None)
+            self._staged.pop(digest, None)
 
     def _trim(self) -> None:
         # LRU, skipping adapters that live requests still need.
@@ -179,9 +232,18 @@ class LoRAManager:
                 adapter = self._cpu.get(ref.digest)
                 if adapter is not None:
                     self._cpu.move_to_end(ref.digest)
-            if adapter is None:  # not prefetched (e.g. evicted meanwhile): load inline
-                adapter = self.store.load(ref.digest, dtype=self.dtype)
-            self.backend.set_slot(slot, pack_adapter(adapter, self.out_sizes, self.num_layers, self.dtype, self.device))
+                staged = self._staged.get(ref.digest)
+                if staged is not None and staged.done():
+                    del self._staged[ref.digest]
+                else:
+                    staged = None
+            if staged is not None:
+                packed = self.stager.take(staged)
+            else:
+                if adapter is None:  # not prefetched (e.g. evicted meanwhile): load inline
+                    adapter = self.store.load(ref.digest, dtype=self.dtype)
+                packed = pack_adapter(adapter, self.out_sizes, self.num_layers, self.dtype, self.device)
+            self.backend.set_slot(slot, packed)
             self.slot_refs[slot] = ref
 
     def batch(self, seqs: list[tuple[int, int]]) -> LoRAHook | None:
@@ -193,6 +255,11 @@ class LoRAManager:
         """Where each adapter is now: device slots, CPU tier (digests)."""
         with self._lock:
             return {"device": [r.digest for r in self.slot_refs if r], "cpu": list(self._cpu)}
+
+    def staged(self) -> dict[str, bool]:
+        """Adapters on their way to the device: digest -> whether the copy has completed."""
+        with self._lock:
+            return {d: s is not None and s.done() for d, s in self._staged.items()}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -8,7 +8,7 @@ never touched.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,9 +24,31 @@ GROUPS: dict[str, tuple[str, ...]] = {
 @dataclass
 class PackedGroup:
     a: torch.Tensor  # [sum of ranks, in] — every module's A stacked
-    b_fused: torch.Tensor  # [sum of out features, sum of ranks] block-diagonal, scale folded in
     # Per module: (output column offset, output width, rank offset, rank, B*scale [out, r]).
     parts: list[tuple[int, int, int, int, torch.Tensor]]
+    width: int  # the group's output features, every module's (targeted or not)
+    _b_fused: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def b_fused(self) -> torch.Tensor:
+        """[width, sum of ranks] block-diagonal B*scale, made at first use: only the torch
+        backend's per-segment path reads it, so the others never hold (or copy) it."""
+        if self._b_fused is None:
+            a = self.a
+            fused = torch.zeros(self.width, a.shape[0], dtype=a.dtype, device=a.device)
+            for c, width, r0, r, b in self.parts:
+                fused[c:c + width, r0:r0 + r] = b
+            self._b_fused = fused
+        return self._b_fused
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the adapter's data (A, then each module's B)."""
+        return [self.a] + [p[4] for p in self.parts]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> PackedGroup:
+        """The same group over `tensors` (as `tensors()` lists them, e.g. copied to a device)."""
+        parts = [(c, w, r0, r, b) for (c, w, r0, r, _), b in zip(self.parts, tensors[1:], strict=True)]
+        return PackedGroup(tensors[0], parts, self.width)
 
 
 def projection_sizes(arch) -> tuple[dict[str, int], dict[str, int]]:
@@ -53,12 +75,8 @@ def pack_adapter(adapter, out_sizes: dict[str, int], num_layers: int, dtype: tor
                     parts.append((col, out_sizes[m], roff, w.rank, b))
                     roff += w.rank
                 col += out_sizes[m]
-            if not parts:
-                continue
-            fused = torch.zeros(col, roff, dtype=dtype, device=device)
-            for c, width, r0, r, b in parts:
-                fused[c:c + width, r0:r0 + r] = b
-            groups[g] = PackedGroup(torch.cat(a_parts).contiguous(), fused, parts)
+            if parts:
+                groups[g] = PackedGroup(torch.cat(a_parts).contiguous(), parts, col)
         layers.append(groups)
     return layers
 

@@ -15,8 +15,10 @@ import sys
 from sqlalchemy.exc import SQLAlchemyError
 
 from loraplex.adapters.errors import AdapterError
-from loraplex.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from loraplex.engine.config import (DEVICE_CHOICES, CacheConfig, DeviceUnavailableError, EngineConfig, LoRAConfig,
+                                    ModelConfig, SchedulerConfig, resolve_device)
 from loraplex.engine.errors import EngineError
+from loraplex.engine.memory_budget import DeviceMemoryError
 
 from loraplex.platform.cli import roles
 from loraplex.platform.errors import PlatformError
@@ -125,10 +127,30 @@ def _db_options(p: argparse.ArgumentParser) -> None:
                    help="SQLAlchemy URL, e.g. postgresql://user@host/db (default: SQLite in the data dir)")
 
 
+def _fraction_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"not a fraction in (0, 1]: {text!r} (e.g. 0.9)")
+    return value
+
+
 def _engine_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
+    g.add_argument("--device", default="auto", metavar="DEVICE",
+                   help=f"{DEVICE_CHOICES} (default auto: the first CUDA GPU torch sees, else the CPU)")
     g.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV pool size, e.g. 1GiB")
+    g.add_argument("--kernels", choices=("auto", "triton", "cpu", "torch"), default="auto",
+                   help="kernel backend (default auto: Triton on CUDA; on a CPU the C kernels where they build)")
+    g.add_argument("--gpu-memory-utilization", type=_fraction_arg, default=0.9, metavar="F",
+                   help="fraction of the GPU's memory to use: the KV cache gets what the weights, adapter "
+                        "slots and activations leave (default 0.9)")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="KV pool size, e.g. 1GiB (default: 1GiB on a CPU; on a GPU what "
+                        "--gpu-memory-utilization leaves)")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=128)
@@ -237,6 +259,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The `_engine_options` group (and --model) -> an EngineConfig, the device resolved:
+    `DeviceUnavailableError` when --device names one this machine lacks."""
+    cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
+                        kv_cache_memory_bytes=args.kv_cache_memory,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        enable_prefix_caching=not args.no_prefix_caching)
+    return EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                          device=resolve_device(args.device)),
+        cache=cache,
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_chunked_prefill=not args.no_chunked_prefill, scheduling=args.scheduling),
+        lora=LoRAConfig(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank),
+        num_threads=args.threads or _default_threads(),
+        kernels=args.kernels,
+        enforce_eager=args.enforce_eager,
+    )
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     kw = {}
     if args.data_dir:
@@ -244,17 +286,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if getattr(args, "command", None) not in ("serve", "worker"):
         return Settings(database_url=args.database_url,
                         engine=EngineConfig(model=ModelConfig(model=getattr(args, "model", "default"))), **kw)
-    cache = CacheConfig(block_size=args.block_size, num_blocks=args.num_kv_blocks,
-                        enable_prefix_caching=not args.no_prefix_caching,
-                        **({"kv_cache_memory_bytes": args.kv_cache_memory} if args.kv_cache_memory else {}))
-    engine = EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
-        cache=cache,
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_chunked_prefill=not args.no_chunked_prefill, scheduling=args.scheduling),
-        lora=LoRAConfig(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank),
-        num_threads=args.threads or _default_threads(),
-    )
+    engine = engine_config_from_args(args)
     return Settings(engine=engine, database_url=args.database_url, host=args.host, port=args.port,
                     served_model_name=args.served_model_name, adapters=tuple(args.adapter),
                     create_demo_tenant=not args.no_demo, request_timeout=getattr(args, "request_timeout", 0) or None,
@@ -266,6 +298,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         code = _dispatch(args)
+    except (DeviceUnavailableError, DeviceMemoryError) as exc:
+        # Configuration the machine cannot honour: a usage error, as argparse's are.
+        code = _fail(str(exc), code=2)
     except (PlatformError, AdapterError, EngineError, ValueError) as exc:
         code = _fail(getattr(exc, "reason", None) or str(exc))
     except SQLAlchemyError as exc:
@@ -277,11 +312,11 @@ def main(argv: list[str] | None = None) -> None:
     raise SystemExit(code)
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, code: int = 1) -> int:
     if os.environ.get("LORAPLEX_DEBUG"):
         raise
     print(f"loraplex: error: {message.splitlines()[0] if message else 'unknown error'}", file=sys.stderr)
-    return 1
+    return code
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -156,7 +156,9 @@ class _EngineCollector:
 
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.running)
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.waiting)
+        # The one KV pool, on the GPU or the CPU alike; vLLM's older name too.
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", s.kv_cache_usage)
+        yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (1 = full); vLLM's older name.", s.kv_cache_usage)
         yield counter("vllm:num_preemptions", "Preemptions.", s.num_preemptions)
         yield counter("vllm:prefix_cache_queries", "Prefix-cache queried tokens.", s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prefix-cache hit tokens.", s.prefix_cache_hits)

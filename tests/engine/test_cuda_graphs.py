@@ -54,11 +54,21 @@ def test_eager_fallbacks():
 
 
 def _step(ids, ctx, tables, slots) -> DecodeInputs:
+    """The runner's decode step (DecodeInputs.from_rows), block size 8."""
+    return DecodeInputs.from_rows(list(zip(ids, [c - 1 for c in ctx], tables, slots)), 8)
+
+
+def test_a_step_from_rows_matches_the_ragged_metadata():
     from loraplex.engine.attention import build_ragged_metadata
 
-    meta = build_ragged_metadata([(c - 1, 1, t) for c, t in zip(ctx, tables)], 8, torch.float32)
-    return DecodeInputs(torch.tensor(ids), torch.tensor([c - 1 for c in ctx]), meta.slot_mapping, meta.seq_lens,
-                        meta.block_tables, torch.tensor(slots, dtype=torch.int32), meta.query_start_loc)
+    ctx, tables = [3, 17, 24], [[10, 4], [11, 12, 13], [14, 15, 16, 17]]  # tables may run past the context
+    step = _step([11, 12, 13], ctx, tables, [-1, 0, 2])
+    meta = build_ragged_metadata([(c - 1, 1, t[:-(-c // 8)]) for c, t in zip(ctx, tables)], 8, torch.float32)
+    assert step.slot_mapping.tolist() == meta.slot_mapping.tolist() == [10 * 8 + 2, 13 * 8 + 0, 16 * 8 + 7]
+    assert step.context_lens.tolist() == meta.seq_lens.tolist() == ctx
+    assert step.block_tables.tolist() == meta.block_tables.tolist()
+    assert step.query_start_loc.tolist() == meta.query_start_loc.tolist() == [0, 1, 2, 3]
+    assert step.adapter_slots.dtype == torch.int32 and step.adapter_slots.tolist() == [-1, 0, 2]
 
 
 def test_stage_fills_rows_and_makes_padding_inert():
