@@ -316,6 +316,28 @@
     return parts.length ? h("span", { class: "small" }, parts.join(" · ")) : h("span", { class: "muted small" }, "no limits");
   }
 
+  // -- scheduling: weight and request timeout ---------------------------------------------
+  function schedulingInputs(prefix, t) {
+    const weight = h("input", { id: `${prefix}-weight`, type: "number", min: 0.001, max: 1000, step: "any",
+      value: t ? String(t.weight) : "1" });
+    const timeout = h("input", { id: `${prefix}-timeout`, type: "number", min: 0, step: "any",
+      placeholder: "server default", value: t && t.request_timeout ? String(t.request_timeout) : "" });
+    const el = [
+      h("div", { class: "field" }, h("label", { for: weight.id, title: "Its share of the engine inside a lane, relative to other tenants" }, "Weight"), weight),
+      h("div", { class: "field" }, h("label", { for: timeout.id }, "Request timeout (s)"), timeout)];
+    // Empty timeout: the server's default (null); the API checks the ranges and names the field.
+    const value = () => ({
+      weight: weight.value.trim() === "" ? 1 : Number(weight.value),
+      request_timeout: timeout.value.trim() === "" ? null : Number(timeout.value),
+    });
+    return { el, value };
+  }
+
+  function schedulingSummary(t) {
+    const timeout = t.request_timeout ? ` · ${t.request_timeout} s timeout` : "";
+    return h("span", { class: "small" }, `${t.weight}${timeout}`);
+  }
+
   // -- Tenants -----------------------------------------------------------------------------
   async function pageTenants(main, current) {
     main.append(head("Tenants", "Who may call the API, in which priority lanes, within which quotas."));
@@ -327,6 +349,7 @@
     const allowed = laneChecks("tenant", "standard", LANES.slice(1));
     lane.addEventListener("change", () => allowed.update(lane.value));
     const quotas = quotaInputs("tenant-q", null);
+    const sched = schedulingInputs("tenant", null);
     const err = h("div", { class: "error", hidden: true, role: "alert", id: "tenant-error" });
     const name = h("input", { id: "tenant-name", type: "text", placeholder: "acme", maxlength: 64, required: true,
       autocomplete: "off" });
@@ -336,12 +359,14 @@
         h("div", { class: "field grow" }, h("label", { for: "tenant-name" }, "Name"), name),
         h("div", { class: "field" }, h("label", { for: "tenant-lane" }, "Lane"), lane),
         h("div", { class: "field" }, h("span", { class: "label" }, "May also ask for"), allowed.el),
+        ...sched.el,
         h("button", { class: "btn primary", type: "submit", id: "tenant-create" }, "Create tenant")),
       state.quotas ? quotas.el : null, err);
     form.addEventListener("submit", async (ev) => {
       ev.preventDefault();
       err.hidden = true;
-      const body = { name: name.value.trim(), default_lane: lane.value, allowed_lanes: allowed.value() };
+      const body = { name: name.value.trim(), default_lane: lane.value, allowed_lanes: allowed.value(),
+        ...sched.value() };
       if (state.quotas) {
         const q = quotas.value();
         if (Object.values(q).some((v) => v !== null)) body.quotas = q;
@@ -356,7 +381,8 @@
 
     const table = h("table", { id: "tenants-table" },
       h("thead", {}, h("tr", {}, h("th", {}, "Name"), h("th", {}, "Lane"), h("th", {}, "Allowed lanes"),
-        h("th", {}, "Status"), h("th", { class: "num" }, "Active keys"), h("th", {}, "Quotas"), h("th", {}))));
+        h("th", {}, "Status"), h("th", { class: "num" }, "Active keys"), h("th", {}, "Weight"), h("th", {}, "Quotas"),
+        h("th", {}))));
     const tbody = h("tbody");
     table.append(tbody);
     for (const t of list) tbody.append(...tenantRows(t));
@@ -371,6 +397,7 @@
       h("td", { class: "small" }, t.allowed_lanes.join(", ")),
       h("td", {}, h("span", { class: "badge " + (t.enabled ? "ok" : "off") }, t.enabled ? "enabled" : "disabled")),
       h("td", { class: "num" }, t.num_keys),
+      h("td", { class: "weight" }, schedulingSummary(t)),
       h("td", {}, quotaSummary(t.quotas)),
       h("td", {}, h("div", { class: "actions" },
         h("button", { class: "btn small", type: "button", onclick: () => toggleEdit() }, "Edit"),
@@ -399,11 +426,12 @@
       const allowed = laneChecks(`edit-${t.name}`, t.default_lane, t.allowed_lanes);
       lane.addEventListener("change", () => allowed.update(lane.value));
       const quotas = quotaInputs(`edit-${t.name}-q`, t.quotas);
+      const sched = schedulingInputs(`edit-${t.name}`, t);
       const err = h("div", { class: "error", hidden: true, role: "alert" });
       const save = h("button", { class: "btn primary small", type: "button" }, "Save");
       save.addEventListener("click", async () => {
         err.hidden = true;
-        const body = { default_lane: lane.value, allowed_lanes: allowed.value() };
+        const body = { default_lane: lane.value, allowed_lanes: allowed.value(), ...sched.value() };
         if (t.quotas !== null) body.quotas = quotas.value();
         try {
           await api("PATCH", `/tenants/${encodeURIComponent(t.name)}`, body);
@@ -411,10 +439,11 @@
           route();
         } catch (e) { showError(err, e); }
       });
-      edit.append(h("td", { colspan: 7 },
+      edit.append(h("td", { colspan: 8 },
         h("div", { class: "form-row" },
           h("div", { class: "field" }, h("label", { for: lane.id }, "Lane"), lane),
           h("div", { class: "field" }, h("span", { class: "label" }, "May also ask for"), allowed.el),
+          ...sched.el,
           save, h("button", { class: "btn small", type: "button", onclick: toggleEdit }, "Cancel")),
         t.quotas !== null ? quotas.el : null, err));
     }

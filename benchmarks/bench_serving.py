@@ -13,9 +13,9 @@ Scenarios:
   trace            replay --trace (JSONL, benchmarks/traces/make_trace.py), --speedup.
   mixed-lane       interactive tenants at --interactive-rate, alone and then with a batch
                    tenant sending at 2x the measured capacity; on a server with lanes and
-                   on one without (every tenant in the standard lane: FCFS).
+                   on one without (every tenant in the standard lane, `--scheduling fcfs`).
   noisy-neighbour  tenant A floods at 2x capacity while B sends at --interactive-rate;
-                   B's p99 TTFT on the fair server vs the FCFS one.
+                   B's p99 TTFT with `--scheduling fair` vs `--scheduling fcfs`.
 
 A server is either given (--url, --key TENANT=KEY ..., and --fcfs-url/--fcfs-key for the
 comparison run) or started here (--model FOLDER: `loraplex serve` with the tenants each
@@ -256,7 +256,7 @@ KEY_PATTERN = re.compile(r"\b(lpx_[0-9a-f]{12}_\S+)")
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-c", "from loraplex.platform.cli import main; main()", *args]
+    return [sys.executable, "-c", "from loraplex.platform.cli.main import main; main()", *args]
 
 
 class ServeProcess:
@@ -286,7 +286,7 @@ class ServeProcess:
         # One interpreter runs every `tenant create` and `key create` (each start costs seconds).
         commands = [[c, *args, "--data-dir", data] for name, lane in self.tenants.items()
                     for c, args in (("tenant", ["create", name, "--lane", lane]), ("key", ["create", name]))]
-        script = ("import sys, json\nfrom loraplex.platform.cli import main\n"
+        script = ("import sys, json\nfrom loraplex.platform.cli.main import main\n"
                   "for argv in json.loads(sys.argv[1]):\n"
                   "    print('@@', argv[2], flush=True)\n"
                   "    try:\n        main(argv)\n"
@@ -392,11 +392,15 @@ def record(runs: list[dict], series: str, name: str, rate: float, results: list[
 
 # -- scenarios ---------------------------------------------------------------------------
 def _target(args, tenants: dict[str, str], reported: dict[str, str], fcfs: bool):
-    """A context manager giving the Target: started here (--model) or the given URL."""
+    """A context manager giving the Target: started here (--model) or the given URL.
+    A server started here schedules `--scheduling fcfs` for the comparison run and
+    `fair` otherwise, unless its serve args say."""
     import shlex
 
     if args.model:
         extra = shlex.split(args.fcfs_serve_args if fcfs else args.serve_args)
+        if not any(a == "--scheduling" or a.startswith("--scheduling=") for a in extra):
+            extra += ["--scheduling", "fcfs" if fcfs else "fair"]
         return ServeProcess(args.model, tenants, extra, reported)
     url, keys = (args.fcfs_url, args.fcfs_key) if fcfs else (args.url, args.key)
     if not url:
@@ -535,8 +539,6 @@ def scenario_noisy_neighbour(args, runs: list[dict], slo: SLO) -> dict:
     modest = plan_poisson(args.interactive_rate, args.requests, ["modest"], args.seed, args.prompt_tokens,
                           args.output_tokens)
     duration = modest[-1].at + 1 / args.interactive_rate
-    if args.model and args.serve_args == args.fcfs_serve_args:
-        print("note: --serve-args and --fcfs-serve-args are the same: both runs use one scheduler")
     with _server(args, tenants, roles, False) as target:
         cap = _capacity(args, target, "flood")
         flood = _flood_plan(args, "flood", 2 * cap, duration)

@@ -148,7 +148,8 @@ class AsyncEngine:
     # -- the public API -------------------------------------------------------------
     async def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
                        request_id: str | None = None, lane: Lane | str = Lane.STANDARD,
-                       adapter: str | AdapterRef | None = None, cache_salt: str = ""
+                       adapter: str | AdapterRef | None = None, cache_salt: str = "", tenant: str = "",
+                       tenant_weight: float = 1.0, timeout: float | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs. Closing the iterator early aborts the request."""
         rid = request_id or uuid.uuid4().hex
@@ -162,7 +163,8 @@ class AsyncEngine:
         def add() -> None:
             try:
                 self.engine.add_request(prompt, sampling, request_id=rid, lane=lane, adapter=adapter,
-                                        cache_salt=cache_salt)
+                                        cache_salt=cache_salt, tenant=tenant, tenant_weight=tenant_weight,
+                                        timeout=timeout)
             except Exception as exc:  # a bad request fails alone, not the loop
                 self._deliver(rid, exc)
 

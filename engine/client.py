@@ -38,6 +38,15 @@ class AdapterResidency:
 
 
 @dataclass(frozen=True)
+class AdapterLoad:
+    """One adapter load into a device slot; `seq` numbers an engine's loads from 1."""
+
+    seq: int
+    adapter: str
+    seconds: float
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's state, taken between steps."""
 
@@ -55,6 +64,12 @@ class EngineStats:
     max_loras: int = 0  # device adapter slots; 0: this engine serves no adapters
     max_cpu_loras: int = 0
     time: float = 0.0  # when the snapshot was taken (unix seconds)
+    # Preemptions by the lane the victim ran at; adapter loads into device slots and
+    # evictions from them by adapter name (cumulative); the latest loads, oldest first.
+    preemptions_by_lane: dict[Lane, int] = field(default_factory=lambda: {lane: 0 for lane in Lane})
+    adapter_loads: dict[str, int] = field(default_factory=dict)
+    adapter_evictions: dict[str, int] = field(default_factory=dict)
+    recent_adapter_loads: tuple[AdapterLoad, ...] = ()
 
 
 @runtime_checkable
@@ -65,6 +80,9 @@ class EngineClient(Protocol):
       `finished`; closing the stream early aborts the request. It raises
       `InvalidRequestError` / `PromptTooLongError` / `UnknownAdapterError` for a request
       the engine refuses, `EngineDeadError` once the engine stopped.
+      `tenant` and `tenant_weight` place the request in tenant-fair order (a tenant over
+      its share of the waiting queue gets `TenantShareExceededError`); after `timeout`
+      seconds the engine ends it with finish reason "timeout".
     - `abort` ends a request at once (no error if it already finished).
     - `stats` returns the latest snapshot without waiting for a step.
     - `resolve_adapter` maps an adapter name to the version it runs now (raises
@@ -87,7 +105,8 @@ class EngineClient(Protocol):
 
     def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
                  request_id: str | None = None, lane: Lane = Lane.STANDARD,
-                 adapter: AdapterRef | None = None, cache_salt: str = "") -> AsyncIterator[RequestOutput]: ...
+                 adapter: AdapterRef | None = None, cache_salt: str = "", tenant: str = "",
+                 tenant_weight: float = 1.0, timeout: float | None = None) -> AsyncIterator[RequestOutput]: ...
 
     def abort(self, request_id: str) -> None: ...
 

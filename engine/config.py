@@ -90,10 +90,20 @@ class SchedulerConfig:
     policy: str = "continuous"
     # Requests queued beyond this are refused (EngineOverloadedError, HTTP 503).
     max_waiting: int = 4096
+    # Order inside a lane: "fair" shares it between tenants by weighted tokens served
+    # (virtual token counter), "fcfs" by arrival.
+    scheduling: str = "fair"
+    # With "fair": the fraction of max_waiting one tenant of weight 1 may fill (scaled by
+    # its weight); beyond it its requests are refused (TenantShareExceededError, HTTP 429).
+    tenant_queue_share: float = 0.25
 
     def __post_init__(self) -> None:
         if self.policy not in ("continuous", "static"):
             raise ValueError(f"unknown scheduling policy {self.policy!r}")
+        if self.scheduling not in ("fair", "fcfs"):
+            raise ValueError(f"unknown scheduling order {self.scheduling!r}; use fair or fcfs")
+        if not 0 < self.tenant_queue_share <= 1:
+            raise ValueError("tenant_queue_share must be in (0, 1]")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
 

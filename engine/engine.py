@@ -6,11 +6,13 @@ import logging
 import math
 import numbers
 import time
+from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from .block_pool import KVCacheManager
+from .client import AdapterLoad, AdapterResidency, EngineStats, LaneDepth
 from .config import EngineConfig
 from .errors import InvalidRequestError, UnknownAdapterError
 from .loader import ModelArch, resolve_model_dir
@@ -42,6 +44,10 @@ class RequestOutput:
     num_output_tokens: int = 0
     logprobs: list[Logprobs] = field(default_factory=list)
     stop_reason: str | int | None = None
+    # On the output that carries the first token: seconds from arrival to first admitted
+    # (queue), and from then to the first token (prefill, chunks and preemptions included).
+    queue_time: float | None = None
+    prefill_time: float | None = None
     # Prompt tokens the engine has processed (computed or found in the prefix cache): what
     # a request aborted before its first token still cost. With `report_prefill` set, a
     # prefill chunk that sampled nothing yields an output with no token carrying it.
@@ -50,6 +56,15 @@ class RequestOutput:
     # On a choice's first output when sampling.prompt_logprobs is set: one entry per
     # prompt token, None for the first (nothing predicts it).
     prompt_logprobs: list[Logprobs | None] | None = None
+
+
+@dataclass(frozen=True)
+class _Tenancy:
+    """Who a request is for: its place in tenant-fair order, and its deadline."""
+
+    tenant: str
+    weight: float
+    deadline: float | None  # scheduler clock; None: no limit
 
 
 @dataclass
@@ -91,6 +106,11 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
         self.idle_step = False
+        # Adapter activity in device slots, by adapter name: what metrics read.
+        self.adapter_loads: Counter[str] = Counter()
+        self.adapter_evictions: Counter[str] = Counter()
+        self.recent_adapter_loads: deque[AdapterLoad] = deque(maxlen=256)
+        self._slot_refs: dict[int, AdapterRef] = {}
         self.grammars = GrammarCache(self.tokenizer, self.arch.vocab_size)
         # Emit token-less outputs for prefill chunks (metering bills an abort mid-prefill).
         self.report_prefill = False
@@ -98,7 +118,10 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
                     request_id: str | None = None, lane: Lane | str = Lane.STANDARD,
-                    adapter: str | AdapterRef | None = None, cache_salt: str = "") -> str:
+                    adapter: str | AdapterRef | None = None, cache_salt: str = "", tenant: str = "",
+                    tenant_weight: float = 1.0, timeout: float | None = None) -> str:
+        """Queue a request. `tenant` and `tenant_weight` place it in tenant-fair order;
+        after `timeout` seconds (None: never) it finishes with reason "timeout"."""
         sampling = sampling or SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
@@ -113,17 +136,20 @@ class LLMEngine:
         if any(not 0 <= t < self.arch.vocab_size for t in ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
         sampling.check_vocab(self.arch.vocab_size)
+        _check_tenant(tenant, tenant_weight, timeout)
+        tenancy = _Tenancy(tenant, float(tenant_weight),
+                           None if timeout is None else self.scheduler.clock() + timeout)
         ref = self._adapter_ref(adapter)
         rid = request_id or f"req-{next(self._ids)}"
         if sampling.n == 1:
-            self._add(rid, ids, sampling, Lane.parse(lane), ref, cache_salt)
+            self._add(rid, ids, sampling, Lane.parse(lane), ref, cache_salt, tenancy)
             return rid
         self._check_free(rid)
         group = _Group(rid, [f"{rid}#{i}" for i in range(sampling.n)], set())
         leader = None
         try:
             for i, cid in enumerate(group.child_ids):
-                req = self._add(cid, ids, _choice_params(sampling, i), Lane.parse(lane), ref, cache_salt)
+                req = self._add(cid, ids, _choice_params(sampling, i), Lane.parse(lane), ref, cache_salt, tenancy)
                 if leader is not None and self.kv.enable_prefix_caching:
                     req.prefill_leader = leader
                 leader = leader or req
@@ -143,9 +169,10 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
 
     def _add(self, rid: str, ids: list[int], sampling: SamplingParams, lane: Lane, ref: AdapterRef | None,
-             cache_salt: str) -> Request:
+             cache_salt: str, tenant: _Tenancy) -> Request:
         self._check_free(rid)
-        req = Request(rid, ids, sampling, lane, ref, cache_salt, eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+        req = Request(rid, ids, sampling, lane, ref, cache_salt, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+                      tenant=tenant.tenant, tenant_weight=tenant.weight, deadline=tenant.deadline)
         if sampling.structured_output is not None:
             req.grammar = self.grammars.request(sampling.structured_output)
         self.scheduler.add_request(req)
@@ -191,14 +218,14 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        failed = self._fail_broken_adapters()
+        failed = self._expire() + self._fail_broken_adapters()
         plan = self.scheduler.schedule()
         # True when nothing could run (e.g. waiting on an adapter load): callers back off
         # instead of spinning, which would starve the loader thread of the GIL.
         self.idle_step = not plan.seqs
+        if plan.adapter_loads:
+            self._load_adapters(plan)
         if not plan.seqs:
-            if plan.adapter_loads:
-                self.lora.load(plan.adapter_loads)
             return [self._as_choice(o) for o in failed]
         sampled, logprobs = self.runner.execute(plan, self.scheduler.requests)
         reqs = {s.request_id: self.scheduler.requests[s.request_id] for s in plan.seqs}
@@ -253,6 +280,33 @@ class LLMEngine:
                                       req.num_output_tokens, stop_reason=req.stop_reason))
         return outs
 
+    def _load_adapters(self, plan) -> None:
+        """Load the step's adapters one by one, timed, before the runner executes it."""
+        for slot, ref in plan.adapter_loads:
+            start = time.perf_counter()
+            self.lora.load([(slot, ref)])
+            seconds = time.perf_counter() - start
+            old = self._slot_refs.get(slot)
+            if old is not None and old.digest != ref.digest:
+                self.adapter_evictions[old.name] += 1
+            self._slot_refs[slot] = ref
+            self.adapter_loads[ref.name] += 1
+            self.recent_adapter_loads.append(AdapterLoad(sum(self.adapter_loads.values()), ref.name, seconds))
+        plan.adapter_loads = []
+
+    def _expire(self) -> list[RequestOutput]:
+        """Requests past their deadline end here, with what they produced so far."""
+        outs = []
+        for req in self.scheduler.expire():
+            self._release(req)
+            stream = self._streams.pop(req.request_id, None)
+            tail = stream.stop.feed(stream.detok.flush())[0] + stream.stop.flush() if stream else ""
+            outs.append(RequestOutput(req.request_id, [], tail, True, req.status.value, req.num_prompt_tokens,
+                                      max(req.num_cached_tokens, 0), req.num_output_tokens,
+                                      num_processed_prompt_tokens=min(req.num_computed_tokens, req.num_prompt_tokens)
+                                      if not req.num_output_tokens else req.num_prompt_tokens))
+        return outs
+
     def _output(self, req: Request, token: int, lp: Logprobs | None, finished: bool) -> RequestOutput:
         stream = self._streams[req.request_id]
         text, stopped = stream.stop.feed(stream.detok.step([token]))
@@ -271,14 +325,17 @@ class LLMEngine:
                 req.stop_reason = stream.stop.matched
         if finished:
             self._streams.pop(req.request_id, None)
-        return RequestOutput(
+        out = RequestOutput(
             request_id=req.request_id, new_token_ids=[token], new_text=text, finished=finished,
             finish_reason=req.status.value if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens, logprobs=[lp] if lp else [], stop_reason=req.stop_reason,
             num_processed_prompt_tokens=req.num_prompt_tokens,
             prompt_logprobs=self._prompt_logprobs(req))
-
+        if req.num_output_tokens == 1 and req.scheduled_time is not None and req.first_token_time is not None:
+            out.queue_time = max(0.0, req.scheduled_time - req.arrival_time)
+            out.prefill_time = max(0.0, req.first_token_time - req.scheduled_time)
+        return out
 
     @staticmethod
     def _prompt_logprobs(req: Request) -> list[Logprobs | None] | None:
@@ -322,8 +379,6 @@ class LLMEngine:
 
     # -- introspection -------------------------------------------------------------
     def stats(self) -> EngineStats:
-        from .client import AdapterResidency, EngineStats, LaneDepth
-
         s = self.scheduler
         lanes = s.lane_counts()
         tiers = self.lora.tiers() if self.lora is not None else {}
@@ -336,7 +391,8 @@ class LLMEngine:
             prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits,
             adapters=AdapterResidency(tuple(tiers.get("device", ())), tuple(tiers.get("cpu", ()))),
             max_loras=loras.max_loras if loras else 0, max_cpu_loras=loras.max_cpu_loras if loras else 0,
-            time=time.time())
+            time=time.time(), preemptions_by_lane=dict(s.preemptions_by_lane), adapter_loads=dict(self.adapter_loads),
+            adapter_evictions=dict(self.adapter_evictions), recent_adapter_loads=tuple(self.recent_adapter_loads))
 
 
 def _choice_params(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -344,3 +400,13 @@ def _choice_params(sampling: SamplingParams, index: int) -> SamplingParams:
     for every choice) computed by choice 0 only, so the others may hit the prefix cache."""
     seed = None if sampling.seed is None else (sampling.seed + index) & 0x7FFF_FFFF_FFFF_FFFF
     return replace(sampling, n=1, seed=seed, prompt_logprobs=sampling.prompt_logprobs if index == 0 else None)
+
+
+def _check_tenant(tenant: str, weight: float, timeout: float | None) -> None:
+    if not isinstance(tenant, str):
+        raise InvalidRequestError(f"tenant must be a string, got {type(tenant).__name__}")
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not (math.isfinite(weight) and weight > 0):
+        raise InvalidRequestError(f"tenant_weight must be a finite number > 0, got {weight!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                                or not (math.isfinite(timeout) and timeout > 0)):
+        raise InvalidRequestError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")

@@ -31,7 +31,7 @@ class FairRequest(Protocol):
     """What the queue reads from a request: who sent it, when, and its prompt size."""
 
     tenant: str
-    arrival: float
+    arrival_time: float
     num_prompt_tokens: int
 
 
@@ -57,14 +57,21 @@ class FairnessConfig:
             raise ValueError("tenant_share must be in (0, 1]")
         _check_weight(self.default_weight)
 
+    def tenant_limit(self, weight: float) -> int:
+        """Places in the waiting queue a tenant of this weight may fill."""
+        return max(1, min(self.max_waiting, int(self.max_waiting * self.tenant_share * weight)))
+
 
 class TenantShareExceededError(EngineError):
     """A tenant already fills its share of the waiting queue; the gateway answers 429."""
 
     reason = "tenant_queue_share_exceeded"
 
-    def __init__(self, tenant: str, waiting: int, limit: int) -> None:
+    def __init__(self, tenant: str, waiting: int | None = None, limit: int | None = None) -> None:
         self.tenant, self.waiting, self.limit = tenant, waiting, limit
+        if waiting is None or limit is None:  # rebuilt from its message (across a worker hop)
+            super().__init__(tenant)
+            return
         super().__init__(f"tenant {tenant!r} already has {waiting} requests waiting, its share of the "
                          f"queue is {limit}; retry after some finish")
 
@@ -81,7 +88,8 @@ class FairQueue:
     `peek`/`pop` give the next request (None when empty), `remove` takes out a given
     request (admitted out of order, aborted, timed out), `len` counts, iteration yields
     every waiting request in the order `pop` would give them if nothing were charged
-    but their prompts (iterate over `list(queue)` to remove while going through it).
+    but their prompts, as the queue was when the iteration began (requests removed
+    meanwhile are still yielded; a caller that removes while iterating skips them).
     """
 
     def __init__(self, config: FairnessConfig | None = None, weights: dict[str, float] | None = None) -> None:
@@ -116,8 +124,7 @@ class FairQueue:
         self._counters[tenant] = self.counter(tenant) + self.cost(input_tokens, output_tokens) / self.weight(tenant)
 
     def tenant_limit(self, tenant: str) -> int:
-        c = self.config
-        return max(1, min(c.max_waiting, int(c.max_waiting * c.tenant_share * self.weight(tenant))))
+        return self.config.tenant_limit(self.weight(tenant))
 
     def waiting_of(self, tenant: str) -> int:
         q = self._queues.get(tenant)
@@ -127,18 +134,28 @@ class FairQueue:
         return list(self._queues)
 
     # -- the request-queue interface --------------------------------------------
-    def push(self, request: FairRequest) -> None:
-        tenant = request.tenant
+    def check(self, tenant: str) -> None:
+        """Raise when a new request of `tenant` may not join the queue now."""
         if self._len >= self.config.max_waiting:
             raise EngineOverloadedError(f"{self._len} requests are already waiting; try again later")
         limit = self.tenant_limit(tenant)
         if self.waiting_of(tenant) >= limit:
             raise TenantShareExceededError(tenant, self.waiting_of(tenant), limit)
+
+    def push(self, request: FairRequest, *, requeue: bool = False) -> None:
+        """Queue a new request (refused by `check`), or with `requeue` one that was already
+        admitted once (preempted): never refused, and back in its arrival place."""
+        tenant = request.tenant
+        if not requeue:
+            self.check(tenant)
         q = self._queues.get(tenant)
         if q is None:
             self._lift(tenant)
             q = self._queues[tenant] = deque()
-        q.append(request)
+        if requeue and q and q[-1].arrival_time > request.arrival_time:
+            q.insert(next(i for i, r in enumerate(q) if r.arrival_time > request.arrival_time), request)
+        else:
+            q.append(request)
         self._len += 1
 
     def _lift(self, tenant: str) -> None:
@@ -177,7 +194,7 @@ class FairQueue:
 
     def _next_tenant(self) -> str | None:
         # Ties go to the tenant whose head request is oldest.
-        return min(self._queues, key=lambda t: (self.counter(t), self._queues[t][0].arrival), default=None)
+        return min(self._queues, key=lambda t: (self.counter(t), self._queues[t][0].arrival_time), default=None)
 
     def __len__(self) -> int:
         return self._len
@@ -186,13 +203,22 @@ class FairQueue:
         return self._len > 0
 
     def __iter__(self) -> Iterator[FairRequest]:
-        heap = [(self.counter(t), q[0].arrival, t, 0) for t, q in self._queues.items()]
+        # Over a copy of each tenant's queue (a C-speed copy, then a lazy merge): the
+        # iteration sees the queue as it was when it began, whatever is removed meanwhile.
+        snap = {t: list(q) for t, q in self._queues.items()}
+        weights = {t: self.weight(t) for t in snap}
+        heap = [(self.counter(t), q[0].arrival_time, t, 0) for t, q in snap.items()]
         heapq.heapify(heap)
         while heap:
             virtual, _, tenant, i = heapq.heappop(heap)
-            q = self._queues[tenant]
+            q = snap[tenant]
             request = q[i]
             yield request
             if i + 1 < len(q):
-                virtual += self.cost(request.num_prompt_tokens, 0) / self.weight(tenant)
-                heapq.heappush(heap, (virtual, q[i + 1].arrival, tenant, i + 1))
+                virtual += self.cost(request.num_prompt_tokens, 0) / weights[tenant]
+                heapq.heappush(heap, (virtual, q[i + 1].arrival_time, tenant, i + 1))
+
+    def unordered(self) -> Iterator[FairRequest]:
+        """Every waiting request, in no particular order (cheaper than iterating)."""
+        for q in self._queues.values():
+            yield from q

@@ -140,6 +140,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_TIMEOUT = "timeout"
     FINISHED_ERROR = "error"
 
     @property
@@ -160,6 +161,12 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # The structured-output matcher (engine.structured.grammar.RequestGrammar), if any.
     grammar: Any = None
+    # Who sent it (the gateway's tenant id; "" outside a platform) and that tenant's
+    # weight: tenant-fair scheduling shares each lane by weighted tokens served.
+    tenant: str = ""
+    tenant_weight: float = 1.0
+    # Monotonic time after which the engine aborts it (finish reason "timeout"); None: never.
+    deadline: float | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -172,6 +179,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: str | int | None = None
     first_token_time: float | None = None
+    # When it was first admitted to the running batch (queue time ends here).
+    scheduled_time: float | None = None
     # The last time this request entered the waiting queue (aging counts from here).
     enqueue_time: float = field(default_factory=time.monotonic)
     # Choice 0 of the same n > 1 request: this one waits until that one's prompt is computed,

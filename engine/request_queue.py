@@ -2,8 +2,8 @@
 
 `LaneQueue` keeps one queue per lane, each in arrival order, and merges them lazily:
 admission usually stops after a few candidates (token budget or batch width spent), so
-a step pays for what it looks at, never a sort of everything waiting. Another ordering
-(a tenant-fair virtual token counter inside a lane, say) is another `RequestQueue`.
+a step pays for what it looks at, never a sort of everything waiting. The tenant-fair
+order inside each lane is another `RequestQueue` (`fair_lanes.FairLaneQueue`).
 """
 from __future__ import annotations
 
@@ -26,8 +26,23 @@ class RequestQueue(ABC):
     a request removed meanwhile is skipped (admission removes what it admits as it
     goes; requests pushed meanwhile wait for the next iteration); `peek` is the first
     of that order (None when empty) and `pop` removes and returns it; `len` counts the
-    queued requests. No tensors, no I/O.
+    queued requests. `check` raises (a typed engine error) when a new request may not
+    join now; requeued requests are never checked. `charge` bills tokens computed for a
+    request to whatever the order depends on. No tensors, no I/O.
     """
+
+    def check(self, req: Request) -> None:
+        pass
+
+    def lane_sizes(self) -> dict[Lane, int]:
+        """How many requests of each lane wait (by the lane they asked for)."""
+        sizes = dict.fromkeys(Lane, 0)
+        for req in self:
+            sizes[req.lane] += 1
+        return sizes
+
+    def charge(self, req: Request, input_tokens: int = 0, output_tokens: int = 0) -> None:
+        pass
 
     @abstractmethod
     def push(self, req: Request) -> None: ...
@@ -89,6 +104,9 @@ class LaneQueue(RequestQueue):
 
     def __contains__(self, req: object) -> bool:
         return isinstance(req, Request) and self._key.get(req.request_id, (0, 0, None))[2] is req
+
+    def lane_sizes(self) -> dict[Lane, int]:
+        return {lane: len(self._lanes[lane]) for lane in Lane}
 
     def effective_lane(self, req: Request, now: float) -> int:
         return max(0, int(req.lane) - int((now - req.enqueue_time) / self.aging_seconds))

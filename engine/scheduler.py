@@ -5,6 +5,7 @@ tokens. Neither touches tensors, so both are unit-tested without a model.
 """
 from __future__ import annotations
 
+import heapq
 import time
 from typing import Callable
 from dataclasses import dataclass, field
@@ -13,8 +14,10 @@ from .adapter_slots import AdapterSlots
 from .block_pool import KVCacheManager
 from .config import SchedulerConfig
 from .errors import EngineOverloadedError, PromptTooLongError
+from .fair_lanes import FairLaneQueue
+from .fairness import FairnessConfig
 from .request import AdapterRef, Lane, Request, RequestStatus
-from .request_queue import POLICIES, LaneQueue
+from .request_queue import POLICIES, LaneQueue, RequestQueue
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.slots = AdapterSlots(max_loras)
-        self.waiting = LaneQueue(config.aging_seconds, lambda: self.clock())
+        self.waiting = _waiting_queue(config, lambda: self.clock())
         self.policy = POLICIES[config.policy](config.max_num_seqs)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -57,7 +60,13 @@ class Scheduler:
         # it runs, so an aged batch request is not preempted by the next interactive arrival.
         self._run_lane: dict[str, int] = {}
         self.num_preemptions = 0
+        # Preemptions by the lane the victim ran at (aging included).
+        self.preemptions_by_lane: dict[Lane, int] = {lane: 0 for lane in Lane}
         self.clock = time.monotonic  # replaceable in tests
+        # Prompt tokens already billed to each request's tenant: a recompute after a
+        # preemption is the scheduler's choice, not the tenant's, and is not billed again.
+        self._billed: dict[str, int] = {}
+        self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id)
 
     # -- admission --------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -78,11 +87,24 @@ class Scheduler:
                 f"and max_num_batched_tokens is {self.config.max_num_batched_tokens}")
         if len(self.waiting) >= self.config.max_waiting:
             raise EngineOverloadedError(f"{len(self.waiting)} requests are already waiting; try again later")
+        self.waiting.check(req)
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         req.status = RequestStatus.WAITING
         req.enqueue_time = self.clock()
         self.requests[req.request_id] = req
         self.waiting.push(req)
+        if req.deadline is not None:
+            heapq.heappush(self._deadlines, (req.deadline, req.request_id))
+
+    def expire(self) -> list[Request]:
+        """Finish every request past its deadline (FINISHED_TIMEOUT), freeing what it holds."""
+        now, expired = self.clock(), []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, rid = heapq.heappop(self._deadlines)
+            req = self.requests.get(rid)
+            if req is not None and req.deadline == deadline:
+                expired.append(self.finish(rid, RequestStatus.FINISHED_TIMEOUT))
+        return expired
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -112,7 +134,17 @@ class Scheduler:
             i += 1
         self._admit(out, scheduled, budget)
         out.seqs = list(scheduled.values())
+        self._charge_prefill(out)
         return out
+
+    def _charge_prefill(self, out: SchedulerOutput) -> None:
+        for seq in out.seqs:
+            req = self.requests[seq.request_id]
+            billed = self._billed.get(req.request_id, 0)
+            end = min(seq.start_pos + len(seq.token_ids), req.num_prompt_tokens)
+            if end > max(seq.start_pos, billed):
+                self.waiting.charge(req, input_tokens=end - max(seq.start_pos, billed))
+                self._billed[req.request_id] = end
 
     def _running_priority(self, req: Request) -> tuple[int, float]:
         return self._run_lane.get(req.request_id, int(req.lane)), req.arrival_time
@@ -169,7 +201,10 @@ class Scheduler:
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = n_cached
         req.status = RequestStatus.RUNNING
-        self._run_lane[req.request_id] = self.waiting.effective_lane(req, self.clock())
+        now = self.clock()
+        if req.scheduled_time is None:
+            req.scheduled_time = now
+        self._run_lane[req.request_id] = self.waiting.effective_lane(req, now)
         self.running.append(req)
 
     def _lower_lane_victim(self, req: Request) -> Request | None:
@@ -181,7 +216,7 @@ class Scheduler:
                  budget: list[int]) -> None:
         """Preempt by recompute: drop the KV, requeue; greedy output stays identical."""
         self.running.remove(victim)
-        self._run_lane.pop(victim.request_id, None)
+        self.preemptions_by_lane[Lane(self._run_lane.pop(victim.request_id, int(victim.lane)))] += 1
         planned = scheduled.pop(victim.request_id, None)
         if planned is not None:
             budget[0] += len(planned.token_ids)
@@ -213,6 +248,7 @@ class Scheduler:
                 continue
             token = sampled[seq.request_id]
             req.output_token_ids.append(token)
+            self.waiting.charge(req, output_tokens=1)
             if req.first_token_time is None:
                 req.first_token_time = now
             status = self._check_stop(req, token)
@@ -239,6 +275,7 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self._billed.pop(request_id, None)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self._run_lane.pop(request_id, None)
@@ -256,6 +293,15 @@ class Scheduler:
         counts = {lane.name.lower(): {"running": 0, "waiting": 0} for lane in Lane}
         for r in self.running:
             counts[r.lane.name.lower()]["running"] += 1
-        for r in self.waiting:
-            counts[r.lane.name.lower()]["waiting"] += 1
+        # Per lane, not a walk of the queue: stats are taken after every step.
+        for lane, n in self.waiting.lane_sizes().items():
+            counts[lane.name.lower()]["waiting"] = n
         return counts
+
+
+def _waiting_queue(config: SchedulerConfig, clock: Callable[[], float]) -> RequestQueue:
+    if config.scheduling == "fcfs":
+        return LaneQueue(config.aging_seconds, clock)
+    # max_waiting 0 (refuse everything) is the scheduler's own check; the shares need >= 1.
+    fairness = FairnessConfig(max_waiting=max(1, config.max_waiting), tenant_share=config.tenant_queue_share)
+    return FairLaneQueue(config.aging_seconds, clock, fairness)

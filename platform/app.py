@@ -6,6 +6,7 @@ import logging
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -25,6 +26,8 @@ from loraplex.platform.serving.request_limits import ParsePool
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy.throttle import ThrottleConfig
 from loraplex.platform.metering.hooks import UsageHooks
+from loraplex.platform.observability.request_id import RequestIdMiddleware
+from loraplex.platform.observability.tracing import Tracing, TracingConfig
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +97,8 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
             await usage.start()
         if hasattr(usage, "register_metrics"):
             usage.register_metrics(m.registry)
-        gw = app.state.gateway = Gateway(settings, eng, auth, m, usage)
+        tracing = Tracing(TracingConfig(otlp_endpoint=settings.otlp_endpoint))
+        gw = app.state.gateway = Gateway(settings, eng, auth, m, usage, tracing)
         app.state.parse_pool = ParsePool()  # tokenizing and chat templates, off the event loop
         app.state.admin = AdminState.create(settings, db, gw)
         auth.start()
@@ -117,6 +121,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
             if hasattr(eng, "aclose"):
                 await eng.aclose()
             db.dispose()
+            await asyncio.to_thread(tracing.shutdown)  # exports the spans still buffered
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -128,7 +133,10 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
         Mount("/adapters/{adapter}/v1", routes=openai_routes()),
         *admin_routes(),  # /admin/api/... (JSON) and /admin/ (the UI)
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=dict.fromkeys(ERRORS, _domain_error))
+    # Every request gets an id (the client's x-request-id when sane): in the response
+    # headers, error bodies, log lines, traces and its usage event.
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=dict.fromkeys(ERRORS, _domain_error),
+                    middleware=[Middleware(RequestIdMiddleware)])
     app.state.admin_openapi = openapi()
     app.state.openai_openapi = openai_openapi(settings.limits)
     return app

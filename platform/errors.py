@@ -23,6 +23,8 @@ from loraplex.engine.errors import (
     PromptTooLongError,
     UnknownAdapterError,
 )
+from loraplex.engine.fairness import TenantShareExceededError
+from loraplex.platform.observability.request_id import current_request_id
 
 
 class PlatformError(Exception):
@@ -106,7 +108,12 @@ class ApiError:
     headers: dict[str, str] = field(default_factory=dict)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """OpenAI's error body, with the request id (when one is bound) to quote to support."""
+        err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        rid = current_request_id()
+        if rid is not None:
+            err["request_id"] = rid
+        return {"error": err}
 
 
 def _not_found_model(_exc: BaseException) -> ApiError:
@@ -157,6 +164,9 @@ ERRORS: dict[type[BaseException], Callable[[BaseException], ApiError]] = {
     PayloadTooLargeError: _simple(413, "invalid_request_error", "payload_too_large", headers={"Connection": "close"}),
     UnsupportedMediaTypeError: _simple(415, "invalid_request_error", "unsupported_media_type"),
     RateLimitedError: _rate_limited,
+    # The tenant's own flood, not the server's load: 429, with the reason as the code.
+    TenantShareExceededError: _simple(429, "rate_limit_error", TenantShareExceededError.reason,
+                                      headers={"Retry-After": "1"}),
     EngineOverloadedError: _simple(503, "server_error", "overloaded", headers={"Retry-After": "1"}),
     MeteringUnavailableError: _simple(503, "server_error", "metering_unavailable", headers={"Retry-After": "5"}),
     EngineDeadError: _simple(503, "server_error", "unavailable"),

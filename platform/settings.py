@@ -104,11 +104,22 @@ class Settings:
     # URL); None: $LORAPLEX_ADAPTER_STORE, else the platform's database when it is
     # PostgreSQL, else none (the embedded default keeps its local folder only).
     adapter_store: str | None = None
+    # Seconds a request may run before the engine ends it (finish reason "timeout"),
+    # unless its tenant has its own; None: no limit.
+    request_timeout: float | None = None
+    # Observability: "text" or "json" log lines; an OTLP/HTTP traces endpoint turns
+    # tracing on (e.g. http://collector:4318/v1/traces), None leaves it off.
+    log_format: str = "text"
+    otlp_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
         if self.auth_cache_ttl < 0 or self.auth_negative_ttl < 0:
             raise ValueError("auth cache TTLs must be >= 0")
+        if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
+            raise ValueError("request_timeout must be a finite number of seconds > 0")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
 
     @property
     def db_url(self) -> str:

@@ -32,6 +32,7 @@ from loraplex.engine.errors import (
     PromptTooLongError,
     UnknownAdapterError,
 )
+from loraplex.engine.fairness import TenantShareExceededError
 from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.structured.spec import StructuredOutput
 
@@ -51,7 +52,7 @@ class WorkerError(EngineError):
 WIRE_ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (
     InvalidRequestError, PromptTooLongError, UnknownAdapterError, EngineOverloadedError, EngineDeadError,
     ModelLoadError, ShuttingDownError, AuthenticationError, AdapterNotFoundError, AdapterValidationError,
-    AdapterCorruptedError, BlobStoreError, WorkerError)}
+    AdapterCorruptedError, BlobStoreError, WorkerError, TenantShareExceededError)}
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -68,7 +69,9 @@ def error_status(exc: BaseException) -> tuple[int, dict[str, Any]]:
     name = next((c.__name__ for c in type(exc).__mro__ if c.__name__ in WIRE_ERRORS), None)
     if name is None:
         return err.status, _body("WorkerError", "the worker failed")
-    message = getattr(exc, "reason", None) or str(exc) or name
+    # (TenantShareExceededError's `reason` is its code, not a message.)
+    message = (str(exc) if isinstance(exc, TenantShareExceededError) else getattr(exc, "reason", None)) \
+        or str(exc) or name
     return err.status, _body(name, message)
 
 
@@ -98,13 +101,17 @@ class GenerateRequest:
     adapter: AdapterRef | None = None
     cache_salt: str = ""
     tenant: str = ""
+    # Tenant-fair scheduling: the tenant's weight; the engine's deadline (seconds, None: none).
+    tenant_weight: float = 1.0
+    timeout: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
                 "sampling": sampling_to_json(self.sampling), "lane": lane_name(self.lane),
                 "adapter": None if self.adapter is None else {"name": self.adapter.name,
                                                               "digest": self.adapter.digest},
-                "cache_salt": self.cache_salt, "tenant": self.tenant}
+                "cache_salt": self.cache_salt, "tenant": self.tenant, "tenant_weight": self.tenant_weight,
+                "timeout": self.timeout}
 
     @classmethod
     def from_json(cls, doc: Any) -> GenerateRequest:
@@ -119,8 +126,14 @@ class GenerateRequest:
         lane = doc.get("lane", "standard")
         if not isinstance(lane, str):
             raise InvalidRequestError("'lane' must be interactive, standard or batch")
+        weight, timeout = doc.get("tenant_weight", 1.0), doc.get("timeout")
+        if not _is_number(weight) or not 0 < weight < float("inf"):
+            raise InvalidRequestError("'tenant_weight' must be a finite number > 0")
+        if timeout is not None and (not _is_number(timeout) or not 0 < timeout < float("inf")):
+            raise InvalidRequestError("'timeout' must be null or a finite number of seconds > 0")
         return cls(rid, ids, sampling_from_json(doc.get("sampling", {})), Lane.parse(lane),
-                   adapter_from_json(doc.get("adapter")), _str(doc, "cache_salt"), _str(doc, "tenant"))
+                   adapter_from_json(doc.get("adapter")), _str(doc, "cache_salt"), _str(doc, "tenant"),
+                   float(weight), None if timeout is None else float(timeout))
 
 
 def adapter_from_json(doc: Any) -> AdapterRef | None:
@@ -203,7 +216,8 @@ def output_to_json(out: RequestOutput) -> dict[str, Any]:
             "logprobs": [[lp, [list(p) for p in top]] for lp, top in out.logprobs],
             "stop_reason": out.stop_reason, "index": out.index,
             "prompt_logprobs": None if out.prompt_logprobs is None else
-            [None if e is None else [e[0], [list(p) for p in e[1]]] for e in out.prompt_logprobs]}
+            [None if e is None else [e[0], [list(p) for p in e[1]]] for e in out.prompt_logprobs],
+            "queue_time": out.queue_time, "prefill_time": out.prefill_time}
 
 
 def output_from_json(request_id: str, doc: Mapping[str, Any]) -> RequestOutput:
@@ -216,7 +230,8 @@ def output_from_json(request_id: str, doc: Mapping[str, Any]) -> RequestOutput:
         logprobs=[(lp, [(int(t), v) for t, v in top]) for lp, top in doc.get("logprobs", [])],
         stop_reason=doc.get("stop_reason"), index=doc.get("index", 0),
         prompt_logprobs=None if doc.get("prompt_logprobs") is None else
-        [None if e is None else (e[0], [(int(t), v) for t, v in e[1]]) for e in doc["prompt_logprobs"]])
+        [None if e is None else (e[0], [(int(t), v) for t, v in e[1]]) for e in doc["prompt_logprobs"]],
+        queue_time=doc.get("queue_time"), prefill_time=doc.get("prefill_time"))
 
 
 def coalesce_choices(outs: Sequence[RequestOutput]) -> list[RequestOutput]:

@@ -74,6 +74,7 @@ from loraplex.platform.errors import (
 from loraplex.platform.lanes import LANES
 from loraplex.platform.serving.request_limits import check_content_length, parse_json_object, read_body
 from loraplex.platform.settings import ServerLimits
+from loraplex.platform.tenancy.tenants import MAX_REQUEST_TIMEOUT, MAX_WEIGHT
 
 log = logging.getLogger(__name__)
 API_VERSION = "1"
@@ -176,13 +177,21 @@ QUOTAS = {"type": "object", "description": "The tenant's limits (null fields: no
 _POINT = {"type": "object", "required": ["t", "total_tokens"], "properties": {
     "t": {"type": "string", "format": "date-time"}, **{f: {"type": "integer"} for f in SERIES_FIELDS}}}
 
+WEIGHT = {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_WEIGHT,
+          "description": "its share of the engine inside a lane and of the waiting queue, relative to other "
+                         "tenants (tenant-fair scheduling; default 1)"}
+REQUEST_TIMEOUT = {"type": ["number", "null"], "minimum": 0, "maximum": MAX_REQUEST_TIMEOUT,
+                   "description": "seconds a request may run before the engine ends it (finish reason "
+                                  "timeout); null or 0: the server's --request-timeout"}
+
 COMPONENTS: dict[str, dict] = {
     "Session": {"type": "object", "required": ["actor", "csrf_token"], "properties": {
         "actor": {"type": "string"}, "csrf_token": {"type": ["string", "null"]}, "expires_at": TS}},
     "Tenant": {"type": "object", "required": ["name", "default_lane", "allowed_lanes", "enabled", "num_keys"],
                "properties": {"name": {"type": "string"}, "default_lane": LANE,
                               "allowed_lanes": {"type": "array", "items": LANE}, "enabled": {"type": "boolean"},
-                              "num_keys": {"type": "integer", "description": "active keys"}, "quotas": QUOTAS}},
+                              "num_keys": {"type": "integer", "description": "active keys"}, "quotas": QUOTAS,
+                              "weight": WEIGHT, "request_timeout": REQUEST_TIMEOUT}},
     "Key": {"type": "object", "required": ["prefix", "tenant", "status", "created_at"], "properties": {
         "prefix": {"type": "string", "description": "the key's visible part, lpx_<12 hex>"},
         "tenant": {"type": "string"}, "name": {"type": ["string", "null"]},
@@ -254,13 +263,14 @@ OPS: list[Op] = [
        body={"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
            "name": NAME, "default_lane": LANE,
            "allowed_lanes": {"type": "array", "items": LANE, "minItems": 1, "uniqueItems": True},
-           "quotas": QUOTAS_IN}}),
+           "weight": WEIGHT, "request_timeout": REQUEST_TIMEOUT, "quotas": QUOTAS_IN}}),
     Op("GET", "/tenants/{name}", get_tenant_, "One tenant", "tenants", out="Tenant"),
-    Op("PATCH", "/tenants/{name}", update_tenant_, "Change a tenant's lanes or quotas, or disable/enable it",
-       "tenants", out="Tenant",
+    Op("PATCH", "/tenants/{name}", update_tenant_,
+       "Change a tenant's lanes, weight, request timeout or quotas, or disable/enable it", "tenants", out="Tenant",
        body={"type": "object", "additionalProperties": False, "minProperties": 1, "properties": {
            "default_lane": LANE, "allowed_lanes": {"type": "array", "items": LANE, "minItems": 1, "uniqueItems": True},
-           "enabled": {"type": "boolean"}, "quotas": QUOTAS_IN}}),
+           "enabled": {"type": "boolean"}, "weight": WEIGHT, "request_timeout": REQUEST_TIMEOUT,
+           "quotas": QUOTAS_IN}}),
     Op("GET", "/keys", list_keys_, "List API keys (never their secrets), newest first", "keys", out=_list_of("Key"),
        errors=(404,),
        query=[qparam("tenant", {"type": "string", "minLength": 1, "maxLength": 64}, "only this tenant's keys"),

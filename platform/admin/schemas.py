@@ -257,5 +257,6 @@ ERROR_SCHEMA = {
     "type": "object", "required": ["error"],
     "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
         "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]},
+        "request_id": {"type": "string", "description": "the request's id, as in the x-request-id header"}}}},
 }

@@ -36,7 +36,8 @@ QUOTA_FIELDS = ("rpm", "tpm", "max_concurrency", "token_budget", "budget_period"
 
 def _tenant_json(t: TenantInfo, limits: dict) -> dict:
     return {"name": t.name, "default_lane": t.default_lane, "allowed_lanes": list(t.allowed_lanes),
-            "enabled": t.enabled, "num_keys": t.num_keys, "quotas": limits}
+            "enabled": t.enabled, "num_keys": t.num_keys, "weight": t.weight,
+            "request_timeout": t.request_timeout, "quotas": limits}
 
 
 def _key_json(k, secret: str | None = None) -> dict:
@@ -129,7 +130,8 @@ async def get_tenant_(request: Request, st: AdminState, admin: Admin, query: dic
 
 async def create_tenant_(request: Request, st: AdminState, admin: Admin, query: dict, body: dict) -> Any:
     def make():
-        t = create_tenant(st.db, body["name"], body.get("default_lane", "standard"), body.get("allowed_lanes"))
+        t = create_tenant(st.db, body["name"], body.get("default_lane", "standard"), body.get("allowed_lanes"),
+                          weight=body.get("weight", 1.0), request_timeout=body.get("request_timeout"))
         if body.get("quotas"):
             _set_quotas(st, t.name, body["quotas"])
         return t, _get_quotas(st, t.name)
@@ -137,7 +139,8 @@ async def create_tenant_(request: Request, st: AdminState, admin: Admin, query: 
     t, limits = await asyncio.to_thread(make)
     _quotas_changed(st, request)
     await st.audit(admin, "tenant.create", f"tenant:{t.name}", default_lane=t.default_lane,
-                   allowed_lanes=list(t.allowed_lanes), **({"quotas": body["quotas"]} if body.get("quotas") else {}))
+                   allowed_lanes=list(t.allowed_lanes), weight=t.weight, request_timeout=t.request_timeout,
+                   **({"quotas": body["quotas"]} if body.get("quotas") else {}))
     return _tenant_json(t, limits)
 
 
@@ -145,8 +148,10 @@ async def update_tenant_(request: Request, st: AdminState, admin: Admin, query: 
                          name: str) -> Any:
     def change():
         before = tenant_info(st.db, name)
+        # request_timeout null clears it (0 to update_tenant); absent leaves it.
+        timeout = (body["request_timeout"] or 0) if "request_timeout" in body else None
         t = update_tenant(st.db, name, lane=body.get("default_lane"), allowed=body.get("allowed_lanes"),
-                          enabled=body.get("enabled"))
+                          enabled=body.get("enabled"), weight=body.get("weight"), request_timeout=timeout)
         if "quotas" in body:
             _set_quotas(st, name, body["quotas"])
         return before, t, _get_quotas(st, name)
@@ -160,6 +165,9 @@ async def update_tenant_(request: Request, st: AdminState, admin: Admin, query: 
                             "to": [t.default_lane, list(t.allowed_lanes)]}
     if before.enabled != t.enabled:
         changes["enabled"] = t.enabled
+    for field in ("weight", "request_timeout"):
+        if getattr(before, field) != getattr(t, field):
+            changes[field] = {"from": getattr(before, field), "to": getattr(t, field)}
     if "quotas" in body:
         changes["quotas"] = body["quotas"]
     action = ("tenant.disable" if changes.get("enabled") is False else

@@ -11,7 +11,15 @@ import threading
 from loraplex.platform.tenancy.adapter_registry import add_adapter, list_adapters, open_store, shared_blob_store
 from loraplex.platform.db.database import Database, migrate
 from loraplex.platform.settings import Settings
-from loraplex.platform.tenancy.tenants import create_key, create_tenant, list_tenants, revoke_key
+from loraplex.platform.tenancy.tenants import (
+    TenantInfo,
+    create_key,
+    create_tenant,
+    list_tenants,
+    revoke_key,
+    tenant_info,
+    update_tenant,
+)
 
 log = logging.getLogger("loraplex")
 
@@ -26,14 +34,16 @@ def _out(line: str = "") -> None:
     print(line, flush=True)
 
 
-def tenant_create(db: Database, name: str, lane: str, allowed: list[str] | None, quotas: dict | None = None) -> int:
+def tenant_create(db: Database, name: str, lane: str, allowed: list[str] | None, quotas: dict | None = None, *,
+                  weight: float = 1.0, request_timeout: float | None = None) -> int:
     from loraplex.platform.errors import BadRequestError
     from loraplex.platform.quotas.limits import set_quota
 
     if quotas and "budget_period" in quotas and quotas.get("token_budget") is None:
         raise BadRequestError("--budget-period needs a token budget: give --token-budget too")
-    t = create_tenant(db, name, lane, allowed)
-    _out(f"created tenant {t.name} (lane {t.default_lane}; may ask for {', '.join(t.allowed_lanes)})")
+    t = create_tenant(db, name, lane, allowed, weight=weight, request_timeout=request_timeout)
+    _out(f"created tenant {t.name} (lane {t.default_lane}; may ask for {', '.join(t.allowed_lanes)}; "
+         f"{_scheduling_text(t)})")
     if quotas:
         _out(f"quotas: {_limits_text(set_quota(db, name, **quotas).limits)}")
     return 0
@@ -47,13 +57,25 @@ def _limits_text(limits) -> str:
     return ", ".join(p for p in parts if p) or "none (unlimited)"
 
 
-def tenant_update(db: Database, name: str, key: str | None, quotas: dict, clear: bool = False) -> int:
+def _scheduling_text(t: TenantInfo) -> str:
+    timeout = f"{t.request_timeout:g} s" if t.request_timeout else "the server's"
+    return f"weight {t.weight:g}, request timeout {timeout}"
+
+
+def tenant_update(db: Database, name: str, key: str | None, quotas: dict, clear: bool = False,
+                  scheduling: dict | None = None) -> int:
     from loraplex.platform.errors import BadRequestError
     from loraplex.platform.quotas.limits import set_quota
 
+    if not quotas and not clear and not scheduling:
+        raise BadRequestError("nothing to change: give --weight, --request-timeout, --rpm, --tpm, "
+                              "--max-concurrency, --token-budget, --budget-period or --clear-quotas")
+    if scheduling and key is not None:
+        raise BadRequestError("--weight and --request-timeout are per tenant, not per key: leave out --key")
+    if scheduling:
+        _out(f"tenant {name}: {_scheduling_text(update_tenant(db, name, **scheduling))}")
     if not quotas and not clear:
-        raise BadRequestError("nothing to change: give --rpm, --tpm, --max-concurrency, --token-budget, "
-                              "--budget-period or --clear-quotas")
+        return 0
     if clear:
         set_quota(db, name, key_prefix=key, rpm=None, tpm=None, max_concurrency=None, token_budget=None)
     if "budget_period" in quotas and "token_budget" not in quotas:
@@ -73,6 +95,7 @@ def tenant_show(db: Database, name: str) -> int:
     st = quota_status(db, name)
     lim = st.quota.limits
     _out(f"tenant {name}")
+    _out(f"  scheduling:  {_scheduling_text(tenant_info(db, name))}")
     _out(f"  quotas:      {_limits_text(lim)}")
     _out(f"  this minute: {st.requests_this_minute} requests, {st.tokens_this_minute} tokens")
     _out(f"  in flight:   {st.in_flight}")
@@ -130,10 +153,11 @@ def usage_show(db: Database, start: str, end: str, *, tenant: str | None, granul
 
 def tenant_list(db: Database) -> int:
     rows = list_tenants(db)
-    _out(f"{'NAME':24} {'LANE':12} {'ALLOWED LANES':28} {'ENABLED':8} KEYS")
+    _out(f"{'NAME':24} {'LANE':12} {'ALLOWED LANES':28} {'ENABLED':8} {'WEIGHT':>7} {'TIMEOUT':>8} KEYS")
     for t in rows:
+        timeout = f"{t.request_timeout:g}s" if t.request_timeout else "-"
         _out(f"{t.name:24} {t.default_lane:12} {','.join(t.allowed_lanes):28} {str(t.enabled).lower():8} "
-             f"{t.num_keys}")
+             f"{t.weight:>7g} {timeout:>8} {t.num_keys}")
     return 0
 
 
@@ -194,11 +218,13 @@ def serve(settings: Settings, access_log: bool = False) -> int:
     from loraplex.platform.admin.auth import ensure_admin_token
     from loraplex.platform.app import create_app
     from loraplex.platform.cli.demo import ensure_demo_tenant, register_cli_adapters, register_demo_adapters
+    from loraplex.platform.observability.json_logs import configure_logging
     from loraplex.platform.serving import listener
     from loraplex.platform.serving.engine_factory import build_engine
     from loraplex.platform.serving.listener import uvicorn_config
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    # One root handler in the chosen format; uvicorn's loggers propagate to it.
+    configure_logging(settings.log_format)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     db = open_db(settings)
     log.info("database %s migrated to the latest schema", Database.display_url(settings.db_url))
@@ -225,7 +251,9 @@ def serve(settings: Settings, access_log: bool = False) -> int:
              f"one):\n\n    {admin_token}\n")
     if settings.create_demo_tenant:
         _demo_adapters_in_background(settings, register_demo_adapters)
-    config = uvicorn_config(app, settings, access_log=access_log, timeout_graceful_shutdown=30, log_level="info")
+    # log_config=None: uvicorn's loggers propagate to the one root handler set above.
+    config = uvicorn_config(app, settings, access_log=access_log, timeout_graceful_shutdown=30, log_level="info",
+                            log_config=None)
     try:
         asyncio.run(listener.serve(uvicorn.Server(config), app, settings))
     finally:

@@ -85,6 +85,43 @@ def _quota_values(args: argparse.Namespace) -> dict:
             if hasattr(args, k)}
 
 
+def _seconds_arg(text: str) -> float:
+    """Seconds > 0, or none/off/clear (0: the server's default)."""
+    if text.strip().lower() in _CLEAR:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r} (or 'none' to clear it)") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"seconds must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _scheduling_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scheduling")
+    g.add_argument("--weight", type=float, default=argparse.SUPPRESS, metavar="W",
+                   help="its share of the engine inside a lane, relative to other tenants (default 1)")
+    g.add_argument("--request-timeout", type=_seconds_arg, default=argparse.SUPPRESS, metavar="S",
+                   help="seconds a request may run before the engine ends it ('none': the server's --request-timeout)")
+
+
+def _scheduling_values(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in ("weight", "request_timeout") if hasattr(args, k)}
+
+
+def _serving_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("requests and observability")
+    g.add_argument("--request-timeout", type=_seconds_arg, default=0.0, metavar="S",
+                   help="seconds a request may run before the engine ends it (finish reason timeout; a tenant's "
+                        "own --request-timeout wins); default none")
+    g.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="log lines as text or as one JSON object each (with the request id)")
+    g.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces here (OTLP/HTTP, e.g. http://collector:4318/v1/traces); "
+                        "default off")
+
+
 def _db_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=None, help=f"data folder (default {default_data_dir()})")
     p.add_argument("--database-url", default=None,
@@ -122,6 +159,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--scheduling", choices=("fair", "fcfs"), default="fair",
+                   help="order inside a lane: fair shares it between tenants by the tokens they were served, "
+                        "by their weights, and bounds each tenant's share of the waiting queue (HTTP 429 beyond "
+                        "it); fcfs serves by arrival (default fair)")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: half the cores)")
     g.add_argument("--max-loras", type=int, default=8, help="adapters computable in one step")
     g.add_argument("--max-cpu-loras", type=int, default=32, help="adapters kept in CPU memory")
@@ -171,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--no-demo", action="store_true", help="no demo tenant, no demo adapters")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    _serving_options(serve)
     _engine_options(serve)
     _server_options(serve)
     roles.add_worker_parser(sub, _db_options, _engine_options)
@@ -182,12 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--lane", default="standard", help="interactive, standard or batch (default standard)")
     tc.add_argument("--allowed-lanes", default=None, help="comma-separated lanes it may ask for (default: "
                     "its lane and every lower one)")
+    _scheduling_options(tc)
     _quota_options(tc)
     _db_options(tc)
-    tu = tenant.add_parser("update", help="change a tenant's quotas (or one of its keys')")
+    tu = tenant.add_parser("update", help="change a tenant's weight, request timeout or quotas (or one of its keys' quotas)")
     tu.add_argument("name")
     tu.add_argument("--key", default=None, metavar="PREFIX", help="set the quotas of this API key, not the tenant's")
     tu.add_argument("--clear-quotas", action="store_true", help="remove every limit (before applying the others)")
+    _scheduling_options(tu)
     _quota_options(tu)
     _db_options(tu)
     ts = tenant.add_parser("show", help="a tenant's quotas and where it stands against them")
@@ -259,7 +303,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           device=resolve_device(args.device)),
         cache=cache,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_chunked_prefill=not args.no_chunked_prefill),
+                                  enable_chunked_prefill=not args.no_chunked_prefill, scheduling=args.scheduling),
         lora=LoRAConfig(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank),
         num_threads=args.threads or _default_threads(),
         kernels=args.kernels,
@@ -277,7 +321,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     engine = engine_config_from_args(args)
     return Settings(engine=engine, database_url=args.database_url, host=args.host, port=args.port,
                     served_model_name=args.served_model_name, adapters=tuple(args.adapter),
-                    create_demo_tenant=not args.no_demo,
+                    create_demo_tenant=not args.no_demo, request_timeout=getattr(args, "request_timeout", 0) or None,
+                    log_format=getattr(args, "log_format", "text"), otlp_endpoint=getattr(args, "otlp_endpoint", None),
                     **(_server_settings(args) if args.command == "serve" else {}), **kw)
 
 
@@ -324,9 +369,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     try:
         if args.command == "tenant" and args.action == "create":
             allowed = args.allowed_lanes.split(",") if args.allowed_lanes else None
-            return commands.tenant_create(db, args.name, args.lane, allowed, _quota_values(args))
+            return commands.tenant_create(db, args.name, args.lane, allowed, _quota_values(args),
+                                          **_scheduling_values(args))
         if args.command == "tenant" and args.action == "update":
-            return commands.tenant_update(db, args.name, args.key, _quota_values(args), clear=args.clear_quotas)
+            return commands.tenant_update(db, args.name, args.key, _quota_values(args), clear=args.clear_quotas,
+                                          scheduling=_scheduling_values(args))
         if args.command == "tenant" and args.action == "show":
             return commands.tenant_show(db, args.name)
         if args.command == "usage" and args.action == "export":

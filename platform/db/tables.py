@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, ForeignKey, Integer, String
+from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String, text
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from loraplex.platform.db.base import Base, UTCDateTime, utcnow
@@ -23,6 +23,11 @@ class Tenant(Base):
     allowed_lanes: Mapped[str] = mapped_column(String(64), default="standard,batch")
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # Its share of the engine inside a lane, relative to other tenants (tenant-fair
+    # scheduling), and of the engine's waiting queue.
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default=text("1.0"))
+    # Seconds a request may run before the engine ends it; None: the server's default.
+    request_timeout: Mapped[float | None] = mapped_column(Float, default=None)
 
     keys: Mapped[list[ApiKey]] = relationship(back_populates="tenant", cascade="all, delete-orphan")
 

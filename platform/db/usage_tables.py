@@ -98,11 +98,14 @@ class UsageEvent(Base):
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     request_id: Mapped[str] = mapped_column(String(64), unique=True)  # the id the client saw
+    # The x-request-id of the HTTP request (sent by the client or made by the gateway):
+    # what logs, traces and the worker hop carry. Not unique: clients may reuse theirs.
+    correlation_id: Mapped[str | None] = mapped_column(String(128), default=None)
     tenant_id: Mapped[int] = mapped_column(Integer)  # no FK: billing history outlives a tenant
     key_id: Mapped[int | None] = mapped_column(Integer, default=None)
     adapter_id: Mapped[int] = mapped_column(Integer, default=BASE_ADAPTER_ID)
     lane: Mapped[int] = mapped_column(SmallInteger)  # 0 interactive, 1 standard, 2 batch
-    status: Mapped[str] = mapped_column(String(8))  # stop | length | aborted | error
+    status: Mapped[str] = mapped_column(String(8))  # stop | length | aborted | error | timeout
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)

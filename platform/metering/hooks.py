@@ -50,7 +50,7 @@ def event_of(ctx: RequestContext) -> Event:
     p = ctx.principal
     return Event(ctx.request_id, p.tenant_id, p.key_id, ctx.adapter, ctx.adapter_digest, int(ctx.lane),
                  STATUS.get(ctx.finish_reason or "abort", "error"), prompt, cached, completion, ctx.received_at,
-                 ctx.first_token_at, ctx.finished_at or time.time())
+                 ctx.first_token_at, ctx.finished_at or time.time(), ctx.correlation_id)
 
 
 def checkpoint_of(ctx: RequestContext, out: RequestOutput, now: float) -> Event:

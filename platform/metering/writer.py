@@ -38,8 +38,9 @@ from loraplex.platform.metering.journal import Journal
 log = logging.getLogger(__name__)
 
 # Gateway finish reasons -> the event's status.
-STATUS = {"stop": "stop", "length": "length", "abort": "aborted", "aborted": "aborted", "error": "error"}
-STATUSES = ("stop", "length", "aborted", "error")
+STATUS = {"stop": "stop", "length": "length", "abort": "aborted", "aborted": "aborted", "error": "error",
+          "timeout": "timeout"}
+STATUSES = ("stop", "length", "aborted", "error", "timeout")
 
 
 @dataclass(slots=True)
@@ -61,6 +62,7 @@ class Event:
     received_at: float  # unix seconds
     first_token_at: float | None
     finished_at: float
+    correlation_id: str | None = None  # the HTTP request's x-request-id
 
     @property
     def total_tokens(self) -> int:
@@ -80,9 +82,10 @@ def _insert(engine: Engine):
 
 
 _EVENT_COLUMNS = ("request_id", "tenant_id", "key_id", "adapter_id", "lane", "status", "prompt_tokens",
-                  "cached_tokens", "completion_tokens", "received_at", "first_token_at", "finished_at")
+                  "cached_tokens", "completion_tokens", "received_at", "first_token_at", "finished_at",
+                  "correlation_id")
 _EVENT_TYPES = ("text", "int", "int", "int", "smallint", "text", "int", "int", "int", "timestamptz", "timestamptz",
-                "timestamptz")
+                "timestamptz", "text")
 _PG_EVENTS = (f"INSERT INTO usage_events ({', '.join(_EVENT_COLUMNS)}) SELECT * FROM unnest("
               + ", ".join(f"%({c})s::{t}[]" for c, t in zip(_EVENT_COLUMNS, _EVENT_TYPES))
               + ") ON CONFLICT (request_id) DO NOTHING RETURNING request_id")
@@ -144,7 +147,8 @@ class EventStore:
                              "adapter_id": aid, "lane": e.lane, "status": e.status,
                              "prompt_tokens": e.prompt_tokens, "cached_tokens": e.cached_tokens,
                              "completion_tokens": e.completion_tokens, "received_at": _utc(e.received_at),
-                             "first_token_at": _utc(e.first_token_at), "finished_at": _utc(e.finished_at)})
+                             "first_token_at": _utc(e.first_token_at), "finished_at": _utc(e.finished_at),
+                             "correlation_id": e.correlation_id})
             inserted = set(self._insert_events_pg(conn, rows) if self.pg else conn.execute(self._events, rows).scalars())
             sums: dict[tuple[int, int, int], list[int]] = {}
             for e, row in zip(events, rows):

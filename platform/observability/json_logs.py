@@ -42,13 +42,25 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry, default=str).decode()
 
 
+class TextFormatter(logging.Formatter):
+    """The text format, with ` request_id=...` appended while a request is handled."""
+
+    def __init__(self) -> None:
+        super().__init__(_TEXT_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        rid = getattr(record, "request_id", None) or current_request_id()
+        return line if rid is None else f"{line} request_id={rid}"
+
+
 def configure_logging(fmt: Literal["text", "json"] = "text", level: int | str = logging.INFO,
                       stream=None) -> logging.Handler:
     """Replace the root logger's handlers with one writing `fmt` lines to `stream` (stderr)."""
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {fmt!r}")
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(_TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

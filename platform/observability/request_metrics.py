@@ -4,8 +4,8 @@ Labels: model_name, lane and adapter, never tenant or key (tenant usage is meter
 The adapter label set is bounded: the first `max_adapter_labels` adapters seen keep
 their name, later ones share `_other`; base-model requests are `_base`.
 
-Four of these series replace the unlabelled ones of `loraplex.platform.metrics.Metrics`
-(SUPERSEDES): one registry holds either, never both.
+Four of these series (SUPERSEDES) have the names of the unlabelled ones the gateway's
+metrics had before, so scrapers and dashboards keep them, now with lane and adapter.
 """
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ class AdapterLabels:
 class RequestMetrics:
     """Histograms and counters observed as requests run; `lane` is the lane's lower-case name."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, max_adapter_labels: int = 50) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_adapter_labels: int = 50,
+                 lanes: Iterable[str] = ("interactive", "standard", "batch")) -> None:
         self.model_name = model_name
         self.adapter_label = AdapterLabels(max_adapter_labels)
         r, la = registry, ["model_name", "lane", "adapter"]
@@ -86,17 +87,30 @@ class RequestMetrics:
                                ["model_name"])
         self._preempt = Counter("loraplex:lane_preemptions", "Requests preempted, by the lane they ran in.",
                                 ["model_name", "lane"], registry=r)
+        # Base-model series of every lane exist (at 0) from the start, so a scraper sees
+        # every name before the first request.
+        for lane in lanes:
+            for metric in (self._ttft, self._tpot, self._e2e, self._queue, self._prefill, self._decode,
+                           self._prompt, self._gen):
+                metric.labels(model_name, lane, BASE_ADAPTER)
+            self._preempt.labels(model_name, lane)
+        self._load_time.labels(model_name)
 
     def _labels(self, lane: str, adapter: str | None) -> tuple[str, str, str]:
         return self.model_name, lane, self.adapter_label(adapter)
 
-    def first_token(self, lane: str, adapter: str | None, *, queue_s: float, prefill_s: float,
-                    prompt_tokens: int) -> None:
-        """At a request's first token: queue and prefill time, TTFT is their sum."""
+    def first_token(self, lane: str, adapter: str | None, *, queue_s: float | None, prefill_s: float | None,
+                    prompt_tokens: int, ttft_s: float | None = None) -> None:
+        """At a request's first token: queue and prefill time (each None when unknown);
+        TTFT is `ttft_s` when given (as the client saw it), else their sum."""
         labels = self._labels(lane, adapter)
-        self._queue.labels(*labels).observe(queue_s)
-        self._prefill.labels(*labels).observe(prefill_s)
-        self._ttft.labels(*labels).observe(queue_s + prefill_s)
+        if queue_s is not None:
+            self._queue.labels(*labels).observe(queue_s)
+        if prefill_s is not None:
+            self._prefill.labels(*labels).observe(prefill_s)
+        if ttft_s is None:
+            ttft_s = (queue_s or 0.0) + (prefill_s or 0.0)
+        self._ttft.labels(*labels).observe(ttft_s)
         self._prompt.labels(*labels).inc(prompt_tokens)
 
     def generated(self, lane: str, adapter: str | None, n: int) -> None:
@@ -112,12 +126,15 @@ class RequestMetrics:
             if output_tokens > 1:
                 self._tpot.labels(*labels).observe(decode_s / (output_tokens - 1))
 
-    def adapter_loaded(self, adapter: str, seconds: float) -> None:
-        self._loads.labels(self.model_name, self.adapter_label(adapter)).inc()
-        self._load_time.labels(self.model_name).observe(seconds)
+    def adapter_loaded(self, adapter: str, seconds: float | None, n: int = 1) -> None:
+        """`n` loads of `adapter` into a device slot, each taking `seconds` (None: untimed)."""
+        self._loads.labels(self.model_name, self.adapter_label(adapter)).inc(n)
+        if seconds is not None:
+            for _ in range(n):
+                self._load_time.labels(self.model_name).observe(seconds)
 
-    def adapter_evicted(self, adapter: str) -> None:
-        self._evictions.labels(self.model_name, self.adapter_label(adapter)).inc()
+    def adapter_evicted(self, adapter: str, n: int = 1) -> None:
+        self._evictions.labels(self.model_name, self.adapter_label(adapter)).inc(n)
 
-    def preempted(self, lane: str) -> None:
-        self._preempt.labels(self.model_name, lane).inc()
+    def preempted(self, lane: str, n: int = 1) -> None:
+        self._preempt.labels(self.model_name, lane).inc(n)

@@ -75,21 +75,33 @@ class Tracing:
         self._provider = provider
         self._tracer = provider.get_tracer("loraplex")
 
+    def start_request(self, name: str = "request", **attributes: Any) -> RequestTrace:
+        """A request's root span that is never made current: a streamed request's code is
+        resumed in other tasks (contexts), so it names its parent explicitly instead.
+        Its phases go under it with `span()` and `record_phases()`; `end()` closes it."""
+        if not self.enabled:
+            return _NULL_TRACE
+        from opentelemetry import trace
+
+        root = self._tracer.start_span(name, attributes=self._attrs(attributes))
+        return RequestTrace(self, root, trace.set_span_in_context(root))
+
     def request_span(self, name: str = "request", **attributes: Any) -> AbstractContextManager[Span | None]:
         """The root span of one request, current until the block ends."""
         if not self.enabled:
             return _NULL
         return self._tracer.start_as_current_span(name, attributes=self._attrs(attributes))
 
-    def span(self, phase: str, **attributes: Any) -> AbstractContextManager[Span | None]:
-        """A child span of the current one for a phase run inline (admission, metering)."""
+    def span(self, phase: str, *, parent: Any = None, **attributes: Any) -> AbstractContextManager[Span | None]:
+        """A child span of the current one (or of `parent`, an OpenTelemetry context) for a
+        phase run inline (admission, metering)."""
         if not self.enabled:
             return _NULL
         assert phase in PHASES, phase
-        return self._tracer.start_as_current_span(phase, attributes=self._attrs(attributes))
+        return self._tracer.start_as_current_span(phase, context=parent, attributes=self._attrs(attributes))
 
     def record_phases(self, arrival: float, scheduled: float | None, first_token: float | None,
-                      finished: float, **attributes: Any) -> None:
+                      finished: float, *, parent: Any = None, **attributes: Any) -> None:
         """Queue, prefill and decode spans under the current span, from monotonic times.
 
         A phase that never began (aborted while waiting, no token sampled) is left out.
@@ -103,7 +115,8 @@ class Tracing:
         if first_token is not None:
             bounds.append(("decode", first_token, finished))
         for phase, start, end in bounds:
-            span = self._tracer.start_span(phase, attributes=attrs, start_time=offset + int(start * 1e9))
+            span = self._tracer.start_span(phase, context=parent, attributes=attrs,
+                                           start_time=offset + int(start * 1e9))
             span.end(end_time=offset + int(max(start, end) * 1e9))
 
     @staticmethod
@@ -118,3 +131,29 @@ class Tracing:
         """Export what is buffered and stop (at server shutdown)."""
         if self._provider is not None:
             self._provider.shutdown()
+
+
+class RequestTrace:
+    """One request's spans under a root that is not the current span (see `start_request`)."""
+
+    def __init__(self, tracing: Tracing | None, root: Span | None, context: Any) -> None:
+        self._tracing, self._root, self._context = tracing, root, context
+
+    def span(self, phase: str, **attributes: Any) -> AbstractContextManager[Span | None]:
+        if self._tracing is None:
+            return _NULL
+        return self._tracing.span(phase, parent=self._context, **attributes)
+
+    def record_phases(self, arrival: float, scheduled: float | None, first_token: float | None,
+                      finished: float, **attributes: Any) -> None:
+        if self._tracing is not None:
+            self._tracing.record_phases(arrival, scheduled, first_token, finished, parent=self._context,
+                                        **attributes)
+
+    def end(self, **attributes: Any) -> None:
+        if self._root is not None:
+            self._root.set_attributes({f"loraplex.{k}": v for k, v in attributes.items() if v is not None})
+            self._root.end()
+
+
+_NULL_TRACE = RequestTrace(None, None, None)

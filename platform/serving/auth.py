@@ -55,6 +55,9 @@ class Principal:
     allowed_lanes: frozenset[Lane]
     adapters: frozenset[str]  # adapter names this tenant may use
     expires_at: float | None = None  # unix seconds
+    # Tenant-fair scheduling: its weight, and its own request timeout (None: the server's).
+    weight: float = 1.0
+    request_timeout: float | None = None
 
     def lane_for(self, requested: Lane | None) -> Lane:
         """The lane a request runs in; asking for a higher one than the tenant's is a 403."""
@@ -162,7 +165,7 @@ class Authenticator:
             lane = Lane[t.default_lane.upper()]
             lanes = frozenset(Lane[x.upper()] for x in t.lanes) | {lane}
             return Principal(t.id, t.name, k.id, k.prefix, lane, lanes, frozenset(adapters_for_tenant(s, t.id)),
-                             k.expires_at.timestamp() if k.expires_at else None)
+                             k.expires_at.timestamp() if k.expires_at else None, t.weight, t.request_timeout)
 
     async def ping(self) -> None:
         """Reach the database on a thread no other work queues on (readiness)."""

@@ -17,6 +17,9 @@ from loraplex.engine.request import AdapterRef, Lane
 
 from loraplex.platform.serving.auth import Authenticator, Principal, parse_lane
 from loraplex.platform.errors import ModelNotFoundError, ShuttingDownError
+from loraplex.platform.lanes import lane_name
+from loraplex.platform.observability.request_id import current_request_id
+from loraplex.platform.observability.tracing import Tracing, TracingConfig
 from loraplex.platform.serving.metrics import Metrics
 from loraplex.platform.serving.protocol import GenRequest
 from loraplex.platform.serving.wire import TokenText
@@ -51,6 +54,8 @@ class RequestContext:
     adapter_digest: str | None = None
     # What admission hooks keep for finish (a quota reservation); the gateway never reads it.
     hook_state: object = None
+    # The HTTP request's x-request-id (logs, traces, the worker hop); not unique.
+    correlation_id: str | None = field(default_factory=current_request_id)
 
 
 class Hooks(Protocol):
@@ -76,8 +81,9 @@ class Hooks(Protocol):
 
 class Gateway:
     def __init__(self, settings: Settings, engine: EngineClient, auth: Authenticator, metrics: Metrics,
-                 hooks: Hooks | None = None) -> None:
+                 hooks: Hooks | None = None, tracing: Tracing | None = None) -> None:
         self.settings = settings
+        self.tracing = tracing or Tracing(TracingConfig())
         self.engine = engine
         self.auth = auth
         self.metrics = metrics
@@ -150,15 +156,24 @@ class Gateway:
 
     async def _run(self, ctx: RequestContext, req: GenRequest, ref: AdapterRef | None = None
                    ) -> AsyncIterator[RequestOutput]:
+        trace = self.tracing.start_request(lane=lane_name(ctx.lane), adapter=ctx.adapter, model=ctx.model)
         if self.hooks is not None:
-            await self.hooks.admit(ctx)  # may raise RateLimitedError: nothing to undo yet
+            try:
+                with trace.span("admission"):
+                    await self.hooks.admit(ctx)  # may raise RateLimitedError: nothing to undo yet
+            except BaseException:
+                trace.end(finish_reason="refused")
+                raise
         m = self.metrics
         t0 = last = time.perf_counter()
-        first = True
+        first, times, t_first = True, None, t0
         generated: dict[int, int] = {}  # per choice (n > 1): every choice's tokens are metered
         m.request_started(ctx.adapter, ctx.lane)
+        p = ctx.principal
         stream = self.engine.generate(req.prompt, req.sampling, request_id=ctx.request_id, lane=ctx.lane,
-                                      adapter=ref or ctx.adapter, cache_salt=f"tenant-{ctx.principal.tenant_id}")
+                                      adapter=ref or ctx.adapter, cache_salt=f"tenant-{p.tenant_id}",
+                                      tenant=str(p.tenant_id), tenant_weight=p.weight,
+                                      timeout=p.request_timeout or self.settings.request_timeout)
         try:
             async with aclosing(stream):
                 async for out in stream:
@@ -167,16 +182,17 @@ class Gateway:
                     if not out.new_token_ids and not out.finished:
                         continue  # prefill progress: no token yet
                     now = time.perf_counter()
-                    if first:
+                    if first and out.new_token_ids:
                         first = False
                         ctx.first_token_at = time.time()
                         ctx.num_cached_tokens = out.num_cached_tokens
                         ctx.num_prompt_tokens = out.num_prompt_tokens or ctx.num_prompt_tokens
-                        m.first_token(ctx.adapter, now - t0, out.num_prompt_tokens)
-                    else:
+                        times, t_first = (out.queue_time, out.prefill_time), now
+                        m.first_token(ctx.adapter, ctx.lane, now - t0, out.num_prompt_tokens, *times)
+                    elif out.new_token_ids:
                         m.inter_token(now - last)
                     last = now
-                    m.generated(len(out.new_token_ids))
+                    m.generated(ctx.adapter, ctx.lane, len(out.new_token_ids))
                     generated[out.index] = out.num_output_tokens
                     ctx.num_output_tokens = sum(generated.values())
                     if out.finished:
@@ -188,6 +204,22 @@ class Gateway:
         finally:
             ctx.finish_reason = ctx.finish_reason or "abort"  # cancelled or closed early
             ctx.finished_at = time.time()
-            m.request_finished(ctx.adapter, ctx.lane, first, time.perf_counter() - t0, ctx.finish_reason)
+            end = time.perf_counter()
+            m.request_finished(ctx.adapter, ctx.lane, first, end - t0, ctx.finish_reason,
+                               None if first else end - t_first, ctx.num_output_tokens)
+            _record_phases(trace, t0, times, end)
             if self.hooks is not None:
-                await self.hooks.finish(ctx)
+                with trace.span("metering"):
+                    await self.hooks.finish(ctx)
+            trace.end(finish_reason=ctx.finish_reason, prompt_tokens=ctx.num_prompt_tokens,
+                      output_tokens=ctx.num_output_tokens)
+
+
+def _record_phases(trace, start: float, times: tuple[float | None, float | None] | None, end: float) -> None:
+    """Queue, prefill and decode spans from the engine's queue and prefill times, placed
+    on the gateway's clock from when it handed the request over (`start`)."""
+    if times is None or times[0] is None:
+        trace.record_phases(start, None, None, end)
+        return
+    scheduled = start + times[0]
+    trace.record_phases(start, scheduled, scheduled + (times[1] or 0.0), end)

@@ -2,9 +2,11 @@
 
 Engine-state series (running/waiting, KV usage, preemptions, prefix cache, lanes) are
 read from the engine's stats snapshot at scrape time; per-request series (tokens,
-latencies, adapters) are observed by the gateway as requests run. Label sets stay
-bounded: model_name, lane, adapter (registered names only), finish reason, endpoint and
-status code; never tenant or key ids.
+latencies by lane and adapter: `observability.request_metrics.RequestMetrics`) are
+observed by the gateway as requests run, and engine events (preemptions by lane,
+adapter loads, evictions and load latency) are carried over from the snapshot at each
+scrape. Label sets stay bounded: model_name, lane, adapter (a bounded set), finish
+reason, endpoint and status code; never tenant or key ids.
 """
 from __future__ import annotations
 
@@ -16,33 +18,29 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from loraplex.engine.client import EngineStats
 from loraplex.platform.lanes import Lane, lane_name
+from loraplex.platform.observability.request_metrics import BASE_ADAPTER, RequestMetrics
 
-BASE_ADAPTER_LABEL = "_base"  # adapter label of base-model requests (adapter names cannot start with _)
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+BASE_ADAPTER_LABEL = BASE_ADAPTER  # adapter label of base-model requests (adapter names cannot start with _)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Finish reasons whose end-to-end latency is a served request's (aborted and failed
+# ones would skew the histogram toward the client's patience).
+_SERVED = ("stop", "length", "timeout")
 
 
 class Metrics:
-    def __init__(self, model_name: str, stats: Callable[[], dict], max_lora: int) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], max_lora: int,
+                 max_adapter_labels: int = 50) -> None:
         disable_created_metrics()  # no *_created series (process-wide; vLLM does the same)
         self.model_name = model_name
         self.max_lora = max_lora
+        self.stats = stats
         self.registry = r = CollectorRegistry()
+        self.requests = RequestMetrics(r, model_name, max_adapter_labels)
         m = ["model_name"]
-        self._prompt = Counter("vllm:prompt_tokens", "Prefill tokens processed.", m, registry=r).labels(model_name)
-        self._gen = Counter("vllm:generation_tokens", "Generation tokens processed.", m,
-                            registry=r).labels(model_name)
-        self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", m,
-                               buckets=TTFT_BUCKETS, registry=r).labels(model_name)
         self._itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", m,
                               buckets=ITL_BUCKETS, registry=r).labels(model_name)
-        self._e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds.", m,
-                              buckets=E2E_BUCKETS, registry=r).labels(model_name)
         self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._adapter_requests = Counter("loraplex:adapter_requests", "Requests by adapter (_base: none).",
@@ -51,6 +49,7 @@ class Metrics:
                             ["endpoint", "status"], registry=r)
         # adapter -> [waiting, running] as the gateway sees them (waiting until first token).
         self.lora_state: dict[str, list[int]] = {}
+        self._events = _EngineEvents(self.requests)
         r.register(_EngineCollector(self, stats))
 
     # -- per request (hot path: a few counter/histogram updates) ----------------------
@@ -59,9 +58,12 @@ class Metrics:
         if adapter is not None:
             self.lora_state.setdefault(adapter, [0, 0])[0] += 1
 
-    def first_token(self, adapter: str | None, ttft: float, prompt_tokens: int) -> None:
-        self._ttft.observe(ttft)
-        self._prompt.inc(prompt_tokens)
+    def first_token(self, adapter: str | None, lane: Lane, ttft: float, prompt_tokens: int,
+                    queue_s: float | None = None, prefill_s: float | None = None) -> None:
+        """`ttft` as the gateway saw it; queue and prefill time as the engine measured them
+        (None from an engine that does not say)."""
+        self.requests.first_token(lane_name(lane), adapter, queue_s=queue_s, prefill_s=prefill_s,
+                                  prompt_tokens=prompt_tokens, ttft_s=ttft)
         if adapter is not None:
             s = self.lora_state[adapter]
             s[0] -= 1
@@ -70,13 +72,14 @@ class Metrics:
     def inter_token(self, seconds: float) -> None:
         self._itl.observe(seconds)
 
-    def generated(self, n: int) -> None:
-        self._gen.inc(n)
+    def generated(self, adapter: str | None, lane: Lane, n: int) -> None:
+        self.requests.generated(lane_name(lane), adapter, n)
 
     def request_finished(self, adapter: str | None, lane: Lane, never_started: bool, e2e: float,
-                         reason: str) -> None:
-        if reason in ("stop", "length"):
-            self._e2e.observe(e2e)
+                         reason: str, decode_s: float | None = None, output_tokens: int = 0) -> None:
+        if reason in _SERVED:
+            self.requests.finished(lane_name(lane), adapter, e2e_s=e2e, decode_s=decode_s,
+                                   output_tokens=output_tokens)
         self._success.labels(self.model_name, reason).inc()
         if adapter is not None:
             s = self.lora_state[adapter]
@@ -88,7 +91,47 @@ class Metrics:
         self._api.labels(endpoint, str(status)).inc()
 
     def render(self) -> bytes:
+        self._events.sync(self.stats())
         return generate_latest(self.registry)
+
+
+class _EngineEvents:
+    """Carries the engine's cumulative event counts over into the request metrics: what
+    happened since the last scrape (an engine whose counts went back restarted)."""
+
+    def __init__(self, requests: RequestMetrics) -> None:
+        self.requests = requests
+        self._preemptions: dict[Lane, int] = {}
+        self._loads: dict[str, int] = {}
+        self._evictions: dict[str, int] = {}
+        self._last_load = 0
+
+    def sync(self, s: EngineStats) -> None:
+        for lane, n in s.preemptions_by_lane.items():
+            if d := _delta(self._preemptions, lane, n):
+                self.requests.preempted(lane_name(lane), d)
+        timed: dict[str, int] = {}
+        loads = s.recent_adapter_loads
+        if loads and loads[-1].seq < self._last_load:
+            self._last_load = 0
+        for load in loads:
+            if load.seq > self._last_load:
+                self.requests.adapter_loaded(load.adapter, load.seconds)
+                timed[load.adapter] = timed.get(load.adapter, 0) + 1
+        self._last_load = loads[-1].seq if loads else self._last_load
+        for adapter, n in s.adapter_loads.items():
+            # Loads that fell out of the recent window between scrapes are counted untimed.
+            if (d := _delta(self._loads, adapter, n) - timed.get(adapter, 0)) > 0:
+                self.requests.adapter_loaded(adapter, None, d)
+        for adapter, n in s.adapter_evictions.items():
+            if d := _delta(self._evictions, adapter, n):
+                self.requests.adapter_evicted(adapter, d)
+
+
+def _delta(seen: dict, key, now: int) -> int:
+    before = seen.get(key, 0)
+    seen[key] = now
+    return now - before if now >= before else now
 
 
 class _EngineCollector:

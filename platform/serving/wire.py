@@ -20,7 +20,8 @@ from loraplex.platform.serving.tool_parsers import CallArgs, CallStart, Content,
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
-FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop", "error": "stop"}
+# A request the server's deadline cut short reads as "length": the output is incomplete.
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "stop", "error": "stop", "timeout": "length"}
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import math
 import re
 import secrets
 from dataclasses import dataclass
@@ -55,6 +56,10 @@ def lanes_at_or_below(lane: str) -> tuple[str, ...]:
     return LANES[LANES.index(lane):]
 
 
+MAX_WEIGHT = 1000.0
+MAX_REQUEST_TIMEOUT = 7 * 24 * 3600.0
+
+
 @dataclass(frozen=True)
 class TenantInfo:
     id: int
@@ -63,15 +68,51 @@ class TenantInfo:
     allowed_lanes: tuple[str, ...]
     enabled: bool
     num_keys: int
+    weight: float = 1.0
+    request_timeout: float | None = None  # seconds; None: the server's default
 
 
-def create_tenant(db: Database, name: str, lane: str = "standard", allowed: list[str] | None = None) -> TenantInfo:
+def parse_weight(value: object) -> float:
+    """A tenant's scheduling weight: a finite number in (0, MAX_WEIGHT]."""
+    w = _number(value, "weight")
+    if not 0 < w <= MAX_WEIGHT:
+        raise BadRequestError(f"weight must be a number > 0 and <= {MAX_WEIGHT:g}, got {value!r}", "weight")
+    return w
+
+
+def parse_request_timeout(value: object) -> float | None:
+    """Seconds a tenant's request may run; 0 or None: the server's default."""
+    if value is None:
+        return None
+    t = _number(value, "request_timeout")
+    if not 0 <= t <= MAX_REQUEST_TIMEOUT:
+        raise BadRequestError(f"request_timeout must be between 0 (the server's default) and "
+                              f"{MAX_REQUEST_TIMEOUT:g} seconds, got {value!r}", "request_timeout")
+    return t or None
+
+
+def _number(value: object, field: str) -> float:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        x = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise BadRequestError(f"{field} must be a number, got {value!r}", field) from None
+    if not math.isfinite(x):
+        raise BadRequestError(f"{field} must be a finite number, got {value!r}", field)
+    return x
+
+
+def create_tenant(db: Database, name: str, lane: str = "standard", allowed: list[str] | None = None,
+                  *, weight: float = 1.0, request_timeout: float | None = None) -> TenantInfo:
     if not TENANT_NAME_RE.fullmatch(name or ""):
         raise BadRequestError(f"invalid tenant name {name!r}: use 1-64 letters, digits, '.', '_' or '-'")
     lane, lanes = _lanes(lane, allowed)
+    weight, request_timeout = parse_weight(weight), parse_request_timeout(request_timeout)
     try:
         with db.session() as s:
-            t = Tenant(name=name, default_lane=lane, allowed_lanes=",".join(lanes), enabled=True)
+            t = Tenant(name=name, default_lane=lane, allowed_lanes=",".join(lanes), enabled=True,
+                       weight=weight, request_timeout=request_timeout)
             s.add(t)
             s.flush()
             return _info(t, 0)
@@ -92,7 +133,7 @@ def _lanes(lane: str, allowed: list[str] | tuple[str, ...] | None) -> tuple[str,
 
 
 def _info(t: Tenant, num_keys: int) -> TenantInfo:
-    return TenantInfo(t.id, t.name, t.default_lane, t.lanes, t.enabled, num_keys)
+    return TenantInfo(t.id, t.name, t.default_lane, t.lanes, t.enabled, num_keys, t.weight, t.request_timeout)
 
 
 def list_tenants(db: Database) -> list[TenantInfo]:
@@ -145,9 +186,13 @@ def tenant_info(db: Database, name: str) -> TenantInfo:
 
 
 def update_tenant(db: Database, name: str, *, lane: str | None = None, allowed: list[str] | None = None,
-                  enabled: bool | None = None) -> TenantInfo:
-    """Change a tenant's lane, allowed lanes and/or enabled flag. A new lane without new
-    allowed lanes allows it and every lower one (as at creation)."""
+                  enabled: bool | None = None, weight: float | None = None,
+                  request_timeout: float | None = None) -> TenantInfo:
+    """Change a tenant's lane, allowed lanes, enabled flag, weight and/or request timeout
+    (None leaves a field as it is; a request timeout of 0 returns to the server's default).
+    A new lane without new allowed lanes allows it and every lower one (as at creation)."""
+    weight = None if weight is None else parse_weight(weight)
+    timeout = None if request_timeout is None else parse_request_timeout(request_timeout)
     with db.session() as s:
         t = get_tenant(s, name)
         if lane is not None or allowed is not None:
@@ -157,6 +202,10 @@ def update_tenant(db: Database, name: str, *, lane: str | None = None, allowed: 
             t.allowed_lanes = ",".join(lanes)
         if enabled is not None:
             t.enabled = enabled
+        if weight is not None:
+            t.weight = weight
+        if request_timeout is not None:
+            t.request_timeout = timeout
         s.flush()
         now = utcnow()
         return _info(t, sum(1 for k in t.keys if _active(k, now)))

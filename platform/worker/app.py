@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -16,6 +17,7 @@ from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.errors import EngineError
 
 from loraplex.platform.errors import PlatformError
+from loraplex.platform.observability.request_id import RequestIdMiddleware
 from loraplex.platform.worker_wire import error_status
 from loraplex.platform.worker.adapters import BlobAdapterSource
 from loraplex.platform.worker.routes import json_response, worker_routes
@@ -54,7 +56,7 @@ def create_worker_app(state: WorkerState, *, loader: Loader | None = None,
 
     app = Starlette(routes=worker_routes(), lifespan=lifespan, exception_handlers={
         EngineError: _error, AdapterError: _error, PlatformError: _error, HTTPException: _error,
-        Exception: _error})
+        Exception: _error}, middleware=[Middleware(RequestIdMiddleware)])  # the gateway's x-request-id
     app.state.worker = state
     return app
 

@@ -76,7 +76,8 @@ class Relay:
             return
         r = self.req
         stream = engine.generate(r.prompt_token_ids, r.sampling, request_id=r.request_id, lane=r.lane,
-                                 adapter=r.adapter, cache_salt=r.cache_salt)
+                                 adapter=r.adapter, cache_salt=r.cache_salt, tenant=r.tenant,
+                                 tenant_weight=r.tenant_weight, timeout=r.timeout)
         self._task = asyncio.ensure_future(self._pump(stream))
 
     async def _pump(self, stream) -> None:
@@ -88,13 +89,14 @@ class Relay:
             async with aclosing(stream):
                 async for out in stream:
                     now = time.perf_counter()
-                    if first:
-                        m.first_token(self.adapter, now - t0, out.num_prompt_tokens)
+                    if first and out.new_token_ids:
+                        m.first_token(self.adapter, lane, now - t0, out.num_prompt_tokens, out.queue_time,
+                                      out.prefill_time)
                         first = False
-                    else:
+                    elif out.new_token_ids:
                         m.inter_token(now - last)
                     last = now
-                    m.generated(len(out.new_token_ids))
+                    m.generated(self.adapter, lane, len(out.new_token_ids))
                     reason = out.finish_reason if out.finished else None
                     self.last = out
                     self._buf.append(out)

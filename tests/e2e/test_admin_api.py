@@ -24,7 +24,7 @@ from tests.e2e.admin_fixtures import (  # noqa: F401 - fixtures
 )
 from tests.e2e.conftest import wait_idle
 
-ERROR_KEYS = {"message", "type", "param", "code"}
+ERROR_KEYS = {"message", "type", "param", "code", "request_id"}
 
 
 def _fill(path: str) -> str:
@@ -167,6 +167,20 @@ def test_tenants(admin_live):
         _err(api.patch("/tenants/t-acme", json={}), 400, "at least one")
         _err(api.patch("/tenants/t-acme", json={"enabled": "no"}), 400, "enabled", "boolean")
         _err(api.patch("/tenants/t-nobody", json={"enabled": False}), 404)
+
+        # Scheduling: weight and request timeout, set at creation and changed later.
+        assert (t["weight"], t["request_timeout"]) == (1.0, None)
+        r = api.post("/tenants", json={"name": "t-heavy", "weight": 4, "request_timeout": 30})
+        assert r.status_code == 201 and (r.json()["weight"], r.json()["request_timeout"]) == (4, 30), r.text
+        r = api.patch("/tenants/t-heavy", json={"weight": 0.5})
+        assert (r.json()["weight"], r.json()["request_timeout"]) == (0.5, 30)
+        assert _audited(api, "tenant.update", "tenant:t-heavy")["details"]["weight"] == {"from": 4, "to": 0.5}
+        assert api.patch("/tenants/t-heavy", json={"request_timeout": None}).json()["request_timeout"] is None
+        _err(api.patch("/tenants/t-heavy", json={"weight": 0}), 400, "weight", "more than 0")
+        _err(api.patch("/tenants/t-heavy", json={"weight": "2"}), 400, "weight", "number")
+        _err(api.post("/tenants", json={"name": "t-x", "request_timeout": -1}), 400, "request_timeout")
+        _err(api.post("/tenants", json={"name": "t-x", "weight": 1e9}), 400, "weight", "at most")
+        assert api.get("/tenants/t-heavy").json()["weight"] == 0.5
 
         # Disabling takes effect at once for the tenant's keys, and enabling again too.
         key = api.post("/keys", json={"tenant": "t-acme"}).json()["key"]

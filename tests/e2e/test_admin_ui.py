@@ -117,10 +117,12 @@ def test_admin_ui_end_to_end(page, admin_live, upload_adapters):
         # -- tenants -------------------------------------------------------------------
         page.fill("#tenant-name", tenant)
         page.select_option("#tenant-lane", "interactive")
+        page.fill("#tenant-weight", "2")
         page.click("#tenant-create")
         row = page.locator(f"tr[data-tenant='{tenant}']")
         expect(row).to_contain_text("interactive")
         expect(row).to_contain_text("enabled")
+        expect(row.locator("td.weight")).to_have_text("2")
         page.fill("#tenant-name", "../bad")
         page.click("#tenant-create")
         expect(page.locator("#tenant-error")).to_contain_text("'../bad' is not valid")
@@ -130,12 +132,20 @@ def test_admin_ui_end_to_end(page, admin_live, upload_adapters):
         page.select_option(f"#edit-{tenant}-lane", "standard")
         page.fill(f"#edit-{tenant}-q-rpm", "1000")
         page.fill(f"#edit-{tenant}-q-token_budget", "5000000")
+        # Weight and request timeout: a bad weight is refused with the field named.
+        page.fill(f"#edit-{tenant}-weight", "0")
         page.locator(f"tr[data-tenant='{tenant}'] + tr button", has_text="Save").click()
+        expect(page.locator(f"tr[data-tenant='{tenant}'] + tr .error")).to_contain_text("weight")
+        page.fill(f"#edit-{tenant}-weight", "3")
+        page.fill(f"#edit-{tenant}-timeout", "20")
+        page.locator(f"tr[data-tenant='{tenant}'] + tr button", has_text="Save").click()
+        expect(row.locator("td.weight")).to_have_text("3 · 20 s timeout")
         expect(row).to_contain_text("1k rpm")
         expect(row).to_contain_text("5M/month")
         t = api.get(f"/tenants/{tenant}").json()
         assert t["default_lane"] == "standard" and t["allowed_lanes"] == ["standard", "batch"]
         assert t["quotas"]["rpm"] == 1000 and t["quotas"]["token_budget"] == 5_000_000
+        assert (t["weight"], t["request_timeout"]) == (3, 20)
         _shot(page, b, "02-tenants")
 
         # -- keys ----------------------------------------------------------------------

@@ -11,7 +11,7 @@ from loraplex.platform.app import create_app
 from loraplex.platform.serving.engine_factory import build_engine
 from tests.e2e.conftest import MAX_MODEL_LEN, LiveServer, tiny_engine_config
 
-ERROR_KEYS = {"message", "type", "param", "code"}
+ERROR_KEYS = {"message", "type", "param", "code", "request_id"}
 
 
 def _post(live, path: str, body=None, tenant: str = "acme", **kw) -> httpx.Response:

@@ -29,7 +29,7 @@ MAX_OUTPUT = 32
 @dataclass(eq=False)
 class Req:
     tenant: str
-    arrival: float
+    arrival_time: float
     num_prompt_tokens: int
     output_len: int = 1
     generated: int = 0
@@ -111,7 +111,7 @@ def merge(*arrivals: dict[int, list[Req]]) -> dict[int, list[Req]]:
         for step, reqs in a.items():
             out.setdefault(step, []).extend(reqs)
     for reqs in out.values():
-        reqs.sort(key=lambda r: r.arrival)
+        reqs.sort(key=lambda r: r.arrival_time)
     return out
 
 

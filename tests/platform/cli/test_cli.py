@@ -77,3 +77,61 @@ def test_console_script_prints_help():
     proc = subprocess.run([sys.executable, "-c", "from loraplex.platform.cli.main import main; main()", "--help"],
                           capture_output=True, text=True)
     assert proc.returncode == 0 and "serve" in proc.stdout and "adapter" in proc.stdout
+
+
+def test_tenant_weight_and_request_timeout(cli):
+    from loraplex.platform.db.database import Database
+    from loraplex.platform.tenancy.tenants import tenant_info
+
+    code, out, _ = cli("tenant", "create", "heavy", "--weight", "3", "--request-timeout", "45")
+    assert code == 0 and "weight 3, request timeout 45 s" in out
+    assert cli("tenant", "create", "light")[0] == 0
+    lines = cli("tenant", "list")[1].splitlines()
+    assert lines[0].split()[-3:] == ["WEIGHT", "TIMEOUT", "KEYS"]
+    assert lines[1].split()[0] == "heavy" and lines[1].split()[-3:] == ["3", "45s", "0"]
+    assert lines[2].split()[-3:] == ["1", "-", "0"]
+    code, out, _ = cli("tenant", "update", "heavy", "--weight", "0.5", "--request-timeout", "none")
+    assert code == 0 and "weight 0.5, request timeout the server's" in out
+    db = Database(cli.url)
+    try:
+        info = tenant_info(db, "heavy")
+        assert (info.weight, info.request_timeout) == (0.5, None)
+        assert "weight 0.5" in cli("tenant", "show", "heavy")[1]
+        # A quota update leaves the scheduling fields as they are.
+        assert cli("tenant", "update", "heavy", "--rpm", "10")[0] == 0
+        assert tenant_info(db, "heavy").weight == 0.5
+    finally:
+        db.dispose()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("tenant", "create", "x", "--weight", "0"), "weight must be a number > 0"),
+    (("tenant", "create", "x", "--weight", "nan"), "weight must be a finite number"),
+    (("tenant", "create", "x", "--weight", "5000"), "<= 1000"),
+    (("tenant", "create", "x", "--request-timeout", "-3"), "seconds must be a finite number >= 0"),
+    (("tenant", "update", "nobody", "--weight", "2"), "no tenant named 'nobody'"),
+    (("tenant", "update", "acme", "--key", "0123456789ab", "--weight", "2"), "per tenant, not per key"),
+    (("tenant", "update", "acme"), "nothing to change: give --weight"),
+])
+def test_bad_scheduling_values_are_one_line_errors(cli, argv, message):
+    cli("tenant", "create", "acme")
+    code, out, err = cli(*argv)
+    assert code != 0 and message in err and "Traceback" not in err
+
+
+def test_serve_flags_reach_the_settings():
+    from loraplex.platform.cli.main import build_parser, settings_from_args
+
+    def settings(*argv):
+        return settings_from_args(build_parser().parse_args(["serve", "--data-dir", "/tmp/x", *argv]))
+
+    s = settings()
+    assert (s.engine.scheduler.scheduling, s.request_timeout, s.log_format, s.otlp_endpoint) == \
+        ("fair", None, "text", None)
+    s = settings("--scheduling", "fcfs", "--request-timeout", "30", "--log-format", "json",
+                 "--otlp-endpoint", "http://127.0.0.1:4318/v1/traces")
+    assert (s.engine.scheduler.scheduling, s.request_timeout, s.log_format, s.otlp_endpoint) == \
+        ("fcfs", 30.0, "json", "http://127.0.0.1:4318/v1/traces")
+    for bad in (["--scheduling", "lottery"], ["--request-timeout", "soon"], ["--log-format", "xml"]):
+        with pytest.raises(SystemExit):
+            settings(*bad)

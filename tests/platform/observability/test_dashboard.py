@@ -5,36 +5,31 @@ import json
 import re
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
-
+from loraplex.engine.client import EngineStats
+from loraplex.engine.request import Lane
 from loraplex.platform.serving.metrics import Metrics
-from loraplex.platform.observability.request_metrics import SUPERSEDES, RequestMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "loraplex.json"
 SERIES = re.compile(r"((?:vllm|loraplex):[a-z0-9_]+)(\{[^}]*\})?")
 
 
 def exported() -> dict[str, set[str]]:
-    """Sample name -> label names, of the request metrics and the gateway's other series."""
-    reg = CollectorRegistry()
-    m = RequestMetrics(reg, "tiny")
-    m.first_token("interactive", "sql", queue_s=0.1, prefill_s=0.1, prompt_tokens=3)
-    m.generated("interactive", "sql", 3)
-    m.finished("interactive", "sql", e2e_s=1.0, decode_s=0.5, output_tokens=3)
+    """Sample name -> label names, of everything the gateway's /metrics exports."""
+    gateway = Metrics("tiny", EngineStats, max_lora=2)
+    gateway.request_started("sql", Lane.INTERACTIVE)
+    gateway.first_token("sql", Lane.INTERACTIVE, 0.2, 3, 0.1, 0.1)
+    gateway.generated("sql", Lane.INTERACTIVE, 3)
+    gateway.request_finished("sql", Lane.INTERACTIVE, False, 1.0, "stop", 0.5, 3)
+    m = gateway.requests
     m.adapter_loaded("sql", 0.1)
     m.adapter_evicted("sql")
     m.preempted("batch")
-    gateway = Metrics("tiny", lambda: {"lanes": {}}, max_lora=2)
-    gateway.request_started(None, 0)
-    gateway.request_finished(None, 0, True, 1.0, "stop")
     gateway.api_request("/v1/completions", 200)
+    gateway.render()
     out: dict[str, set[str]] = {}
-    for registry, skip in ((reg, set()), (gateway.registry, SUPERSEDES)):
-        for family in registry.collect():
-            if family.name in skip:
-                continue
-            for s in family.samples:
-                out.setdefault(s.name, set()).update(s.labels)
+    for family in gateway.registry.collect():
+        for s in family.samples:
+            out.setdefault(s.name, set()).update(s.labels)
     return out
 
 

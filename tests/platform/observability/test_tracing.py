@@ -105,3 +105,35 @@ def test_off_imports_no_opentelemetry_at_all():
             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_request_trace_needs_no_current_span_and_survives_other_tasks():
+    import asyncio
+
+    exporter = InMemorySpanExporter()
+    t = Tracing(TracingConfig(), exporter=exporter)
+
+    async def main():
+        with bind_request_id("req-9"):
+            trace = t.start_request(lane="batch")
+
+        async def admission():
+            with trace.span("admission"):
+                await asyncio.sleep(0)
+
+        await asyncio.create_task(admission())  # another task, another context
+        now = time.monotonic()
+        trace.record_phases(now - 1.0, now - 0.5, now - 0.2, now)
+        trace.end(finish_reason="stop")
+
+    asyncio.run(main())
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"request", "admission", "queue", "prefill", "decode"}
+    root = spans.pop("request")
+    assert root.attributes["loraplex.finish_reason"] == "stop" and root.attributes["loraplex.request_id"] == "req-9"
+    assert all(s.parent.span_id == root.context.span_id for s in spans.values())
+    off = Tracing(TracingConfig()).start_request()
+    with off.span("admission") as span:
+        assert span is None
+    off.record_phases(0.0, 1.0, 2.0, 3.0)
+    off.end()

@@ -83,3 +83,27 @@ def test_internal_errors_are_not_echoed():
     assert status == 503 and "pw" not in str(body)
     assert isinstance(error_from_body({"error": {"type": "NoSuchError", "message": "m"}}), WorkerError)
     assert isinstance(error_from_body({"nope": 1}), WorkerError)
+
+
+def test_tenant_weight_timeout_and_engine_times_cross_the_wire():
+    req = GenerateRequest("r2", [1, 2], SamplingParams(), Lane.STANDARD, None, "salt", "7", 2.5, 30.0)
+    assert GenerateRequest.from_json(req.to_json()) == req
+    assert GenerateRequest.from_json({"request_id": "r3", "prompt_token_ids": [1]}).tenant_weight == 1.0
+    for bad in ({"tenant_weight": 0}, {"tenant_weight": "2"}, {"timeout": -1}, {"timeout": float("inf")}):
+        with pytest.raises(InvalidRequestError, match=next(iter(bad))):
+            GenerateRequest.from_json({"request_id": "r", "prompt_token_ids": [1], **bad})
+    out = RequestOutput("r", [5], "x", False, num_prompt_tokens=3, num_output_tokens=1, queue_time=0.25,
+                        prefill_time=0.5)
+    assert output_from_json("r", output_to_json(out)) == out
+
+
+def test_a_tenant_over_its_share_crosses_as_a_429_with_its_message():
+    from loraplex.engine.fairness import TenantShareExceededError
+    from loraplex.platform.errors import api_error
+
+    status, body = error_status(TenantShareExceededError("7", 3, 3))
+    assert status == 429 and body["error"]["type"] == "TenantShareExceededError"
+    back = error_from_body(body)
+    assert isinstance(back, TenantShareExceededError) and "its share of the queue is 3" in str(back)
+    err = api_error(back)  # what the gateway answers its client
+    assert (err.status, err.code) == (429, "tenant_queue_share_exceeded")
