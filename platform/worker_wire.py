@@ -213,6 +213,7 @@ def output_to_json(out: RequestOutput) -> dict[str, Any]:
             "finished": out.finished, "finish_reason": out.finish_reason,
             "num_prompt_tokens": out.num_prompt_tokens, "num_cached_tokens": out.num_cached_tokens,
             "num_output_tokens": out.num_output_tokens,
+            "num_processed_prompt_tokens": out.num_processed_prompt_tokens,
             "logprobs": [[lp, [list(p) for p in top]] for lp, top in out.logprobs],
             "stop_reason": out.stop_reason, "index": out.index,
             "prompt_logprobs": None if out.prompt_logprobs is None else
@@ -227,6 +228,7 @@ def output_from_json(request_id: str, doc: Mapping[str, Any]) -> RequestOutput:
         finished=doc["finished"], finish_reason=doc.get("finish_reason"),
         num_prompt_tokens=doc.get("num_prompt_tokens", 0), num_cached_tokens=doc.get("num_cached_tokens", 0),
         num_output_tokens=doc.get("num_output_tokens", 0),
+        num_processed_prompt_tokens=doc.get("num_processed_prompt_tokens", 0),
         logprobs=[(lp, [(int(t), v) for t, v in top]) for lp, top in doc.get("logprobs", [])],
         stop_reason=doc.get("stop_reason"), index=doc.get("index", 0),
         prompt_logprobs=None if doc.get("prompt_logprobs") is None else
@@ -253,7 +255,9 @@ def coalesce(outs: Sequence[RequestOutput]) -> RequestOutput:
     return dataclasses.replace(
         last, new_token_ids=[t for o in outs for t in o.new_token_ids], new_text="".join(o.new_text for o in outs),
         logprobs=[lp for o in outs for lp in o.logprobs],
-        prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None))
+        prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None),
+        queue_time=next((o.queue_time for o in outs if o.queue_time is not None), None),
+        prefill_time=next((o.prefill_time for o in outs if o.prefill_time is not None), None))
 
 
 def dumps_line(doc: Mapping[str, Any]) -> bytes:

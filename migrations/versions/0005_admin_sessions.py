@@ -1,7 +1,7 @@
 """admin_sessions and server_secrets: admin sessions revocable across replicas, signed
 with a random server secret
 
-Revision ID: 0005_admin_sessions
+Revision ID: 0005
 Revises: 0004
 Create Date: 2026-12-01
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0005_admin_sessions"
+revision = "0005"
 down_revision = "0004"
 branch_labels = None
 depends_on = None

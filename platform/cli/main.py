@@ -15,8 +15,8 @@ import sys
 from sqlalchemy.exc import SQLAlchemyError
 
 from loraplex.adapters.errors import AdapterError
-from loraplex.engine.config import (DEVICE_CHOICES, CacheConfig, DeviceUnavailableError, EngineConfig, LoRAConfig,
-                                    ModelConfig, SchedulerConfig, resolve_device)
+from loraplex.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from loraplex.engine.device import DEVICE_CHOICES, DeviceUnavailableError, resolve_device
 from loraplex.engine.errors import EngineError
 from loraplex.engine.memory_budget import DeviceMemoryError
 

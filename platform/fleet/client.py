@@ -35,6 +35,7 @@ from loraplex.platform.fleet.errors import (
     error_from_body,
 )
 from loraplex.platform.fleet.model_info import ModelInfo
+from loraplex.platform.observability.request_id import REQUEST_ID_HEADER, current_request_id
 from loraplex.platform import worker_wire
 from loraplex.platform.routing import (
     HealthPoller,
@@ -175,7 +176,8 @@ class RemoteEngineClient:
 
     async def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
                        request_id: str | None = None, lane: Lane = Lane.STANDARD,
-                       adapter: AdapterRef | str | None = None, cache_salt: str = "") -> AsyncIterator[RequestOutput]:
+                       adapter: AdapterRef | str | None = None, cache_salt: str = "", tenant: str = "",
+                       tenant_weight: float = 1.0, timeout: float | None = None) -> AsyncIterator[RequestOutput]:
         if self._closed:
             raise EngineDeadError("the gateway is shutting down")
         ids = self._tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -184,8 +186,8 @@ class RemoteEngineClient:
         rid = request_id or uuid.uuid4().hex
         digest = ref.digest if ref is not None else None
         key = prefix_key(cache_salt, digest, ids)
-        payload = orjson.dumps(worker_wire.GenerateRequest(rid, ids, sampling, lane, ref, cache_salt,
-                                                           tenant=cache_salt).to_json())
+        payload = orjson.dumps(worker_wire.GenerateRequest(rid, ids, sampling, lane, ref, cache_salt, tenant=tenant,
+                                                           tenant_weight=tenant_weight, timeout=timeout).to_json())
         lease = self.pool.acquire(RouteRequest(adapter=digest, prefix_key=key))
         stats: list[WorkerStats | None] = [None]  # the worker's latest report, set by _read
         retried = False
@@ -227,8 +229,10 @@ class RemoteEngineClient:
 
     async def _send(self, lease: Lease, payload: bytes) -> httpx.Response:
         client = self._client()
-        req = client.build_request("POST", lease.url + GENERATE, content=payload,
-                                   headers={"content-type": "application/json"})
+        headers = {"content-type": "application/json"}
+        if (request_id := current_request_id()) is not None:
+            headers[REQUEST_ID_HEADER] = request_id  # one id in the gateway's and the worker's logs
+        req = client.build_request("POST", lease.url + GENERATE, content=payload, headers=headers)
         try:
             resp = await client.send(req, stream=True)
         except httpx.HTTPError as exc:
