@@ -234,6 +234,18 @@ def affinity_vs_round_robin(args, tmp: Path, mdir: str) -> None:
     rr, af = runs
     fewer = f"{rr.loads / af.loads:.1f}x" if af.loads else f"{rr.loads:g} vs 0"
     print(f"  affinity / round-robin: throughput {af.tok_s / rr.tok_s:.2f}x; loads {fewer} fewer")
+    floor = 1000 * miss_floor(args.adapters, args.zipf, 2 * args.max_loras)
+    bound = f"{rr.loads_per_1000 / floor:.1f}x" if floor else "unbounded"
+    print(f"  bound: even the best static placement (the {2 * args.max_loras} most popular adapters pinned "
+          f"in the fleet's slots, the rest loaded on each use) loads {floor:.0f} per 1,000 requests, so no "
+          f"router can make fewer than round-robin's / {bound}")
+
+
+def miss_floor(n_adapters: int, exponent: float, slots: int) -> float:
+    """The share of requests whose adapter is outside the `slots` most popular ones: what
+    a request must load at least, on average, when the fleet holds `slots` adapters."""
+    weights = [1 / (i + 1) ** exponent for i in range(n_adapters)]
+    return sum(weights[slots:]) / sum(weights)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,158 +30,36 @@ import argparse
 import asyncio
 import contextlib
 import json
-import random
-import re
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from traces.make_trace import TraceError, TraceRecord, read_trace  # noqa: E402
-from workload import percentile  # noqa: E402
+from traces.make_trace import TraceError, read_trace  # noqa: E402
+from serve_process import ServeProcess, fill_models  # noqa: E402, F401
+# The plan and its arithmetic live in serving_plan.py; named here too, as this module's API.
+from serving_plan import (  # noqa: E402, F401
+    LANE_HEADER,
+    BUCKET_EDGES,
+    TOKEN_RANGE,
+    SLO,
+    Target,
+    Planned,
+    Result,
+    prompt_ids,
+    poisson_times,
+    bucket_of,
+    meets_slo,
+    summarize,
+    grouped,
+    knee,
+    plan_poisson,
+    plan_trace,
+    map_adapters,
+)
 
-LANE_HEADER = "x-loraplex-lane"
-BUCKET_EDGES = (128, 512, 2048)  # prompt-length bucket upper bounds; the last bucket is open
-TOKEN_RANGE = (1000, 9000)  # ids used for synthetic prompts: ordinary tokens in any 32k+ vocabulary
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft_s: float = 2.0
-    tpot_s: float = 0.2
-
-
-@dataclass
-class Target:
-    url: str
-    keys: dict[str, str]  # tenant -> API key
-    model: str = ""  # the base model's id
-    adapters: list[str] = field(default_factory=list)
-    lanes: dict[str, str] = field(default_factory=dict)  # tenant -> the lane it is reported under
-    sent: int = 0  # requests sent so far: no two share a prompt, so no prefix-cache hits between runs
-
-
-@dataclass(frozen=True)
-class Planned:
-    at: float  # seconds after the run starts
-    tenant: str
-    adapter: str | None  # None: the base model
-    lane: str | None  # None: the tenant's lane
-    prompt_tokens: int
-    output_tokens: int
-
-
-@dataclass
-class Result:
-    tenant: str
-    lane: str
-    adapter: str | None
-    prompt_tokens: int
-    output_tokens: int = 0
-    sent: float = 0.0  # seconds after the run starts
-    ttft: float | None = None
-    tpot: float | None = None
-    e2e: float | None = None
-    error: str | None = None
-
-
-# -- pure helpers ---------------------------------------------------------------------
-def prompt_ids(length: int, seed: int) -> list[int]:
-    """A deterministic prompt of exactly `length` token ids."""
-    rng = random.Random(seed)
-    return [rng.randrange(*TOKEN_RANGE) for _ in range(length)]
-
-
-def poisson_times(rate: float, n: int, seed: int) -> list[float]:
-    rng, t, out = random.Random(seed), 0.0, []
-    for _ in range(n):
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
-
-
-def bucket_of(prompt_tokens: int, edges: tuple[int, ...] = BUCKET_EDGES) -> str:
-    lo = 1
-    for hi in edges:
-        if prompt_tokens <= hi:
-            return f"{lo}-{hi}"
-        lo = hi + 1
-    return f">{edges[-1]}"
-
-
-def meets_slo(r: Result, slo: SLO) -> bool:
-    return (r.error is None and r.ttft is not None and r.ttft <= slo.ttft_s
-            and (r.tpot is None or r.tpot <= slo.tpot_s))
-
-
-def summarize(results: list[Result], slo: SLO, duration: float) -> dict:
-    ok = [r for r in results if r.error is None and r.ttft is not None]
-    ttft = [r.ttft for r in ok]
-    tpot = [r.tpot for r in ok if r.tpot is not None]
-    good = sum(meets_slo(r, slo) for r in results)
-    return {
-        "requests": len(results), "errors": len(results) - len(ok),
-        **{f"ttft_p{p}": percentile(ttft, p) for p in (50, 90, 99)},
-        **{f"tpot_p{p}": percentile(tpot, p) for p in (50, 90, 99)},
-        "goodput_fraction": good / len(results) if results else float("nan"),
-        "goodput_rps": good / duration if duration > 0 else float("nan"),
-        "throughput_rps": len(ok) / duration if duration > 0 else float("nan"),
-        "output_tokens_per_s": sum(r.output_tokens for r in ok) / duration if duration > 0 else float("nan"),
-    }
-
-
-def grouped(results: list[Result], slo: SLO, duration: float) -> dict[str, dict[str, dict]]:
-    by: dict[str, dict[str, list[Result]]] = {"lane": {}, "prompt_bucket": {}}
-    for r in results:
-        by["lane"].setdefault(r.lane, []).append(r)
-        by["prompt_bucket"].setdefault(bucket_of(r.prompt_tokens), []).append(r)
-    out = {kind: {k: summarize(v, slo, duration) for k, v in sorted(groups.items())}
-           for kind, groups in by.items()}
-    out["all"] = {"all": summarize(results, slo, duration)}
-    return out
-
-
-def knee(points: list[tuple[float, float]], slo_ttft: float) -> float | None:
-    """The highest swept rate up to which every rate's p99 TTFT stays within the SLO."""
-    best = None
-    for rate, p99 in sorted(points):
-        if not p99 <= slo_ttft:  # NaN (nothing answered) is a miss too
-            break
-        best = rate
-    return best
-
-
-def plan_poisson(rate: float, n: int, tenants: list[str], seed: int, prompt_tokens: int,
-                 output_tokens: int) -> list[Planned]:
-    return [Planned(t, tenants[i % len(tenants)], None, None, prompt_tokens, output_tokens)
-            for i, t in enumerate(poisson_times(rate, n, seed))]
-
-
-def plan_trace(records: list[TraceRecord], speedup: float = 1.0, limit: int | None = None) -> list[Planned]:
-    records = records[:limit] if limit else records
-    t0 = records[0].timestamp
-    return [Planned((r.timestamp - t0) / speedup, r.tenant, r.adapter, r.lane, r.prompt_tokens, r.output_tokens)
-            for r in records]
-
-
-def map_adapters(plan: list[Planned], available: list[str]) -> list[Planned]:
-    """Trace adapters, most requested first, onto the server's adapters in turn (none: base)."""
-    counts: dict[str, int] = {}
-    for p in plan:
-        if p.adapter is not None:
-            counts[p.adapter] = counts.get(p.adapter, 0) + 1
-    ranked = sorted(counts, key=lambda a: (-counts[a], a))
-    to = {a: available[i % len(available)] if available else None for i, a in enumerate(ranked)}
-    return [Planned(p.at, p.tenant, to.get(p.adapter) if p.adapter else None, p.lane, p.prompt_tokens,
-                    p.output_tokens) for p in plan]
-
-
-# -- the open-loop runner ----------------------------------------------------------------
 async def _one(client, model: str, p: Planned, lane_of: dict[str, str], seed: int, t_start: float) -> Result:
     res = Result(p.tenant, p.lane or lane_of.get(p.tenant, "default"), p.adapter, p.prompt_tokens)
     headers = {LANE_HEADER: p.lane} if p.lane else {}
@@ -251,94 +129,6 @@ async def measure_capacity(target: Target, tenant: str, n: int, prompt_tokens: i
     return done / wall
 
 
-# -- a `loraplex serve` started here ------------------------------------------------------
-KEY_PATTERN = re.compile(r"\b(lpx_[0-9a-f]{12}_\S+)")
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-c", "from loraplex.platform.cli.main import main; main()", *args]
-
-
-class ServeProcess:
-    """`loraplex serve` on a free loopback port, in a fresh data folder, with these tenants."""
-
-    def __init__(self, model: str, tenants: dict[str, str], extra: list[str], reported_lanes: dict[str, str],
-                 timeout: float = 600) -> None:
-        self.model, self.tenants, self.extra, self.timeout = model, tenants, extra, timeout
-        self.reported_lanes = reported_lanes
-        self.tmp = tempfile.TemporaryDirectory(prefix="bench_serving_")
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> Target:
-        data = self.tmp.name
-        keys = self._create_tenants(data)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.log = open(Path(data) / "serve.log", "w+")
-        self.proc = subprocess.Popen(_cli("serve", "--model", self.model, "--data-dir", data, "--port", str(port),
-                                          "--no-demo", *self.extra), stdout=self.log, stderr=subprocess.STDOUT)
-        target = Target(f"http://127.0.0.1:{port}", keys, lanes=self.reported_lanes)
-        self._wait(target)
-        return target
-
-    def _create_tenants(self, data: str) -> dict[str, str]:
-        # One interpreter runs every `tenant create` and `key create` (each start costs seconds).
-        commands = [[c, *args, "--data-dir", data] for name, lane in self.tenants.items()
-                    for c, args in (("tenant", ["create", name, "--lane", lane]), ("key", ["create", name]))]
-        script = ("import sys, json\nfrom loraplex.platform.cli.main import main\n"
-                  "for argv in json.loads(sys.argv[1]):\n"
-                  "    print('@@', argv[2], flush=True)\n"
-                  "    try:\n        main(argv)\n"
-                  "    except SystemExit as e:\n        assert not e.code, f'{argv}: exit {e.code}'\n")
-        out = subprocess.run([sys.executable, "-c", script, json.dumps(commands)], capture_output=True, text=True)
-        if out.returncode:
-            raise SystemExit(f"bench_serving: creating tenants failed:\n{out.stdout}{out.stderr}")
-        keys, tenant = {}, None
-        for line in out.stdout.splitlines():
-            if line.startswith("@@ "):
-                tenant = line[3:]
-            elif m := KEY_PATTERN.search(line):
-                keys[tenant] = m.group(1)
-        assert keys.keys() == self.tenants.keys(), out.stdout
-        return keys
-
-    def _wait(self, target: Target) -> None:
-        import httpx
-
-        deadline = time.monotonic() + self.timeout
-        key = next(iter(target.keys.values()))
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise SystemExit(f"bench_serving: loraplex serve exited:\n{self.log.read()[-3000:]}")
-            try:
-                r = httpx.get(f"{target.url}/v1/models", headers={"authorization": f"Bearer {key}"}, timeout=5)
-                if r.status_code == 200:
-                    fill_models(target, [m["id"] for m in r.json()["data"]], Path(self.model).name)
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise SystemExit("bench_serving: loraplex serve did not come up in time")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
-        self.tmp.cleanup()
-
-
-def fill_models(target: Target, ids: list[str], base: str | None) -> None:
-    target.model = base if base in ids else target.model or ids[0]
-    target.adapters = [i for i in ids if i != target.model]
-
-
-# -- reporting ------------------------------------------------------------------------
 def _ms(v: float) -> str:
     return "     -" if v != v else f"{v * 1e3:6.0f}"
 

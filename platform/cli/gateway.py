@@ -17,8 +17,9 @@ from loraplex.platform.settings import Settings
 log = logging.getLogger("loraplex")
 
 
-def add_parser(sub: argparse._SubParsersAction, db_options) -> None:
-    """The `gateway` subcommand's arguments (`db_options`: --data-dir, --database-url)."""
+def add_parser(sub: argparse._SubParsersAction, db_options, serving_options, server_options) -> None:
+    """The `gateway` subcommand's arguments; the option groups it shares with `serve`
+    (--data-dir/--database-url, requests and observability, listener limits) come in."""
     gw = sub.add_parser("gateway", help="run a gateway in front of engine workers (loads no model)")
     where = gw.add_mutually_exclusive_group(required=True)
     where.add_argument("--workers", metavar="URL,...", help="the workers, e.g. http://10.0.0.5:8001,http://...")
@@ -27,12 +28,13 @@ def add_parser(sub: argparse._SubParsersAction, db_options) -> None:
     db_options(gw)
     gw.add_argument("--host", default="127.0.0.1")
     gw.add_argument("--port", type=int, default=8000)
-    gw.add_argument("--metrics-port", type=int, default=None, help="also serve /metrics on this port")
     gw.add_argument("--adapter-store", default=None, metavar="URL",
                     help="where workers fetch adapters: s3://bucket/prefix (default: the PostgreSQL database)")
     gw.add_argument("--router-policy", choices=("affinity", "round_robin"), default="affinity")
     gw.add_argument("--max-in-flight", type=int, default=256, help="requests per worker before 503")
     gw.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    serving_options(gw)
+    server_options(gw)
 
 
 def gateway(args: argparse.Namespace) -> int:
@@ -40,6 +42,9 @@ def gateway(args: argparse.Namespace) -> int:
 
     from loraplex.platform.admin.auth import ensure_admin_token
     from loraplex.platform.cli.commands import open_db
+    from loraplex.platform.cli.options import server_settings
+    from loraplex.platform.observability.json_logs import configure_logging
+    from loraplex.platform.serving import listener
     from loraplex.platform.db.database import Database
     from loraplex.platform.fleet.client import RemoteEngineClient
     from loraplex.platform.fleet.config import FleetConfig
@@ -48,11 +53,13 @@ def gateway(args: argparse.Namespace) -> int:
     from loraplex.platform.routing import RouterConfig
     from loraplex.platform.app import create_app
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    configure_logging(args.log_format)
     logging.getLogger("alembic").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     base = Settings(database_url=args.database_url, host=args.host, port=args.port, create_demo_tenant=False,
-                    adapter_store=args.adapter_store, **({"data_dir": args.data_dir} if args.data_dir else {}))
+                    adapter_store=args.adapter_store, request_timeout=args.request_timeout or None,
+                    log_format=args.log_format, otlp_endpoint=args.otlp_endpoint, **server_settings(args),
+                    **({"data_dir": args.data_dir} if args.data_dir else {}))
     open_db(base).dispose()  # migrate (a no-op when current)
     fleet = FleetConfig(workers=args.workers, workers_dns=args.workers_dns,
                         router=RouterConfig(policy=args.router_policy, max_in_flight=args.max_in_flight))
@@ -70,53 +77,14 @@ def gateway(args: argparse.Namespace) -> int:
           f"{args.workers or args.workers_dns}; database {Database.display_url(settings.db_url)}", flush=True)
     if admin_token:
         print(f"loraplex: admin token generated (shown only this once):\n\n    {admin_token}\n", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, access_log=args.access_log,
-                                           timeout_graceful_shutdown=30, log_level="info"))
+    # log_config=None: uvicorn's loggers propagate to the one root handler set above.
+    server = uvicorn.Server(listener.uvicorn_config(app, settings, access_log=args.access_log,
+                                                   timeout_graceful_shutdown=30, log_level="info", log_config=None))
     try:
-        asyncio.run(_serve(server, app, settings.host, args.metrics_port))
+        asyncio.run(listener.serve(server, app, settings))
     finally:
         with contextlib.suppress(OSError):
             for f in model_dir.iterdir():
                 f.unlink()
             model_dir.rmdir()
     return 0
-
-
-class _QuietServer:
-    """A second uvicorn server in the same loop that leaves signals to the main one."""
-
-    def __init__(self, config) -> None:
-        import uvicorn
-
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):
-                yield
-
-        self.server = Server(config)
-
-
-async def _serve(server, app, host: str, metrics_port: int | None) -> None:
-    if metrics_port is None:
-        await server.serve()
-        return
-    import uvicorn
-    from starlette.applications import Starlette
-    from starlette.responses import Response
-    from starlette.routing import Route
-
-    from loraplex.platform.serving.metrics import CONTENT_TYPE
-
-    async def metrics(request) -> Response:
-        gw = getattr(app.state, "gateway", None)
-        body = gw.metrics.render() if gw is not None else b""
-        return Response(body, media_type=CONTENT_TYPE)
-
-    side = _QuietServer(uvicorn.Config(Starlette(routes=[Route("/metrics", metrics)]), host=host,
-                                       port=metrics_port, access_log=False, log_level="warning", lifespan="off"))
-    task = asyncio.create_task(side.server.serve())
-    try:
-        await server.serve()
-    finally:
-        side.server.should_exit = True
-        await task

@@ -9,7 +9,6 @@ import argparse
 import datetime as dt
 import logging
 import os
-import re
 import sys
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -22,22 +21,9 @@ from loraplex.engine.memory_budget import DeviceMemoryError
 
 from loraplex.platform.cli import gateway as gateway_cli
 from loraplex.platform.cli import roles
+from loraplex.platform.cli.options import CLEAR, parse_size, seconds_arg, server_options, server_settings, serving_options
 from loraplex.platform.errors import PlatformError
-from loraplex.platform.settings import ServerLimits, Settings, default_data_dir
-
-_SIZE_RE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "ki": 1024, "kib": 1024, "m": 1e6, "mb": 1e6, "mi": 2**20,
-          "mib": 2**20, "g": 1e9, "gb": 1e9, "gi": 2**30, "gib": 2**30, "t": 1e12, "tb": 1e12, "ti": 2**40,
-          "tib": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """'2GiB', '512MiB', '1e9', '1073741824' -> bytes."""
-    m = _SIZE_RE.match(text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 2GiB, 512MiB or a number of bytes)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
+from loraplex.platform.settings import Settings, default_data_dir
 
 def _adapter_arg(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
@@ -51,12 +37,11 @@ def _default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) // 2) if hasattr(os, "sched_getaffinity") else 1
 
 
-_CLEAR = ("none", "off", "unlimited", "clear")
 
 
 def _limit_arg(text: str) -> int | None:
     """A limit: a whole number >= 0, or none/off/unlimited to clear it."""
-    if text.strip().lower() in _CLEAR:
+    if text.strip().lower() in CLEAR:
         return None
     try:
         value = int(text.replace("_", "").replace(",", ""))
@@ -85,41 +70,16 @@ def _quota_values(args: argparse.Namespace) -> dict:
             if hasattr(args, k)}
 
 
-def _seconds_arg(text: str) -> float:
-    """Seconds > 0, or none/off/clear (0: the server's default)."""
-    if text.strip().lower() in _CLEAR:
-        return 0.0
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r} (or 'none' to clear it)") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"seconds must be a finite number >= 0, got {text!r}")
-    return value
-
-
 def _scheduling_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("scheduling")
     g.add_argument("--weight", type=float, default=argparse.SUPPRESS, metavar="W",
                    help="its share of the engine inside a lane, relative to other tenants (default 1)")
-    g.add_argument("--request-timeout", type=_seconds_arg, default=argparse.SUPPRESS, metavar="S",
+    g.add_argument("--request-timeout", type=seconds_arg, default=argparse.SUPPRESS, metavar="S",
                    help="seconds a request may run before the engine ends it ('none': the server's --request-timeout)")
 
 
 def _scheduling_values(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in ("weight", "request_timeout") if hasattr(args, k)}
-
-
-def _serving_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("requests and observability")
-    g.add_argument("--request-timeout", type=_seconds_arg, default=0.0, metavar="S",
-                   help="seconds a request may run before the engine ends it (finish reason timeout; a tenant's "
-                        "own --request-timeout wins); default none")
-    g.add_argument("--log-format", choices=("text", "json"), default="text",
-                   help="log lines as text or as one JSON object each (with the request id)")
-    g.add_argument("--otlp-endpoint", default=None, metavar="URL",
-                   help="send OpenTelemetry traces here (OTLP/HTTP, e.g. http://collector:4318/v1/traces); "
-                        "default off")
 
 
 def _db_options(p: argparse.ArgumentParser) -> None:
@@ -169,35 +129,6 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-lora-rank", type=int, default=64)
 
 
-def _server_options(p: argparse.ArgumentParser) -> None:
-    d = ServerLimits()
-    g = p.add_argument_group("limits (see the README's \"Limits\")")
-    g.add_argument("--metrics-host", default="127.0.0.1", help="/metrics listener's address (default loopback)")
-    g.add_argument("--metrics-port", type=int, default=9464,
-                   help="/metrics on this port of its own (default 9464); 0: on the main port")
-    g.add_argument("--forwarded-allow-ips", default="127.0.0.1", metavar="IPS",
-                   help="proxies trusted for X-Forwarded-For/-Proto (comma-separated, or '*')")
-    g.add_argument("--header-timeout", type=float, default=d.header_timeout, metavar="S",
-                   help="seconds to send a request's headers")
-    g.add_argument("--body-timeout", type=float, default=d.body_timeout, metavar="S",
-                   help="seconds a request body may stall")
-    g.add_argument("--keep-alive-timeout", type=int, default=d.keep_alive_timeout, metavar="S")
-    g.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
-                   help="connections + requests in progress; past it, 503")
-    g.add_argument("--max-body-size", type=parse_size, default=d.max_body_bytes, metavar="SIZE",
-                   help="request bodies of the OpenAI routes (default 4MiB)")
-    g.add_argument("--max-upload-size", type=parse_size, default=Settings.admin_max_upload_bytes, metavar="SIZE",
-                   help="adapter uploads through the admin API (default 1GiB)")
-
-
-def _server_settings(args: argparse.Namespace) -> dict:
-    limits = ServerLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                          keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
-                          max_body_bytes=args.max_body_size)
-    return {"limits": limits, "metrics_host": args.metrics_host, "metrics_port": args.metrics_port or None,
-            "forwarded_allow_ips": args.forwarded_allow_ips, "admin_max_upload_bytes": args.max_upload_size}
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description="Multi-tenant multi-LoRA LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -212,9 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--no-demo", action="store_true", help="no demo tenant, no demo adapters")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    _serving_options(serve)
+    serving_options(serve)
     _engine_options(serve)
-    _server_options(serve)
+    server_options(serve)
     roles.add_worker_parser(sub, _db_options, _engine_options)
     roles.add_migrate_parser(sub, _db_options)
 
@@ -287,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--reset", action="store_true",
                     help="generate a new admin token (printed once); the old one and its sessions stop working")
     _db_options(at)  # (only --data-dir matters: the generated token's hash lives there)
-    gateway_cli.add_parser(sub, _db_options)
+    gateway_cli.add_parser(sub, _db_options, serving_options, server_options)
     return parser
 
 
@@ -323,7 +254,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     served_model_name=args.served_model_name, adapters=tuple(args.adapter),
                     create_demo_tenant=not args.no_demo, request_timeout=getattr(args, "request_timeout", 0) or None,
                     log_format=getattr(args, "log_format", "text"), otlp_endpoint=getattr(args, "otlp_endpoint", None),
-                    **(_server_settings(args) if args.command == "serve" else {}), **kw)
+                    **(server_settings(args) if args.command == "serve" else {}), **kw)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -75,7 +75,8 @@ def test_serve_with_triton_kernels_equals_the_torch_path(capsys, tmp_path, tiny_
         with ThreadPoolExecutor(len(ADAPTERS)) as pool:  # base and both adapters share the batches
             got = dict(zip(ADAPTERS, pool.map(complete, ADAPTERS)))
         assert got == want
-        samples = {s.name: s.value for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+        samples = {s.name: s.value for fam in text_string_to_metric_families(
+            httpx.get(f"http://127.0.0.1:{serve.metrics_port}/metrics").text)
                    for s in fam.samples}
         assert samples["vllm:gpu_cache_usage_perc"] == samples["vllm:kv_cache_usage_perc"]
     finally:

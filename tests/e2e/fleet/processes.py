@@ -108,6 +108,8 @@ def gateway(workers: list[Proc], database_url: str, logs: Path, name: str, *extr
     port = free_port()
     argv = ["gateway", "--workers", ",".join(w.url for w in workers), "--host", "127.0.0.1", "--port", str(port),
             "--database-url", database_url, "--data-dir", str(logs / f"{name}-data"), *extra]
+    if "--metrics-port" not in extra:
+        argv += ["--metrics-port", "0"]  # /metrics on the main port: no two processes share the default one
     return Proc(name, argv, port, logs / f"{name}.log")
 
 

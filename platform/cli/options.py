@@ -1,0 +1,78 @@
+"""Option groups several `loraplex` commands share (serve and gateway: requests and
+observability, listener limits), and the argument types they parse with."""
+from __future__ import annotations
+
+import argparse
+import re
+
+from loraplex.platform.settings import ServerLimits, Settings
+
+# What clears a limit or a timeout on the command line.
+CLEAR = ("none", "off", "unlimited", "clear")
+
+_SIZE_RE = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "ki": 1024, "kib": 1024, "m": 1e6, "mb": 1e6, "mi": 2**20,
+          "mib": 2**20, "g": 1e9, "gb": 1e9, "gi": 2**30, "gib": 2**30, "t": 1e12, "tb": 1e12, "ti": 2**40,
+          "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MiB', '1e9', '1073741824' -> bytes."""
+    m = _SIZE_RE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 2GiB, 512MiB or a number of bytes)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def seconds_arg(text: str) -> float:
+    """Seconds > 0, or none/off/clear (0: the server's default)."""
+    if text.strip().lower() in CLEAR:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r} (or 'none' to clear it)") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"seconds must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def serving_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("requests and observability")
+    g.add_argument("--request-timeout", type=seconds_arg, default=0.0, metavar="S",
+                   help="seconds a request may run before the engine ends it (finish reason timeout; a tenant's "
+                        "own --request-timeout wins); default none")
+    g.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="log lines as text or as one JSON object each (with the request id)")
+    g.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces here (OTLP/HTTP, e.g. http://collector:4318/v1/traces); "
+                        "default off")
+
+
+def server_options(p: argparse.ArgumentParser) -> None:
+    d = ServerLimits()
+    g = p.add_argument_group("limits (see the README's \"Limits\")")
+    g.add_argument("--metrics-host", default="127.0.0.1", help="/metrics listener's address (default loopback)")
+    g.add_argument("--metrics-port", type=int, default=9464,
+                   help="/metrics on this port of its own (default 9464); 0: on the main port")
+    g.add_argument("--forwarded-allow-ips", default="127.0.0.1", metavar="IPS",
+                   help="proxies trusted for X-Forwarded-For/-Proto (comma-separated, or '*')")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout, metavar="S",
+                   help="seconds to send a request's headers")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout, metavar="S",
+                   help="seconds a request body may stall")
+    g.add_argument("--keep-alive-timeout", type=int, default=d.keep_alive_timeout, metavar="S")
+    g.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
+                   help="connections + requests in progress; past it, 503")
+    g.add_argument("--max-body-size", type=parse_size, default=d.max_body_bytes, metavar="SIZE",
+                   help="request bodies of the OpenAI routes (default 4MiB)")
+    g.add_argument("--max-upload-size", type=parse_size, default=Settings.admin_max_upload_bytes, metavar="SIZE",
+                   help="adapter uploads through the admin API (default 1GiB)")
+
+
+def server_settings(args: argparse.Namespace) -> dict:
+    limits = ServerLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                          keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
+                          max_body_bytes=args.max_body_size)
+    return {"limits": limits, "metrics_host": args.metrics_host, "metrics_port": args.metrics_port or None,
+            "forwarded_allow_ips": args.forwarded_allow_ips, "admin_max_upload_bytes": args.max_upload_size}
