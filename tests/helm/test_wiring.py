@@ -78,6 +78,16 @@ def test_services_select_their_pods_and_ports(render):
     assert {p["targetPort"] for p in svc["spec"]["ports"]} == set(names)
     c = _container(gateway)
     assert _flag(c["args"], "--port") == str(names["http"]) and _flag(c["args"], "--metrics-port") == "9090"
+    assert _flag(c["args"], "--metrics-host") == "0.0.0.0"  # the gateway's own default is loopback
+
+
+def test_without_a_metrics_port_the_gateway_serves_metrics_where_it_is_scraped(render):
+    out = render({"metrics": {"serviceMonitor": {"enabled": True}}})
+    args = _container(out.one("Deployment", "gateway"))["args"]
+    assert _flag(args, "--metrics-port") == "0"  # /metrics on the main port, not loopback:9464
+    monitor = next(m for m in out.all("ServiceMonitor")
+                   if m["metadata"]["labels"]["app.kubernetes.io/component"] == "gateway")
+    assert monitor["spec"]["endpoints"][0]["port"] == "http"
     for pdb in out.all("PodDisruptionBudget"):
         component = pdb["metadata"]["labels"]["app.kubernetes.io/component"]
         owner = out.one("Deployment" if component == "gateway" else "StatefulSet", component)

@@ -207,9 +207,16 @@ pre-install,pre-upgrade
 - {{ .Values.gateway.port | quote }}
 - --data-dir
 - /var/lib/loraplex
+{{- /* The gateway's own default is loopback:9464, which no scraper outside the pod reaches:
+      a metrics port listens on every address, and none means /metrics on the main port. */}}
 {{- if .Values.gateway.metricsPort }}
+- --metrics-host
+- 0.0.0.0
 - --metrics-port
 - {{ .Values.gateway.metricsPort | quote }}
+{{- else }}
+- --metrics-port
+- "0"
 {{- end }}
 {{- if eq .Values.adapterStore.type "s3" }}
 - --adapter-store
