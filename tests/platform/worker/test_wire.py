@@ -107,3 +107,15 @@ def test_a_tenant_over_its_share_crosses_as_a_429_with_its_message():
     assert isinstance(back, TenantShareExceededError) and "its share of the queue is 3" in str(back)
     err = api_error(back)  # what the gateway answers its client
     assert (err.status, err.code) == (429, "tenant_queue_share_exceeded")
+
+
+def test_prefill_progress_and_engine_times_survive_the_wire_and_coalescing():
+    # A token-less prefill-progress output is what bills a client that leaves mid-prefill.
+    progress = RequestOutput("r", [], "", False, num_prompt_tokens=40, num_processed_prompt_tokens=16)
+    assert output_from_json("r", output_to_json(progress)) == progress
+    first = RequestOutput("r", [5], "a", False, num_prompt_tokens=40, num_output_tokens=1,
+                          num_processed_prompt_tokens=40, queue_time=0.25, prefill_time=0.5)
+    second = RequestOutput("r", [6], "b", False, num_prompt_tokens=40, num_output_tokens=2,
+                           num_processed_prompt_tokens=40)
+    joined = coalesce([first, second])
+    assert (joined.queue_time, joined.prefill_time, joined.num_processed_prompt_tokens) == (0.25, 0.5, 40)
