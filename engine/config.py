@@ -50,8 +50,15 @@ class SchedulerConfig:
     # The per-step token budget shared by decodes and prefill chunks.
     max_num_batched_tokens: int = 1024
     enable_chunked_prefill: bool = True
-    # A waiting request climbs one lane per `aging_seconds` waited, so batch never starves.
+    # A waiting request climbs one lane per `aging_seconds` waited, up to the lane below
+    # the foreground's (engine/lane_guard.py): it orders the background lanes.
     aging_seconds: float = 5.0
+    # A lane stays the foreground this long after its last request left.
+    lane_hold_seconds: float = 10.0
+    # While a foreground lane is held, the lanes below it run in steps sized (measured as
+    # they run) to take about this long, so a foreground arrival waits little for the
+    # step in flight; they are guaranteed that share, so they never starve.
+    background_step_seconds: float = 0.05
     # "continuous" (iteration-level) or "static" (a batch admitted only when the previous
     # one has fully finished): the baseline the benchmarks compare against.
     policy: str = "continuous"
@@ -71,6 +78,8 @@ class SchedulerConfig:
             raise ValueError(f"unknown scheduling order {self.scheduling!r}; use fair or fcfs")
         if not 0 < self.tenant_queue_share <= 1:
             raise ValueError("tenant_queue_share must be in (0, 1]")
+        if not (self.lane_hold_seconds >= 0 and self.background_step_seconds > 0 and self.aging_seconds > 0):
+            raise ValueError("lane_hold_seconds must be >= 0, background_step_seconds and aging_seconds > 0")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
 

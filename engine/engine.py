@@ -227,7 +227,9 @@ class LLMEngine:
             self._load_adapters(plan)
         if not plan.seqs:
             return [self._as_choice(o) for o in failed]
+        started = time.perf_counter()
         sampled, logprobs = self.runner.execute(plan, self.scheduler.requests)
+        self.scheduler.observe_step(plan, time.perf_counter() - started)
         reqs = {s.request_id: self.scheduler.requests[s.request_id] for s in plan.seqs}
         finished = self.scheduler.update(plan, sampled)
         for req in finished:

@@ -79,29 +79,29 @@ class FairLaneQueue(RequestQueue):
         """The tenant's virtual token counter in `lane` (weighted service so far)."""
         return self._lanes[lane].counter(tenant)
 
-    def __iter__(self) -> Iterator[Request]:
+    def iter_lanes(self, first: int, last: int) -> Iterator[Request]:
         now = self.clock()
         # Each lane keeps its tenant-fair order; aging decides where its requests fall
         # among the other lanes'. A request that aged to level k lifts itself and every
         # request ahead of it in its lane's order to k, so the order within a lane never
         # changes and an old request is never left behind its own lane's newer ones.
         segments: list[list[Iterable[Request]]] = [[] for _ in self._lanes]
-        for lane in range(len(self._lanes) - 1, -1, -1):
+        for lane in range(last, first - 1, -1):
             fair = self._lanes[lane]
-            if lane == 0 or all(self.effective_lane(r, now) == lane for r in fair.unordered()):
+            if lane == first or all(self.effective_lane(r, now) >= lane for r in fair.unordered()):
                 segments[lane].append(fair)  # walked lazily: nothing aged
                 continue
             order = list(fair)
             level, cut = lane, len(order)
             for i in range(len(order) - 1, -1, -1):
-                lifted = min(level, self.effective_lane(order[i], now))
+                lifted = min(level, max(first, self.effective_lane(order[i], now)))
                 if lifted < level:
                     segments[level].append(order[i + 1:cut])
                     level, cut = lifted, i + 1
             segments[level].append(order[:cut])
         # Per level: lifted requests waited longer than the level's own, so they come
         # first, the lowest lane first (segments were collected from the lowest lane up).
-        for per_level in segments:
+        for per_level in segments[first:last + 1]:
             for segment in per_level:
                 for req in segment:
                     if req in self:

@@ -26,7 +26,9 @@ class RequestQueue(ABC):
     a request removed meanwhile is skipped (admission removes what it admits as it
     goes; requests pushed meanwhile wait for the next iteration); `peek` is the first
     of that order (None when empty) and `pop` removes and returns it; `len` counts the
-    queued requests. `check` raises (a typed engine error) when a new request may not
+    queued requests. `iter_lanes(first, last)` is the same order restricted to the
+    requests that asked for a lane in [first, last], aging lifting none above `first`
+    (the scheduler admits each class of lanes from its own budget). `check` raises (a typed engine error) when a new request may not
     join now; requeued requests are never checked. `charge` bills tokens computed for a
     request to whatever the order depends on. No tensors, no I/O.
     """
@@ -51,7 +53,10 @@ class RequestQueue(ABC):
     def remove(self, req: Request) -> None: ...
 
     @abstractmethod
-    def __iter__(self) -> Iterator[Request]: ...
+    def iter_lanes(self, first: int, last: int) -> Iterator[Request]: ...
+
+    def __iter__(self) -> Iterator[Request]:
+        return self.iter_lanes(0, len(Lane) - 1)
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -111,18 +116,19 @@ class LaneQueue(RequestQueue):
     def effective_lane(self, req: Request, now: float) -> int:
         return max(0, int(req.lane) - int((now - req.enqueue_time) / self.aging_seconds))
 
-    def __iter__(self) -> Iterator[Request]:
+    def iter_lanes(self, first: int, last: int) -> Iterator[Request]:
         now = self.clock()
         # One pass sorts nothing: each lane's entries, already in arrival order, go to
         # their effective level; each level then merges its lanes' runs.
         levels: list[list[list[tuple[float, int, Request]]]] = [[[] for _ in self._lanes] for _ in self._lanes]
-        for lane, entries in enumerate(self._lanes):
-            if lane == 0:
-                levels[0][0] = list(entries)
+        for lane in range(first, last + 1):
+            entries = self._lanes[lane]
+            if lane == first:
+                levels[first][first] = list(entries)
                 continue
             for entry in entries:
-                levels[self.effective_lane(entry[2], now)][lane].append(entry)
-        for runs in levels:
+                levels[max(first, self.effective_lane(entry[2], now))][lane].append(entry)
+        for runs in levels[first:last + 1]:
             for entry in heapq.merge(*(r for r in runs if r), key=_order):
                 if self._key.get(entry[2].request_id) is entry:
                     yield entry[2]
@@ -135,8 +141,9 @@ def _order(entry: tuple[float, int, Request]) -> tuple[float, int]:
 class AdmissionPolicy(ABC):
     """Which waiting requests admission considers in a step, and in which order.
 
-    Contract: `candidates(waiting, running)` returns requests of `waiting` (each at most
-    once) for admission to try in order; `running` is how many requests run now. The
+    Contract: `candidates(waiting, running, first, last)` returns requests of `waiting`
+    that asked for a lane in [first, last] (each at most once) for admission to try in
+    order; `running` is how many requests run now. The
     scheduler then calls `admitted` for each request it starts, `requeued` for each
     running request it preempts back into `waiting`, and `dropped` for each request
     that leaves `waiting` otherwise (finished or aborted), so a policy's own state
@@ -144,7 +151,8 @@ class AdmissionPolicy(ABC):
     """
 
     @abstractmethod
-    def candidates(self, waiting: RequestQueue, running: int) -> Iterable[Request]: ...
+    def candidates(self, waiting: RequestQueue, running: int, first: int = 0,
+                   last: int = len(Lane) - 1) -> Iterable[Request]: ...
 
     def admitted(self, req: Request) -> None:
         pass
@@ -162,8 +170,9 @@ class ContinuousPolicy(AdmissionPolicy):
     def __init__(self, max_num_seqs: int) -> None:
         pass
 
-    def candidates(self, waiting: RequestQueue, running: int) -> Iterable[Request]:
-        return waiting
+    def candidates(self, waiting: RequestQueue, running: int, first: int = 0,
+                   last: int = len(Lane) - 1) -> Iterable[Request]:
+        return waiting.iter_lanes(first, last)
 
 
 class StaticBatchPolicy(AdmissionPolicy):
@@ -175,10 +184,11 @@ class StaticBatchPolicy(AdmissionPolicy):
         self.max_num_seqs = max_num_seqs
         self.batch: list[Request] = []
 
-    def candidates(self, waiting: RequestQueue, running: int) -> Iterable[Request]:
+    def candidates(self, waiting: RequestQueue, running: int, first: int = 0,
+                   last: int = len(Lane) - 1) -> Iterable[Request]:
         if not running and not self.batch:
             self.batch = list(itertools.islice(waiting, self.max_num_seqs))
-        return list(self.batch)
+        return [r for r in self.batch if first <= r.lane <= last]
 
     def admitted(self, req: Request) -> None:
         if req in self.batch:

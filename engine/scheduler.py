@@ -16,6 +16,7 @@ from .config import SchedulerConfig
 from .errors import EngineOverloadedError, PromptTooLongError
 from .fair_lanes import FairLaneQueue
 from .fairness import FairnessConfig
+from .lane_guard import LaneGuard, Split
 from .request import AdapterRef, Lane, Request, RequestStatus
 from .request_queue import POLICIES, LaneQueue, RequestQueue
 
@@ -42,6 +43,26 @@ class SchedulerOutput:
         return sum(len(s.token_ids) for s in self.seqs)
 
 
+@dataclass
+class _Step:
+    """A step being planned: what it runs, and the budget each planned request drew on
+    (a preempted request's tokens go back to that budget)."""
+
+    out: SchedulerOutput
+    scheduled: dict[str, ScheduledSeq] = field(default_factory=dict)
+    charged: dict[str, list[int]] = field(default_factory=dict)
+
+    def add(self, seq: ScheduledSeq, budget: list[int]) -> None:
+        self.scheduled[seq.request_id] = seq
+        self.charged[seq.request_id] = budget
+        budget[0] -= len(seq.token_ids)
+
+    def drop(self, request_id: str) -> None:
+        seq = self.scheduled.pop(request_id, None)
+        if seq is not None:
+            self.charged.pop(request_id)[0] += len(seq.token_ids)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  max_loras: int = 8, adapter_ready: Callable[[AdapterRef], bool] | None = None) -> None:
@@ -54,10 +75,12 @@ class Scheduler:
         self.slots = AdapterSlots(max_loras)
         self.waiting = _waiting_queue(config, lambda: self.clock())
         self.policy = POLICIES[config.policy](config.max_num_seqs)
+        self.guard = LaneGuard(config.lane_hold_seconds, config.background_step_seconds,
+                               config.max_num_batched_tokens)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # The lane each running request was admitted at, aging included: its priority while
-        # it runs, so an aged batch request is not preempted by the next interactive arrival.
+        # The lane each running request was admitted at, aging included: its order among
+        # the running requests of its class (foreground or background).
         self._run_lane: dict[str, int] = {}
         self.num_preemptions = 0
         # Preemptions by the lane the victim ran at (aging included).
@@ -111,31 +134,99 @@ class Scheduler:
 
     # -- the step's plan --------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = [self.config.max_num_batched_tokens]
-        scheduled: dict[str, ScheduledSeq] = {}
+        step = _Step(SchedulerOutput())
         self.running.sort(key=self._running_priority)
-        i = 0
-        while i < len(self.running) and budget[0] > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget[0])
-            if not self.config.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens:
-                i += 1
-                continue
-            while not self.kv.allocate_slots(req, n):
-                victim = self.running[-1]
-                self._preempt(victim, out, scheduled, budget)
-                if victim is req:
-                    break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted itself; the list shrank under us
-            scheduled[req.request_id] = self._plan(req, n)
-            budget[0] -= n
-            i += 1
-        self._admit(out, scheduled, budget)
-        out.seqs = list(scheduled.values())
+        split = self._split()
+        total = self.config.max_num_batched_tokens
+        if split is None:
+            budget = [total]
+            self._continue(list(self.running), budget, step, lambda req: self.running[-1])
+            self._admit(step, budget, 0, len(Lane) - 1, self._lower_lane_victim)
+        else:
+            self._schedule_split(step, split, total)
+        out = step.out
+        out.seqs = list(step.scheduled.values())
         self._charge_prefill(out)
         return out
+
+    def _schedule_split(self, step: _Step, split: Split, total: int) -> None:
+        """The foreground first, from its budget; the background from its share. The
+        background's first request, once it has waited as long as aging takes to reach the
+        foreground's lane, is served before the foreground and never preempted for it:
+        lower lanes are throttled while a higher lane is held, never starved."""
+        # Without chunked prefill a capped background could never fit a whole prompt:
+        # it then takes what the foreground leaves, as strict priority would.
+        chunked = self.config.enable_chunked_prefill
+        bg_budget = [split.background_tokens if chunked else total]
+        fg_budget = [total - bg_budget[0]] if chunked else bg_budget
+        fg = [r for r in self.running if not split.is_background(r.lane)]
+        now = self.clock()
+
+        def aged(req: Request) -> bool:
+            return self.waiting.effective_lane(req, now) <= split.top
+
+        def bg_victim(req: Request) -> Request | None:  # the newest unprotected background request
+            rest = self._background(split)
+            rest = rest[1:] if rest and aged(rest[0]) else rest
+            return rest[-1] if rest else None
+
+        bg = self._background(split)
+        due = bool(bg) and aged(bg[0])
+
+        if due:
+            self._continue(bg[:1], bg_budget, step, lambda req: bg_victim(req) or self._last_running(fg) or req)
+        self._continue(fg, fg_budget, step, lambda req: bg_victim(req) or self._last_running(fg))
+        self._continue(bg[1:] if due else bg, bg_budget, step, bg_victim)
+        admit_bg = lambda: self._admit(step, bg_budget, split.top + 1, len(Lane) - 1,  # noqa: E731
+                                       self._lower_lane_victim)
+        # With nothing of the background running, its aged head is admitted first: freed
+        # seats and blocks go to it before the foreground's next arrival.
+        head = next(self.waiting.iter_lanes(split.top + 1, len(Lane) - 1), None) if not bg else None
+        head_first = head is not None and aged(head)
+        if head_first:
+            admit_bg()
+        self._admit(step, fg_budget, 0, split.top, bg_victim, seats=True)
+        if not head_first:
+            admit_bg()
+
+
+    def _last_running(self, reqs: list[Request]) -> Request | None:
+        return next((r for r in reversed(reqs) if r.status is RequestStatus.RUNNING), None)
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """How long a planned step took to execute (the engine measures it)."""
+        decoded = sum(1 for s in out.seqs if len(s.token_ids) == 1)
+        self.guard.observe(decoded, out.num_tokens - decoded, seconds)
+
+    def _split(self) -> Split | None:
+        busy = {int(r.lane) for r in self.running}
+        busy.update(int(lane) for lane, n in self.waiting.lane_sizes().items() if n)
+        return self.guard.split(busy, self.clock())
+
+    def _background(self, split: Split) -> list[Request]:
+        """Running background requests in priority order: the first is the one whose
+        progress the foreground never takes (it cannot be preempted for it)."""
+        return [r for r in self.running if split.is_background(r.lane)]
+
+    def _continue(self, reqs: list[Request], budget: list[int], step: _Step,
+                  victim_of: Callable[[Request], Request]) -> None:
+        """Plan the next tokens of running requests, in order, from `budget`; when the KV
+        pool is full, preempt `victim_of(req)` (which may be `req` itself) until it fits."""
+        for req in reqs:
+            if budget[0] <= 0:
+                return
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = min(req.num_tokens - req.num_computed_tokens, budget[0])
+            if not self.config.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens:
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = victim_of(req)
+                self._preempt(victim, step)
+                if victim is req:
+                    break
+            if req.status is RequestStatus.RUNNING:
+                step.add(self._plan(req, n), budget)
 
     def _charge_prefill(self, out: SchedulerOutput) -> None:
         for seq in out.seqs:
@@ -155,17 +246,22 @@ class Scheduler:
         return ScheduledSeq(req.request_id, req.token_slice(start, start + n), start,
                             list(req.block_ids), start + n == req.num_tokens, slot)
 
-    def _admit(self, out: SchedulerOutput, scheduled: dict[str, ScheduledSeq], budget: list[int]) -> None:
-        if budget[0] <= 0 or len(self.running) >= self.config.max_num_seqs:
+    def _admit(self, step: _Step, budget: list[int], first: int, last: int,
+               victim_of: Callable[[Request], Request | None], seats: bool = False) -> None:
+        """Start waiting requests of lanes [first, last] from `budget`; `victim_of(req)`
+        names a running request `req` may preempt for KV (and, with `seats`, for a seat)."""
+        if budget[0] <= 0 or (len(self.running) >= self.config.max_num_seqs and not seats):
             return
         starving = None  # the first request kept out by adapter slots
-        for req in self.policy.candidates(self.waiting, len(self.running)):
-            if budget[0] <= 0 or len(self.running) >= self.config.max_num_seqs:
+        for req in self.policy.candidates(self.waiting, len(self.running), first, last):
+            if budget[0] <= 0:
                 return
             if req.grammar is not None and not req.grammar.ready():
                 continue  # its grammar is still compiling; the others go ahead
             if req.waits_for_leader():
                 continue  # admitted once its sibling's prompt blocks are cached
+            if req.request_id in step.out.preempted:
+                continue  # preempted for someone this step: its blocks are theirs
             if req.adapter is not None:
                 d = req.adapter.digest
                 if not self.slots.can_acquire(d):
@@ -177,20 +273,30 @@ class Scheduler:
                     # Let pinned adapters drain so the starving one gets a slot:
                     # a hot adapter cannot monopolise the slots.
                     continue
+            if not self._make_seat(req, step, victim_of if seats else None):
+                return
             cached, n_cached = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - n_cached, budget[0])
             if not self.config.enable_chunked_prefill and n < req.num_tokens - n_cached:
                 return  # the head request waits for a step with room for all of it
             while not self.kv.allocate_slots(req, n, cached):
-                victim = self._lower_lane_victim(req)
+                victim = victim_of(req)
                 if victim is None:
                     return  # memory full: admit nobody behind it either
-                self._preempt(victim, out, scheduled, budget)
-            self._start(req, n_cached, out)
-            scheduled[req.request_id] = self._plan(req, n)
-            budget[0] -= n
+                self._preempt(victim, step)
+            self._start(req, n_cached, step.out, first)
+            step.add(self._plan(req, n), budget)
 
-    def _start(self, req: Request, n_cached: int, out: SchedulerOutput) -> None:
+    def _make_seat(self, req: Request, step: _Step,
+                   victim_of: Callable[[Request], Request | None] | None) -> bool:
+        while len(self.running) >= self.config.max_num_seqs:
+            victim = victim_of(req) if victim_of is not None else None
+            if victim is None:
+                return False
+            self._preempt(victim, step)
+        return True
+
+    def _start(self, req: Request, n_cached: int, out: SchedulerOutput, floor: int) -> None:
         if req.adapter is not None:
             slot, load = self.slots.acquire(req.adapter)
             if load:
@@ -204,22 +310,19 @@ class Scheduler:
         now = self.clock()
         if req.scheduled_time is None:
             req.scheduled_time = now
-        self._run_lane[req.request_id] = self.waiting.effective_lane(req, now)
+        self._run_lane[req.request_id] = max(floor, self.waiting.effective_lane(req, now))
         self.running.append(req)
 
     def _lower_lane_victim(self, req: Request) -> Request | None:
-        """Interactive traffic may preempt running work admitted at a strictly lower lane."""
+        """A request may preempt running work admitted at a strictly lower lane."""
         cands = [r for r in self.running if self._running_priority(r)[0] > req.lane]
         return max(cands, key=self._running_priority) if cands else None
 
-    def _preempt(self, victim: Request, out: SchedulerOutput, scheduled: dict[str, ScheduledSeq],
-                 budget: list[int]) -> None:
+    def _preempt(self, victim: Request, step: _Step) -> None:
         """Preempt by recompute: drop the KV, requeue; greedy output stays identical."""
         self.running.remove(victim)
         self.preemptions_by_lane[Lane(self._run_lane.pop(victim.request_id, int(victim.lane)))] += 1
-        planned = scheduled.pop(victim.request_id, None)
-        if planned is not None:
-            budget[0] += len(planned.token_ids)
+        step.drop(victim.request_id)
         self.kv.free(victim)
         if victim.adapter is not None:
             self.slots.release(victim.adapter.digest)
@@ -230,7 +333,7 @@ class Scheduler:
         self.waiting.push(victim)
         self.policy.requeued(victim)
         self.num_preemptions += 1
-        out.preempted.append(victim.request_id)
+        step.out.preempted.append(victim.request_id)
 
     # -- after the step -----------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

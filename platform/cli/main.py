@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import logging
+import math
 import os
 import sys
 
@@ -88,6 +89,24 @@ def _db_options(p: argparse.ArgumentParser) -> None:
                    help="SQLAlchemy URL, e.g. postgresql://user@host/db (default: SQLite in the data dir)")
 
 
+def _number_arg(text: str, ok, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and ok(value)):
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}")
+    return value
+
+
+def _non_negative_arg(text: str) -> float:
+    return _number_arg(text, lambda v: v >= 0, "a number >= 0")
+
+
+def _positive_arg(text: str) -> float:
+    return _number_arg(text, lambda v: v > 0, "a number > 0")
+
+
 def _fraction_arg(text: str) -> float:
     try:
         value = float(text)
@@ -123,6 +142,11 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="order inside a lane: fair shares it between tenants by the tokens they were served, "
                         "by their weights, and bounds each tenant's share of the waiting queue (HTTP 429 beyond "
                         "it); fcfs serves by arrival (default fair)")
+    g.add_argument("--lane-hold-seconds", type=_non_negative_arg, default=10.0, metavar="S",
+                   help="a lane stays the foreground this long after its last request left (default 10)")
+    g.add_argument("--background-step-ms", type=_positive_arg, default=50.0, metavar="MS",
+                   help="while a higher lane is the foreground, lower lanes run in steps sized to take about "
+                        "this long, so an arrival in the foreground waits little (default 50)")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: half the cores)")
     g.add_argument("--max-loras", type=int, default=8, help="adapters computable in one step")
     g.add_argument("--max-cpu-loras", type=int, default=32, help="adapters kept in CPU memory")
@@ -234,7 +258,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           device=resolve_device(args.device)),
         cache=cache,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_chunked_prefill=not args.no_chunked_prefill, scheduling=args.scheduling),
+                                  enable_chunked_prefill=not args.no_chunked_prefill, scheduling=args.scheduling,
+                                  lane_hold_seconds=args.lane_hold_seconds,
+                                  background_step_seconds=args.background_step_ms / 1000),
         lora=LoRAConfig(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank),
         num_threads=args.threads or _default_threads(),
         kernels=args.kernels,

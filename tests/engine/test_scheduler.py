@@ -422,6 +422,7 @@ def test_a_plan_dropped_by_preemption_never_becomes_a_prefix_hit():
     # arrival preempts it in the same step, so that chunk's KV is never written. Its full
     # block must not be published: the batch request's own resume would hit it.
     h = Harness(num_blocks=6, block_size=4, max_num_batched_tokens=12)
+    h.s.guard.tokens = 6  # the background's share of a step once the interactive lane is busy
     batch = h.add(18, lane=B, max_tokens=2)
     h.step()
     assert batch.num_computed_tokens == 12
@@ -471,8 +472,8 @@ def _abort_scenario(stage: str) -> None:
     other = h.add(4, lane=I, max_tokens=10)
     victim = h.add(20, lane=B, max_tokens=6, adapter="a")
     if stage == "waiting":
-        h.add(4, lane=I, max_tokens=10)  # fills max_num_seqs first
-        h.add(4, lane=I, max_tokens=10)
+        h.add(1, lane=I, max_tokens=10)  # fill max_num_seqs first (in the foreground's budget)
+        h.add(1, lane=I, max_tokens=10)
         h.step()
         assert victim.status is RequestStatus.WAITING
     elif stage == "mid-prefill":

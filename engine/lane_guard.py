@@ -1,0 +1,118 @@
+"""Which lane is in front this step, and how much of a step the lanes behind it get.
+
+Strict lane priority protects nothing on a machine where a step is long: a batch
+backlog in the running batch makes every step long, and an interactive request that
+arrives waits for the step in flight, then runs in a step as long. So while a lane
+has work (or had it within `hold_seconds`), it is the *foreground*: the lanes below it
+(the *background*) share at most `tokens` tokens of each step, and are guaranteed
+them, so they never starve. `tokens` is not a guess made once: a cost model fitted to
+the last steps' measured times (`StepCost`) sizes it so that the background adds about
+`target_seconds` to a step, on whatever device this is (a few tokens on a small CPU,
+hundreds on a GPU).
+
+Plain data: no clock of its own, no tensors.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .request import Lane
+
+
+@dataclass(frozen=True)
+class Split:
+    """This step's classes: lanes <= `top` are the foreground, the rest the background,
+    which gets `background_tokens` of the step's budget."""
+
+    top: int
+    background_tokens: int
+
+    def is_background(self, lane: int) -> bool:
+        return lane > self.top
+
+
+class StepCost:
+    """Least squares over the last `window` steps: seconds = fixed + per_decode * decoded
+    tokens + per_prompt * prompt tokens. `per_token()` is the dearer of the two marginal
+    costs (what one more background token may add), None until the steps seen vary
+    enough to tell the fixed cost from the per-token ones."""
+
+    def __init__(self, window: int = 64) -> None:
+        self._rows: deque[tuple[float, float, float]] = deque(maxlen=window)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def add(self, decoded: int, prompt: int, seconds: float) -> None:
+        self._rows.append((float(decoded), float(prompt), seconds))
+
+    def per_token(self) -> float | None:
+        if len(self._rows) < 8:
+            return None
+        # Normal equations, centred (the fixed cost drops out): a 2x2 system in the slopes.
+        n = len(self._rows)
+        md, mp, mt = (sum(r[i] for r in self._rows) / n for i in range(3))
+        sdd = sum((r[0] - md) ** 2 for r in self._rows)
+        spp = sum((r[1] - mp) ** 2 for r in self._rows)
+        sdp = sum((r[0] - md) * (r[1] - mp) for r in self._rows)
+        sdt = sum((r[0] - md) * (r[2] - mt) for r in self._rows)
+        spt = sum((r[1] - mp) * (r[2] - mt) for r in self._rows)
+        det = sdd * spp - sdp * sdp
+        if sdd > 0 and spp > 0 and det > 1e-9 * sdd * spp:
+            slopes = ((spp * sdt - sdp * spt) / det, (sdd * spt - sdp * sdt) / det)
+        elif sdd > 0 or spp > 0:  # one kind of token only: one slope over all of them
+            tokens = [r[0] + r[1] for r in self._rows]
+            mx = sum(tokens) / n
+            sxx = sum((x - mx) ** 2 for x in tokens)
+            if sxx == 0:
+                return None
+            slopes = (sum((x - mx) * (r[2] - mt) for x, r in zip(tokens, self._rows)) / sxx,)
+        else:
+            return None
+        per = max(slopes)
+        return per if per > 0 and math.isfinite(per) else None
+
+
+class LaneGuard:
+    """Contract: `split(busy, now)` is called once per step with the lanes that have work
+    (running or waiting, by the lane each request asked for); it returns None when one
+    lane is all there is (no budget split), else the step's `Split`. `observe(...)`
+    reports each executed step's decoded and prompt tokens and how long it took; the
+    background's share follows."""
+
+    def __init__(self, hold_seconds: float, target_seconds: float, max_batched_tokens: int,
+                 initial_tokens: int = 16) -> None:
+        self.hold_seconds = hold_seconds
+        self.target_seconds = target_seconds
+        # The foreground keeps at least half of every step (a budget of one token is all
+        # the foreground's).
+        self.max_tokens = max_batched_tokens // 2
+        self.min_tokens = min(1, self.max_tokens)
+        # Until the steps have been measured: small, so a long step is not the first thing
+        # an interactive arrival meets on a slow device.
+        self.tokens = max(self.min_tokens, min(self.max_tokens, initial_tokens))
+        self.cost = StepCost()
+        self._last_busy = [-math.inf] * len(Lane)
+
+    def split(self, busy: Iterable[int], now: float) -> Split | None:
+        busy = set(busy)
+        for lane in busy:
+            self._last_busy[lane] = now
+        if not busy:
+            return None
+        held = [lane for lane in Lane if now - self._last_busy[lane] <= self.hold_seconds]
+        top = min(held, default=min(busy))
+        if not any(lane > top for lane in busy):
+            return None
+        return Split(top, self.tokens)
+
+    def observe(self, decoded: int, prompt: int, seconds: float) -> None:
+        if seconds <= 0 or not math.isfinite(seconds):
+            return
+        self.cost.add(decoded, prompt, seconds)
+        per = self.cost.per_token()
+        if per is not None:
+            self.tokens = max(self.min_tokens, min(self.max_tokens, int(self.target_seconds / per)))
