@@ -17,7 +17,7 @@ from .memory_budget import (DeviceMemory, MemoryPlanConfig, ModelShape, device_m
 from .models.llama import LlamaModel
 from .request import Request
 from .sampler import Logprobs, Sampler, SampleRow, top_logprobs
-from .scheduler import ScheduledSeq, SchedulerOutput
+from .step_plan import ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import heapq
 import time
 from typing import Callable
-from dataclasses import dataclass, field
 
 from .adapter_slots import AdapterSlots
 from .block_pool import KVCacheManager
@@ -19,48 +18,7 @@ from .fairness import FairnessConfig
 from .lane_guard import LaneGuard, Split
 from .request import AdapterRef, Lane, Request, RequestStatus
 from .request_queue import POLICIES, LaneQueue, RequestQueue
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    request_id: str
-    token_ids: list[int]  # the tokens whose KV is computed this step
-    start_pos: int  # position of token_ids[0]
-    block_ids: list[int]  # the request's whole block table
-    sample: bool  # True when this step reaches the last known token
-    adapter_slot: int  # -1: base model
-
-
-@dataclass
-class SchedulerOutput:
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    # (slot, adapter) pairs the runner must load before executing this step.
-    adapter_loads: list[tuple[int, AdapterRef]] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
-
-
-@dataclass
-class _Step:
-    """A step being planned: what it runs, and the budget each planned request drew on
-    (a preempted request's tokens go back to that budget)."""
-
-    out: SchedulerOutput
-    scheduled: dict[str, ScheduledSeq] = field(default_factory=dict)
-    charged: dict[str, list[int]] = field(default_factory=dict)
-
-    def add(self, seq: ScheduledSeq, budget: list[int]) -> None:
-        self.scheduled[seq.request_id] = seq
-        self.charged[seq.request_id] = budget
-        budget[0] -= len(seq.token_ids)
-
-    def drop(self, request_id: str) -> None:
-        seq = self.scheduled.pop(request_id, None)
-        if seq is not None:
-            self.charged.pop(request_id)[0] += len(seq.token_ids)
+from .step_plan import ScheduledSeq, SchedulerOutput, StepPlan
 
 
 class Scheduler:
@@ -134,7 +92,7 @@ class Scheduler:
 
     # -- the step's plan --------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        step = _Step(SchedulerOutput())
+        step = StepPlan(SchedulerOutput())
         self.running.sort(key=self._running_priority)
         split = self._split()
         total = self.config.max_num_batched_tokens
@@ -149,7 +107,7 @@ class Scheduler:
         self._charge_prefill(out)
         return out
 
-    def _schedule_split(self, step: _Step, split: Split, total: int) -> None:
+    def _schedule_split(self, step: StepPlan, split: Split, total: int) -> None:
         """The foreground first, from its budget; the background from its share. The
         background's first request, once it has waited as long as aging takes to reach the
         foreground's lane, is served before the foreground and never preempted for it:
@@ -208,7 +166,7 @@ class Scheduler:
         progress the foreground never takes (it cannot be preempted for it)."""
         return [r for r in self.running if split.is_background(r.lane)]
 
-    def _continue(self, reqs: list[Request], budget: list[int], step: _Step,
+    def _continue(self, reqs: list[Request], budget: list[int], step: StepPlan,
                   victim_of: Callable[[Request], Request]) -> None:
         """Plan the next tokens of running requests, in order, from `budget`; when the KV
         pool is full, preempt `victim_of(req)` (which may be `req` itself) until it fits."""
@@ -246,7 +204,7 @@ class Scheduler:
         return ScheduledSeq(req.request_id, req.token_slice(start, start + n), start,
                             list(req.block_ids), start + n == req.num_tokens, slot)
 
-    def _admit(self, step: _Step, budget: list[int], first: int, last: int,
+    def _admit(self, step: StepPlan, budget: list[int], first: int, last: int,
                victim_of: Callable[[Request], Request | None], seats: bool = False) -> None:
         """Start waiting requests of lanes [first, last] from `budget`; `victim_of(req)`
         names a running request `req` may preempt for KV (and, with `seats`, for a seat)."""
@@ -287,7 +245,7 @@ class Scheduler:
             self._start(req, n_cached, step.out, first)
             step.add(self._plan(req, n), budget)
 
-    def _make_seat(self, req: Request, step: _Step,
+    def _make_seat(self, req: Request, step: StepPlan,
                    victim_of: Callable[[Request], Request | None] | None) -> bool:
         while len(self.running) >= self.config.max_num_seqs:
             victim = victim_of(req) if victim_of is not None else None
@@ -318,7 +276,7 @@ class Scheduler:
         cands = [r for r in self.running if self._running_priority(r)[0] > req.lane]
         return max(cands, key=self._running_priority) if cands else None
 
-    def _preempt(self, victim: Request, step: _Step) -> None:
+    def _preempt(self, victim: Request, step: StepPlan) -> None:
         """Preempt by recompute: drop the KV, requeue; greedy output stays identical."""
         self.running.remove(victim)
         self.preemptions_by_lane[Lane(self._run_lane.pop(victim.request_id, int(victim.lane)))] += 1

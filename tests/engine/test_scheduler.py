@@ -472,7 +472,8 @@ def _abort_scenario(stage: str) -> None:
     other = h.add(4, lane=I, max_tokens=10)
     victim = h.add(20, lane=B, max_tokens=6, adapter="a")
     if stage == "waiting":
-        h.add(1, lane=I, max_tokens=10)  # fill max_num_seqs first (in the foreground's budget)
+        h.s.guard.tokens = 1  # the rest of the budget is the foreground's
+        h.add(1, lane=I, max_tokens=10)  # fill max_num_seqs first
         h.add(1, lane=I, max_tokens=10)
         h.step()
         assert victim.status is RequestStatus.WAITING
@@ -490,10 +491,10 @@ def _abort_scenario(stage: str) -> None:
             h.step()
         assert victim.status is RequestStatus.WAITING
     elif stage == "in-flight":
-        while victim.num_output_tokens < 1:
-            h.step()
         out = h.schedule()
-        assert victim.request_id in scheduled(out)
+        while victim.num_output_tokens < 1 or victim.request_id not in scheduled(out):
+            h.execute_and_update(out)
+            out = h.schedule()
         h.abort(victim.request_id)
         h.execute_and_update(out)  # the step's token for the aborted request is dropped
     if stage != "in-flight":
