@@ -14,6 +14,7 @@ from loraplex.engine.errors import EngineDeadError, EngineOverloadedError, Unkno
 from loraplex.engine.request import AdapterRef
 
 from loraplex.platform.errors import ShuttingDownError
+from loraplex.platform.observability.tracing import Tracing, TracingConfig
 from loraplex.platform.routing.view import WorkerStats, prefix_key
 from loraplex.platform.serving.metrics import Metrics
 from loraplex.platform.worker.config import WorkerConfig
@@ -31,8 +32,9 @@ class WorkerState:
     """Everything the routes share. The engine arrives once loaded (`attach`); until then
     the worker is alive (/health) but not ready, and refuses work with 503."""
 
-    def __init__(self, config: WorkerConfig, model_name: str) -> None:
+    def __init__(self, config: WorkerConfig, model_name: str, tracing: Tracing | None = None) -> None:
         self.config = config
+        self.tracing = tracing or Tracing(TracingConfig())  # off: one shared no-op span per request
         self.token = config.token  # the shared secret, read once
         self.model_name = model_name
         self.engine: AsyncEngine | None = None
