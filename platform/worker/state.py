@@ -15,13 +15,14 @@ from loraplex.engine.request import AdapterRef
 
 from loraplex.platform.errors import ShuttingDownError
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
-from loraplex.platform.routing.view import WorkerStats, prefix_key
+from loraplex.platform.routing.view import WorkerStats
 from loraplex.platform.serving.metrics import Metrics
 from loraplex.platform.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
     from loraplex.platform.worker.adapters import BlobAdapterSource
     from loraplex.platform.worker.stream import Relay
+    from loraplex.platform.worker_wire import GenerateRequest
 
 # Files a gateway needs to rebuild the tokenizer and chat template (`Tokenizer(folder)`).
 TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template*", "vocab.json",
@@ -106,9 +107,9 @@ class WorkerState:
             self.source.evict(digest)
 
     # -- stats -----------------------------------------------------------------------
-    def served_prefix(self, cache_salt: str, adapter: str | None, token_ids: list[int]) -> None:
-        engine = self.running_engine()
-        key = prefix_key(cache_salt, adapter, token_ids, engine.engine.config.cache.block_size)
+    def served_prefix(self, req: GenerateRequest) -> None:
+        """Remember the request's prefix key for routers: the key they computed for it."""
+        key = req.prefix_key
         if key is None:
             return
         self._prefix_keys[key] = None

@@ -21,7 +21,7 @@ import httpx
 import orjson
 import pytest
 
-from loraplex.platform.routing.view import WorkerStats
+from loraplex.platform.routing.view import WorkerStats, prefix_key
 from tests.e2e.conftest import MAX_MODEL_LEN
 from tests.adapters.test_blobs import BUCKET, s3_endpoint  # noqa: F401 - moto's server on loopback
 from tests.platform.fixtures import pg_schema_url, tiny_adapters  # noqa: F401
@@ -166,7 +166,9 @@ def test_streamed_generate_equals_the_in_process_engine(worker, oracle, blob_sto
     stats = WorkerStats.from_json(last)
     if adapter:  # fetched from the blob store by digest, now resident
         assert stats.residency(digests[adapter]) > 0
-    assert stats.max_loras == 2 and stats.prefix_keys
+    # The key the gateway routes this request by (by digest): the worker reports it as served.
+    assert stats.max_loras == 2 and prefix_key("tenant-1", digests[adapter] if adapter else None, ids) in \
+        stats.prefix_keys
 
 
 def test_n_choices_cross_the_wire_apart(worker, oracle, blob_store):
