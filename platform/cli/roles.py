@@ -45,11 +45,12 @@ def worker(settings: Settings, args: argparse.Namespace) -> int:
         raise ConfigError("give --database-url or --adapter-store, not both: a worker reads one adapter store")
     if args.adapter_store and not args.adapter_store.startswith("s3://"):
         raise ConfigError(f"--adapter-store takes s3://bucket/prefix, got {args.adapter_store!r}")
-    # One root handler in the chosen format; uvicorn's loggers propagate to it (run_worker).
-    configure_logging(settings.log_format)
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir() / "adapters"
     config = WorkerConfig(adapter_store=args.adapter_store or settings.db_url, cache_dir=cache,
                           host=args.host, port=args.port)
+    config.check()  # a refusal leaves the process's logging as it found it
+    # One root handler in the chosen format; uvicorn's loggers propagate to it (run_worker).
+    configure_logging(settings.log_format)
     return run_worker(settings, config, access_log=args.access_log)
 
 
