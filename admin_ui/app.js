@@ -564,7 +564,7 @@
 
   // -- Adapters ----------------------------------------------------------------------------
   const RESIDENCY = { device: ["device", "GPU slot"], cpu: ["cpu", "CPU memory"], disk: ["disk", "disk"],
-    missing: ["off", "missing from store"] };
+    store: ["disk", "shared store"], missing: ["off", "missing from store"] };
 
   function residencyBadge(r, deviceName) {
     const [cls, label] = RESIDENCY[r] || ["disk", r];

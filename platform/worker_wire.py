@@ -38,6 +38,7 @@ from loraplex.engine.structured.spec import StructuredOutput
 
 from loraplex.platform.errors import AuthenticationError, ShuttingDownError, api_error
 from loraplex.platform.lanes import lane_name
+from loraplex.platform.routing.view import prefix_key
 
 STATS_HEADER = "x-loraplex-stats"  # the worker's WorkerStats JSON at admission
 NDJSON = "application/x-ndjson"
@@ -104,6 +105,13 @@ class GenerateRequest:
     # Tenant-fair scheduling: the tenant's weight; the engine's deadline (seconds, None: none).
     tenant_weight: float = 1.0
     timeout: float | None = None
+
+    @property
+    def prefix_key(self) -> str | None:
+        """The routing key of its leading tokens: the gateway routes by it, the worker
+        reports it once served; one definition on the fields both sides hold."""
+        return prefix_key(self.cache_salt, self.adapter.digest if self.adapter is not None else None,
+                          self.prompt_token_ids)
 
     def to_json(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),

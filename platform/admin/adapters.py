@@ -1,5 +1,5 @@
 """Admin API handlers: adapters (upload, replace, access, grants, removal) and where
-their versions reside (device, CPU tier or disk)."""
+their versions reside (device, CPU tier, this process's disk, or the shared store)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from loraplex.adapters import AdapterNotFoundError, AdapterRecord
+from loraplex.adapters.errors import BlobStoreError
 from loraplex.adapters.store import validate_name
 
 from loraplex.platform.tenancy.adapter_registry import (
@@ -22,10 +23,9 @@ from loraplex.platform.tenancy.adapter_registry import (
     remove_adapter,
     revoke_grant,
     set_adapter_access,
-    shared_blob_store,
 )
 from loraplex.platform.admin.auth import Admin
-from loraplex.platform.admin.state import AdminState, json_response
+from loraplex.platform.admin.state import AdminState, json_response, log
 from loraplex.platform.admin.uploads import bool_field, receive_upload
 from loraplex.platform.errors import BadRequestError, NotFoundError
 from loraplex.platform.serving.gateway import Gateway
@@ -43,37 +43,51 @@ def _record_json(r: AdapterRecord, where: dict[str, str]) -> dict:
             "residency": where.get(r.digest, "disk")}
 
 
-def _adapter_json(a: AdapterInfo, records: dict[str, AdapterRecord], where: dict[str, str],
-                  versions: list[AdapterRecord] | None = None) -> dict:
-    r = records.get(a.name)
+def _adapter_json(a: AdapterInfo, kept: list[AdapterRecord], where: dict[str, str], stored: set[str],
+                  with_versions: bool = False) -> dict:
+    """`kept`: this process's versions of the name. The registry's digest is the truth: a
+    version uploaded through another gateway is in the shared store, not in `kept`."""
+    r = next((v for v in kept if v.digest == a.digest), None)
+    residency = where.get(a.digest) or ("disk" if r is not None else "store" if a.digest in stored else "missing")
     d: dict[str, Any] = {"name": a.name, "digest": a.digest, "public": a.public, "owner": a.owner,
                          "grants": list(a.grants), "created_at": a.created_at, "updated_at": a.updated_at,
-                         "residency": where.get(a.digest, "disk" if r is not None else "missing"),
-                         "rank": None, "alpha": None, "target_modules": [], "size_bytes": None}
+                         "residency": residency, "rank": None, "alpha": None, "target_modules": [],
+                         "size_bytes": None}
     if r is not None:
         d.update(rank=r.rank, alpha=r.alpha, target_modules=list(r.target_modules), size_bytes=r.size_bytes)
-    if versions is not None:
-        d["versions"] = [_record_json(v, where) for v in versions]
+    if with_versions:
+        d["versions"] = [_record_json(v, where) for v in kept]
     return d
+
+
+def _in_shared_store(st: AdminState, digests: list[str]) -> set[str]:
+    """Which of `digests` the shared adapter store holds (none without one)."""
+    if st.blobs is None or not digests:
+        return set()
+    try:
+        return {d for d in dict.fromkeys(digests) if st.blobs.exists(d)}
+    except BlobStoreError as exc:  # the listing still answers; those versions show as missing
+        log.warning("adapter store unreachable while listing adapters: %s", exc)
+        return set()
 
 
 async def _adapters_payload(st: AdminState, only: str | None = None) -> Any:
     def load():
         infos = [adapter_info(st.db, only)] if only else list_adapters(st.db)
-        records = {r.name: r for r in st.store.list()}
-        vers: dict[str, list[AdapterRecord]] = {}
+        kept: dict[str, list[AdapterRecord]] = {}
         for a in infos:
             try:
-                vers[a.name] = st.store.versions(a.name)
+                kept[a.name] = st.store.versions(a.name)
             except AdapterNotFoundError:
-                vers[a.name] = []
-        return infos, records, vers
+                kept[a.name] = []
+        elsewhere = [a.digest for a in infos if all(v.digest != a.digest for v in kept[a.name])]
+        return infos, kept, _in_shared_store(st, elsewhere)
 
-    infos, records, vers = await asyncio.to_thread(load)
+    infos, kept, stored = await asyncio.to_thread(load)
     where = adapter_residency(st.gateway)
     if only:
-        return _adapter_json(infos[0], records, where, vers[only])
-    return [{**_adapter_json(a, records, where), "num_versions": len(vers[a.name])} for a in infos]
+        return _adapter_json(infos[0], kept[only], where, stored, with_versions=True)
+    return [{**_adapter_json(a, kept[a.name], where, stored), "num_versions": len(kept[a.name])} for a in infos]
 
 
 # -- handlers: adapters -------------------------------------------------------------------
@@ -107,7 +121,7 @@ async def upload_adapter(request: Request, st: AdminState, admin: Admin, query: 
         grants = [g.strip() for v in fields.get("grants", []) for g in v.split(",") if g.strip()]
         info = await asyncio.to_thread(add_adapter, st.db, st.store, name, up.source, public=public, owner=owner,
                                        grants=grants, reserved=(st.settings.model_name,),
-                                       blobs=shared_blob_store(st.settings, st.db))
+                                       blobs=st.blobs)
     finally:
         shutil.rmtree(up.folder, ignore_errors=True)
     st.adapters_changed()
@@ -134,7 +148,7 @@ async def replace_adapter(request: Request, st: AdminState, admin: Admin, query:
     up = await receive_upload(request, st, on_field)
     try:
         info = await asyncio.to_thread(add_adapter, st.db, st.store, name, up.source, replace=True,
-                                       reserved=(st.settings.model_name,), blobs=shared_blob_store(st.settings, st.db))
+                                       reserved=(st.settings.model_name,), blobs=st.blobs)
     finally:
         shutil.rmtree(up.folder, ignore_errors=True)
     st.adapters_changed()

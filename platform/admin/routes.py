@@ -210,8 +210,10 @@ COMPONENTS: dict[str, dict] = {
         "rank": {"type": ["integer", "null"]}, "alpha": {"type": ["number", "null"]},
         "target_modules": {"type": "array", "items": {"type": "string"}},
         "size_bytes": {"type": ["integer", "null"]}, "created_at": TS, "updated_at": TS,
-        "residency": {"type": "string", "enum": ["device", "cpu", "disk", "missing"],
-                      "description": "where the current version is now: a device slot, the CPU tier, or disk only"},
+        "residency": {"type": "string", "enum": ["device", "cpu", "disk", "store", "missing"],
+                      "description": "where the current version is now: a device slot, the CPU tier, this "
+                                     "server's disk, only the shared adapter store (uploaded through another "
+                                     "gateway; workers fetch it from there), or nowhere"},
         "versions": {"type": "array", "items": {"$ref": "#/components/schemas/AdapterVersion"},
                      "description": "(one adapter) the current version first, then older ones still kept"},
         "num_versions": {"type": "integer", "description": "(listings) versions kept, the current one included"}}},

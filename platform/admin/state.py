@@ -3,6 +3,7 @@ helpers every section of the admin API uses (see routes.py for the route table).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import shutil
 from dataclasses import dataclass
@@ -13,9 +14,10 @@ import orjson
 from starlette.responses import Response
 
 from loraplex.adapters import AdapterStore
+from loraplex.adapters.blobs import BlobStore
 
 from loraplex.platform.tenancy import audit
-from loraplex.platform.tenancy.adapter_registry import open_store
+from loraplex.platform.tenancy.adapter_registry import open_store, shared_blob_store
 from loraplex.platform.admin.auth import Admin, AdminAuth
 from loraplex.platform.db.database import Database
 from loraplex.platform.serving.gateway import Gateway
@@ -45,6 +47,12 @@ class AdminState:
         if not auth.configured:
             log.warning("admin API: no admin token configured (set $LORAPLEX_ADMIN_TOKEN); /admin is locked")
         return cls(settings, db, gateway, auth, store)
+
+    @functools.cached_property
+    def blobs(self) -> BlobStore | None:
+        """The adapter store every replica and worker shares (None: this process serves
+        from its own folder only); opened on first use, kept for the process."""
+        return shared_blob_store(self.settings, self.db)
 
     async def audit(self, admin: Admin | str, action: str, target: str, **details: Any) -> None:
         """One audit row; `admin` is the caller, or an actor's name for one not signed in."""

@@ -1,5 +1,6 @@
-"""Option groups several `loraplex` commands share (serve and gateway: requests and
-observability, listener limits), and the argument types they parse with."""
+"""Option groups several `loraplex` commands share (serve, gateway and worker: log format
+and tracing; serve and gateway: request timeout, listener limits), and the argument types
+they parse with."""
 from __future__ import annotations
 
 import argparse
@@ -42,9 +43,17 @@ def serving_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=seconds_arg, default=0.0, metavar="S",
                    help="seconds a request may run before the engine ends it (finish reason timeout; a tenant's "
                         "own --request-timeout wins); default none")
-    g.add_argument("--log-format", choices=("text", "json"), default="text",
+    observability_options(g)
+
+
+def observability_options(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--log-format and --otlp-endpoint: every role that serves requests takes both, so a
+    request's id is on the gateway's and the worker's lines alike."""
+    if isinstance(p, argparse.ArgumentParser):
+        p = p.add_argument_group("observability")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="log lines as text or as one JSON object each (with the request id)")
-    g.add_argument("--otlp-endpoint", default=None, metavar="URL",
+    p.add_argument("--otlp-endpoint", default=None, metavar="URL",
                    help="send OpenTelemetry traces here (OTLP/HTTP, e.g. http://collector:4318/v1/traces); "
                         "default off")
 

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from loraplex.platform.cli.options import observability_options
 from loraplex.platform.settings import Settings
 
 
@@ -25,6 +25,7 @@ def add_worker_parser(sub, db_options: Callable[[argparse.ArgumentParser], None]
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, default=8001)
     w.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    observability_options(w)
     engine_options(w)
     w.set_defaults(adapter=[], no_demo=True)  # what the serve-shaped settings read
 
@@ -37,16 +38,19 @@ def add_migrate_parser(sub, db_options: Callable[[argparse.ArgumentParser], None
 def worker(settings: Settings, args: argparse.Namespace) -> int:
     from loraplex.engine.loader import default_cache_dir
     from loraplex.platform.errors import ConfigError
+    from loraplex.platform.observability.json_logs import configure_logging
     from loraplex.platform.worker import WorkerConfig, run_worker
 
     if args.adapter_store and args.database_url:
         raise ConfigError("give --database-url or --adapter-store, not both: a worker reads one adapter store")
     if args.adapter_store and not args.adapter_store.startswith("s3://"):
         raise ConfigError(f"--adapter-store takes s3://bucket/prefix, got {args.adapter_store!r}")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir() / "adapters"
     config = WorkerConfig(adapter_store=args.adapter_store or settings.db_url, cache_dir=cache,
                           host=args.host, port=args.port)
+    config.check()  # a refusal leaves the process's logging as it found it
+    # One root handler in the chosen format; uvicorn's loggers propagate to it (run_worker).
+    configure_logging(settings.log_format)
     return run_worker(settings, config, access_log=args.access_log)
 
 

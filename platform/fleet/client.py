@@ -45,7 +45,6 @@ from loraplex.platform.routing import (
     WorkerPool,
     WorkerStats,
     discovery_for,
-    prefix_key,
 )
 
 log = logging.getLogger(__name__)
@@ -184,11 +183,11 @@ class RemoteEngineClient:
         sampling = sampling or SamplingParams()
         ref = self.resolve_adapter(adapter) if isinstance(adapter, str) else adapter
         rid = request_id or uuid.uuid4().hex
-        digest = ref.digest if ref is not None else None
-        key = prefix_key(cache_salt, digest, ids)
-        payload = orjson.dumps(worker_wire.GenerateRequest(rid, ids, sampling, lane, ref, cache_salt, tenant=tenant,
-                                                           tenant_weight=tenant_weight, timeout=timeout).to_json())
-        lease = self.pool.acquire(RouteRequest(adapter=digest, prefix_key=key))
+        req = worker_wire.GenerateRequest(rid, ids, sampling, lane, ref, cache_salt, tenant=tenant,
+                                          tenant_weight=tenant_weight, timeout=timeout)
+        payload = orjson.dumps(req.to_json())
+        lease = self.pool.acquire(RouteRequest(adapter=ref.digest if ref is not None else None,
+                                               prefix_key=req.prefix_key))
         stats: list[WorkerStats | None] = [None]  # the worker's latest report, set by _read
         retried = False
         try:

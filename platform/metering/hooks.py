@@ -60,7 +60,7 @@ def checkpoint_of(ctx: RequestContext, out: RequestOutput, now: float) -> Event:
     prompt = max(out.num_processed_prompt_tokens, ctx.num_processed_prompt_tokens)
     return Event(ctx.request_id, p.tenant_id, p.key_id, ctx.adapter, ctx.adapter_digest, int(ctx.lane), "error",
                  prompt, min(out.num_cached_tokens, prompt), ctx.num_output_tokens, ctx.received_at,
-                 ctx.first_token_at or (time.time() if ctx.num_output_tokens else None), now)
+                 ctx.first_token_at or (time.time() if ctx.num_output_tokens else None), now, ctx.correlation_id)
 
 
 def _charges(ctx: RequestContext) -> list | None:

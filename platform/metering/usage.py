@@ -214,6 +214,9 @@ class UsageEventRow:
     received_at: dt.datetime
     first_token_at: dt.datetime | None
     finished_at: dt.datetime
+    # The HTTP request's x-request-id (the client's, or the gateway's when it sent none):
+    # what joins a usage line to the request's log lines and trace.
+    correlation_id: str | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -225,7 +228,8 @@ class UsageEventRow:
                 "lane": self.lane, "status": self.status, "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": self.cached_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.total_tokens, "received_at": _iso(self.received_at),
-                "first_token_at": _iso(self.first_token_at), "finished_at": _iso(self.finished_at)}
+                "first_token_at": _iso(self.first_token_at), "finished_at": _iso(self.finished_at),
+                "correlation_id": self.correlation_id}
 
 
 def _aware(t: dt.datetime | None) -> dt.datetime | None:
@@ -240,7 +244,7 @@ def usage_events(db: Database, start: dt.datetime, end: dt.datetime, *, tenant: 
     e = UsageEvent
     q = (select(e.request_id, e.tenant_id, Tenant.name, ApiKey.prefix, UsageAdapter.name, UsageAdapter.digest,
                 e.lane, e.status, e.prompt_tokens, e.cached_tokens, e.completion_tokens, e.received_at,
-                e.first_token_at, e.finished_at)
+                e.first_token_at, e.finished_at, e.correlation_id)
          .outerjoin(Tenant, Tenant.id == e.tenant_id).outerjoin(ApiKey, ApiKey.id == e.key_id)
          .outerjoin(UsageAdapter, UsageAdapter.id == e.adapter_id)
          .where(e.finished_at >= start, e.finished_at < end).order_by(e.finished_at, e.id))
@@ -249,13 +253,14 @@ def usage_events(db: Database, start: dt.datetime, end: dt.datetime, *, tenant: 
     with db.engine.connect() as conn:
         for r in conn.execution_options(yield_per=batch).execute(q):
             yield UsageEventRow(r[0], r[1], r[2] or f"tenant-{r[1]}", r[3], r[4], r[5], _LANES.get(r[6], str(r[6])),
-                                r[7], r[8], r[9], r[10], _aware(r[11]), _aware(r[12]), _aware(r[13]))
+                                r[7], r[8], r[9], r[10], _aware(r[11]), _aware(r[12]), _aware(r[13]), r[14])
 
 
 # -- export -------------------------------------------------------------------------------
+# correlation_id comes last so that CSV readers that go by position keep working.
 EVENT_COLUMNS = ("request_id", "tenant", "tenant_id", "key_prefix", "adapter", "adapter_digest", "lane", "status",
                  "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "received_at",
-                 "first_token_at", "finished_at")
+                 "first_token_at", "finished_at", "correlation_id")
 AGGREGATE_COLUMNS = ("period_start", "period_end", "tenant", "tenant_id", "adapter", "adapter_digest", "requests",
                      "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "aborted", "errors")
 

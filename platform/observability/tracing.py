@@ -150,6 +150,20 @@ class RequestTrace:
             self._tracing.record_phases(arrival, scheduled, first_token, finished, parent=self._context,
                                         **attributes)
 
+    def record_engine_phases(self, start: float, queue_time: float | None, prefill_time: float | None,
+                             end: float, **attributes: Any) -> None:
+        """Queue, prefill and decode from the engine's queue and prefill times (as a first
+        token's RequestOutput carries them), placed on the caller's monotonic clock from
+        when it handed the request over (`start`). No queue time (no token came out):
+        all of it counts as queue."""
+        if self._tracing is None:
+            return
+        if queue_time is None:
+            self.record_phases(start, None, None, end, **attributes)
+            return
+        scheduled = start + queue_time
+        self.record_phases(start, scheduled, scheduled + (prefill_time or 0.0), end, **attributes)
+
     def end(self, **attributes: Any) -> None:
         if self._root is not None:
             self._root.set_attributes({f"loraplex.{k}": v for k, v in attributes.items() if v is not None})

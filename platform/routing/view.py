@@ -130,7 +130,8 @@ class WorkerView:
 
 @dataclass(frozen=True)
 class RouteRequest:
-    """What the router needs of a request: its adapter (None: the base model) and prefix key."""
+    """What the router needs of a request: its adapter version's digest (None: the base
+    model; workers report residency by digest too) and prefix key."""
 
     adapter: str | None = None
     prefix_key: str | None = None
@@ -141,17 +142,21 @@ def stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
-def prefix_key(cache_salt: str, adapter: str | None, token_ids: Sequence[int],
+def prefix_key(cache_salt: str, adapter_digest: str | None, token_ids: Sequence[int],
                block_size: int = 16, n_blocks: int = 4) -> str | None:
-    """Key of a request's leading full KV blocks (up to `n_blocks`), or None if it has none.
+    """Key of a request's leading full blocks (up to `n_blocks`), or None if it has none.
 
-    Same salt, adapter and leading tokens give the same key, so a tenant's repeated
-    prefix maps to the worker that cached it; workers report the keys they served.
+    Same salt, adapter version and leading tokens give the same key, so a tenant's
+    repeated prefix maps to the worker that cached it; workers report the keys they
+    served. The adapter is its content digest, as the KV cache keys it: a name may be
+    re-bound to other weights, whose cached KV is not this one's. Both sides must compute
+    it alike (`GenerateRequest.prefix_key`); a gateway does not know a worker's KV block
+    size, so the blocks here are a routing granularity, not the engine's.
     """
     n = min(len(token_ids) // block_size, n_blocks) * block_size
     if n == 0:
         return None
     h = hashlib.blake2b(digest_size=12)
-    h.update(f"{cache_salt}\0{adapter or ''}\0".encode())
+    h.update(f"{cache_salt}\0{adapter_digest or ''}\0".encode())
     h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in token_ids[:n]))
     return h.hexdigest()

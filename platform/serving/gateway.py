@@ -207,19 +207,10 @@ class Gateway:
             end = time.perf_counter()
             m.request_finished(ctx.adapter, ctx.lane, first, end - t0, ctx.finish_reason,
                                None if first else end - t_first, ctx.num_output_tokens)
-            _record_phases(trace, t0, times, end)
+            trace.record_engine_phases(t0, *(times or (None, None)), end)
             if self.hooks is not None:
                 with trace.span("metering"):
                     await self.hooks.finish(ctx)
             trace.end(finish_reason=ctx.finish_reason, prompt_tokens=ctx.num_prompt_tokens,
                       output_tokens=ctx.num_output_tokens)
 
-
-def _record_phases(trace, start: float, times: tuple[float | None, float | None] | None, end: float) -> None:
-    """Queue, prefill and decode spans from the engine's queue and prefill times, placed
-    on the gateway's clock from when it handed the request over (`start`)."""
-    if times is None or times[0] is None:
-        trace.record_phases(start, None, None, end)
-        return
-    scheduled = start + times[0]
-    trace.record_phases(start, scheduled, scheduled + (times[1] or 0.0), end)

@@ -38,8 +38,9 @@ async def _error(request: Request, exc: Exception) -> Response:
 def create_worker_app(state: WorkerState, *, loader: Loader | None = None,
                       on_load_failure: Callable[[BaseException], None] | None = None) -> Starlette:
     """The worker app over `state`. With `loader`, the engine loads in a thread after the
-    server starts (/health answers meanwhile, /ready says 503) and shuts down at exit;
-    without one, `state` already holds an engine, which stays the caller's."""
+    server starts (/health answers meanwhile, /ready says 503) and shuts down at exit
+    (with the tracer); without one, `state` already holds an engine, which stays the
+    caller's (and so does its tracer)."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -53,6 +54,7 @@ def create_worker_app(state: WorkerState, *, loader: Loader | None = None,
                 await asyncio.gather(task, return_exceptions=True)
                 if state.engine is not None:
                     await asyncio.to_thread(state.engine.shutdown)
+                await asyncio.to_thread(state.tracing.shutdown)  # exports the spans still buffered
 
     app = Starlette(routes=worker_routes(), lifespan=lifespan, exception_handlers={
         EngineError: _error, AdapterError: _error, PlatformError: _error, HTTPException: _error,

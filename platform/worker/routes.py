@@ -84,7 +84,7 @@ async def generate(request: Request) -> Response:
         if isinstance(exc, ClientGone):
             return Response(status_code=499)  # nobody reads it
         raise
-    state.served_prefix(req.cache_salt, relay.adapter, req.prompt_token_ids)
+    state.served_prefix(req)
     headers = {STATS_HEADER: orjson.dumps(state.stats().to_json()).decode()}
     return NdjsonResponse(state, relay, first, watcher, headers)
 

@@ -12,6 +12,7 @@ from loraplex.engine.engine import LLMEngine
 from loraplex.engine.loader import resolve_model_dir
 from loraplex.engine.lora import LoRAManager
 
+from loraplex.platform.observability.tracing import Tracing, TracingConfig
 from loraplex.platform.settings import Settings
 from loraplex.platform.worker.adapters import BlobAdapterSource, open_source
 from loraplex.platform.worker.app import create_worker_app
@@ -69,7 +70,8 @@ class DrainingServer(uvicorn.Server):
 
 def run_worker(settings: Settings, config: WorkerConfig, *, access_log: bool = False) -> int:
     config.check()
-    state = WorkerState(config, settings.model_name)
+    tracing = Tracing(TracingConfig(otlp_endpoint=settings.otlp_endpoint, service_name="loraplex-worker"))
+    state = WorkerState(config, settings.model_name, tracing)
     server: DrainingServer | None = None
 
     def failed(exc: BaseException) -> None:
@@ -77,8 +79,10 @@ def run_worker(settings: Settings, config: WorkerConfig, *, access_log: bool = F
         server.load_failed(exc)
 
     app = create_worker_app(state, loader=lambda: build_worker_engine(settings, config), on_load_failure=failed)
+    # log_config=None: uvicorn's loggers propagate to the one root handler the CLI set
+    # (text or JSON lines, each with the request id).
     uv = uvicorn.Config(app, host=config.host, port=config.port, access_log=access_log, log_level="info",
-                        timeout_graceful_shutdown=30)
+                        timeout_graceful_shutdown=30, log_config=None)
     server = DrainingServer(uv, state, config.drain_timeout_s)
     log.info("loraplex worker: internal API at http://%s:%d (model %s)", config.host, config.port,
              settings.engine.model.model)

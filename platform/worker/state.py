@@ -14,13 +14,15 @@ from loraplex.engine.errors import EngineDeadError, EngineOverloadedError, Unkno
 from loraplex.engine.request import AdapterRef
 
 from loraplex.platform.errors import ShuttingDownError
-from loraplex.platform.routing.view import WorkerStats, prefix_key
+from loraplex.platform.observability.tracing import Tracing, TracingConfig
+from loraplex.platform.routing.view import WorkerStats
 from loraplex.platform.serving.metrics import Metrics
 from loraplex.platform.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
     from loraplex.platform.worker.adapters import BlobAdapterSource
     from loraplex.platform.worker.stream import Relay
+    from loraplex.platform.worker_wire import GenerateRequest
 
 # Files a gateway needs to rebuild the tokenizer and chat template (`Tokenizer(folder)`).
 TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template*", "vocab.json",
@@ -31,8 +33,9 @@ class WorkerState:
     """Everything the routes share. The engine arrives once loaded (`attach`); until then
     the worker is alive (/health) but not ready, and refuses work with 503."""
 
-    def __init__(self, config: WorkerConfig, model_name: str) -> None:
+    def __init__(self, config: WorkerConfig, model_name: str, tracing: Tracing | None = None) -> None:
         self.config = config
+        self.tracing = tracing or Tracing(TracingConfig())  # off: one shared no-op span per request
         self.token = config.token  # the shared secret, read once
         self.model_name = model_name
         self.engine: AsyncEngine | None = None
@@ -104,9 +107,9 @@ class WorkerState:
             self.source.evict(digest)
 
     # -- stats -----------------------------------------------------------------------
-    def served_prefix(self, cache_salt: str, adapter: str | None, token_ids: list[int]) -> None:
-        engine = self.running_engine()
-        key = prefix_key(cache_salt, adapter, token_ids, engine.engine.config.cache.block_size)
+    def served_prefix(self, req: GenerateRequest) -> None:
+        """Remember the request's prefix key for routers: the key they computed for it."""
+        key = req.prefix_key
         if key is None:
             return
         self._prefix_keys[key] = None

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import RequestOutput
 
+from loraplex.platform.lanes import lane_name
 from loraplex.platform.worker_wire import (
     NDJSON,
     GenerateRequest,
@@ -82,8 +83,11 @@ class Relay:
 
     async def _pump(self, stream) -> None:
         m, lane = self.state.metrics, self.req.lane
+        # Started in the request's context: its spans carry the gateway's x-request-id.
+        trace = self.state.tracing.start_request(lane=lane_name(lane), adapter=self.adapter, tenant=self.req.tenant,
+                                                 adapter_digest=self.req.adapter.digest if self.req.adapter else None)
         t0 = last = time.perf_counter()
-        first, reason = True, None
+        first, reason, times = True, None, (None, None)
         m.request_started(self.adapter, lane)
         try:
             async with aclosing(stream):
@@ -92,7 +96,7 @@ class Relay:
                     if first and out.new_token_ids:
                         m.first_token(self.adapter, lane, now - t0, out.num_prompt_tokens, out.queue_time,
                                       out.prefill_time)
-                        first = False
+                        first, times = False, (out.queue_time, out.prefill_time)
                     elif out.new_token_ids:
                         m.inter_token(now - last)
                     last = now
@@ -109,7 +113,12 @@ class Relay:
         finally:
             self.done = True
             self._ready.set()
-            m.request_finished(self.adapter, lane, first, time.perf_counter() - t0, reason or "abort")
+            end = time.perf_counter()
+            m.request_finished(self.adapter, lane, first, end - t0, reason or "abort")
+            trace.record_engine_phases(t0, *times, end)
+            final = self.last
+            trace.end(finish_reason=reason or "abort", prompt_tokens=final.num_prompt_tokens if final else None,
+                      output_tokens=final.num_output_tokens if final else None)
 
     @property
     def pending(self) -> bool:

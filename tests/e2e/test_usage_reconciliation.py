@@ -29,7 +29,7 @@ def _seen_stream(chunks) -> tuple[str, tuple[int, int, int]]:
     return chunks[0].id, (u.prompt_tokens, u.completion_tokens, cached)
 
 
-def test_client_usage_equals_export(metered, tiny_adapters):
+def test_client_usage_equals_export(metered, tiny_adapters):  # noqa: F811
     m = metered
     adapter = f"recon-{m.backend}"
     info = add_adapter(m.db, open_store(m.settings), adapter, tiny_adapters["ad2"], public=True)
@@ -99,3 +99,27 @@ def test_client_usage_equals_export(metered, tiny_adapters):
         assert agg and all(CE_REQUIRED <= set(c) for c in agg)
         assert [c["id"] for c in agg] == [json.loads(x)["id"] for x in export("cloudevents", granularity).splitlines()]
         assert sum(c["data"]["total_tokens"] for c in agg) == sum(e["total_tokens"] for e in events)
+
+
+def test_export_carries_the_request_id_the_client_sent(metered):  # noqa: F811
+    """Billing joins a usage line to the request's log lines by the x-request-id."""
+    m = metered
+    name, key = m.tenant("corr", rpm=10_000, tpm=10**7)
+    client = m.client(key)
+    sent = f"billing-join-{m.backend}-1"
+    mine = client.completions.create(model=m.model, prompt="Hello", max_tokens=2,
+                                     extra_headers={"x-request-id": sent})
+    made = client.completions.with_raw_response.create(model=m.model, prompt="Hi", max_tokens=2)
+    m.settle()
+    expected = {mine.id: sent, made.parse().id: made.headers["x-request-id"]}  # none sent: the gateway's own
+
+    start, end = export_range()
+
+    def export(fmt: str) -> bytes:
+        return b"".join(export_usage(m.db, start, end, fmt=fmt, tenant=name))
+
+    assert {e["request_id"]: e["correlation_id"] for e in map(json.loads, export("jsonl").splitlines())} == expected
+    rows = csv.DictReader(io.StringIO(export("csv").decode()))
+    assert {r["request_id"]: r["correlation_id"] for r in rows} == expected
+    ces = map(json.loads, export("cloudevents").splitlines())
+    assert {c["id"]: c["data"]["correlation_id"] for c in ces} == expected

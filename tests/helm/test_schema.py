@@ -43,6 +43,8 @@ def test_a_typo_in_a_value_name_is_rejected(chart, values, named):
     {"adapterStore": {"type": "gcs"}},
     {"model": {"source": "huggingface"}},
     {"gateway": {"replicaCount": -1}},
+    {"observability": {"logFormat": "yaml"}},
+    {"observability": {"otlpEndpoint": "otel:4318"}},                         # no scheme: not a URL
 ])
 def test_a_wrong_value_is_rejected(chart, values):
     with pytest.raises(helm.HelmValuesError):

@@ -94,6 +94,18 @@ def test_without_a_metrics_port_the_gateway_serves_metrics_where_it_is_scraped(r
         assert pdb["spec"]["selector"] == owner["spec"]["selector"]
 
 
+def test_gateways_and_workers_get_the_same_log_format_and_tracing(render):
+    def args(out) -> dict[str, list[str]]:
+        return {role: _container(out.one(kind, role))["args"]
+                for kind, role in (("Deployment", "gateway"), ("StatefulSet", "worker"))}
+
+    for role, a in args(render()).items():
+        assert _flag(a, "--log-format") == "text" and "--otlp-endpoint" not in a, role  # tracing off
+    endpoint = "http://otel-collector.monitoring:4318/v1/traces"
+    for role, a in args(render({"observability": {"logFormat": "json", "otlpEndpoint": endpoint}})).items():
+        assert (_flag(a, "--log-format"), _flag(a, "--otlp-endpoint")) == ("json", endpoint), role
+
+
 def test_probes_hit_the_contract_routes_on_the_serving_port(render):
     out = render()
     for doc, role in ((out.one("Deployment", "gateway"), "gateway"), (out.one("StatefulSet", "worker"), "worker")):
@@ -154,7 +166,8 @@ _ROLES = {"gateway": ("Deployment", "gateway"), "worker": ("StatefulSet", "worke
 
 @pytest.mark.parametrize("role", sorted(_ROLES))
 @pytest.mark.parametrize("values", [{}, {"cpuOnly": True}, {"adapterStore": {"type": "s3", "s3": {"bucket": "b"}}},
-                                    {"gateway": {"metricsPort": 9090}}])
+                                    {"gateway": {"metricsPort": 9090}},
+                                    {"observability": {"logFormat": "json", "otlpEndpoint": "http://otel:4318/v1/traces"}}])
 def test_loraplex_cli_accepts_the_rendered_arguments(render, values, role, request):
     from loraplex.platform.cli.main import build_parser
 

@@ -222,8 +222,22 @@ pre-install,pre-upgrade
 - --adapter-store
 - {{ include "loraplex.adapterStoreUrl" . }}
 {{- end }}
+{{- include "loraplex.observabilityArgs" . }}
 {{- range .Values.gateway.extraArgs }}
 - {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/* --log-format and --otlp-endpoint: the same on gateways and workers, so one request's
+     lines read alike on both sides of the hop. */}}
+{{- define "loraplex.observabilityArgs" -}}
+{{- with .Values.observability }}
+- --log-format
+- {{ .logFormat | quote }}
+{{- with .otlpEndpoint }}
+- --otlp-endpoint
+- {{ . | quote }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -261,6 +275,7 @@ pre-install,pre-upgrade
 - --gpu-memory-utilization
 - {{ $e.gpuMemoryUtilization | quote }}
 {{- end }}
+{{- include "loraplex.observabilityArgs" . }}
 {{- range .Values.worker.extraArgs }}
 - {{ . | quote }}
 {{- end }}

@@ -92,6 +92,9 @@ def test_an_adapter_uploaded_through_one_gateway_is_served_by_every_worker_throu
                    files=files, headers={"authorization": f"Bearer {P.ADMIN_TOKEN}"}, timeout=60)
     assert r.status_code == 201, r.text
     digest = r.json()["digest"]
+    seen = httpx.get(fleet.gateways[1].url + "/admin/api/adapters/ad3", timeout=60,
+                     headers={"authorization": f"Bearer {P.ADMIN_TOKEN}"}).json()
+    assert seen["digest"] == digest and seen["residency"] != "missing"  # in the shared store (or on a worker)
 
     want = fleet.serve_client().completions.create(model="ad3", prompt="Uploaded", **GREEDY).choices[0].text
     via2 = fleet.client(1)

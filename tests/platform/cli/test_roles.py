@@ -36,6 +36,14 @@ def test_worker_takes_serves_engine_options():
     assert build_parser().parse_args(["worker"]).port == 8001
 
 
+def test_worker_takes_the_observability_options_serve_and_gateway_take():
+    argv = ["worker", "--log-format", "json", "--otlp-endpoint", "http://collector:4318/v1/traces"]
+    settings = settings_from_args(build_parser().parse_args(argv))
+    assert (settings.log_format, settings.otlp_endpoint) == ("json", "http://collector:4318/v1/traces")
+    default = settings_from_args(build_parser().parse_args(["worker"]))
+    assert (default.log_format, default.otlp_endpoint) == ("text", None)  # tracing off unless asked
+
+
 def test_worker_refusals_name_the_problem(capsys, monkeypatch):
     monkeypatch.delenv("LORAPLEX_INTERNAL_TOKEN", raising=False)
     for argv, words in ((["--database-url", "sqlite://", "--adapter-store", "s3://b/p"], "not both"),

@@ -15,7 +15,8 @@ from loraplex.platform.serving.gateway import RequestContext
 from loraplex.platform.quotas.limits import quota_status, set_quota
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy.tenants import create_tenant
-from loraplex.platform.metering.hooks import UsageHooks, billed_tokens, event_of
+from loraplex.engine.engine import RequestOutput
+from loraplex.platform.metering.hooks import UsageHooks, billed_tokens, checkpoint_of, event_of
 
 
 def _ctx(t, name: str, max_tokens: int = 20, prompt: int = 10) -> RequestContext:
@@ -52,6 +53,15 @@ def test_billing_rules():
     assert billed_tokens(_done(ctx, 3, "abort")) == (10, 4, 3)  # left mid-stream: what was generated
     ev = event_of(_done(ctx, 3, "abort"))
     assert ev.status == "aborted" and ev.total_tokens == 13 and ev.key_id == 7 and ev.lane == 1
+
+
+def test_events_and_checkpoints_keep_the_correlation_id():
+    # A crash checkpoint is what gets billed after a kill -9: it must join the logs too.
+    ctx = _ctx(type("T", (), {"id": 1}), "acme")
+    ctx.correlation_id = "client-req-7"
+    out = RequestOutput(ctx.request_id, [5], "x", False, num_processed_prompt_tokens=10)
+    assert checkpoint_of(ctx, out, time.time()).correlation_id == "client-req-7"
+    assert event_of(_done(ctx, 1)).correlation_id == "client-req-7"
 
 
 def test_checkpoints_every_16_tokens_and_1_second_whichever_is_later(db, hooks_factory):

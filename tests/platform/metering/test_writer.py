@@ -122,6 +122,7 @@ def populated(db, engine):
         e = ev(i, t.id, T0 + rnd.uniform(0, 50 * 3600), adapter, rnd.choice(["stop", "length", "aborted", "error"]))
         if adapter == "sql" and i % 2:
             e.adapter_digest = f"sha256:{'cd' * 32}"  # a second version of sql
+        e.correlation_id = f"client-req-{i}" if i % 4 else None  # some requests came without x-request-id
         events.append(e)
     store = EventStore(engine)
     for i in range(0, 400, 64):
@@ -175,11 +176,15 @@ def test_export_formats_parse_and_ids_are_stable(db, populated):
         assert (x["prompt_tokens"], x["cached_tokens"], x["completion_tokens"], x["status"], x["adapter"]) == (
             e.prompt_tokens, e.cached_tokens, e.completion_tokens, e.status, e.adapter)
         assert x["lane"] in ("interactive", "standard", "batch") and x["finished_at"].endswith("Z")
+        assert x["correlation_id"] == e.correlation_id  # joins the line to the request's logs
+    assert {r["request_id"]: r["correlation_id"] or None for r in rows} == {
+        e.request_id: e.correlation_id for e in events}
     ce = _export(db, "cloudevents")
     assert ce == _export(db, "cloudevents")  # byte-identical on replay: same ids
     ces = [json.loads(x) for x in ce.splitlines()]
     assert all(CE_REQUIRED <= set(c) and c["specversion"] == "1.0" for c in ces)
     assert len({c["id"] for c in ces}) == 400 and {c["subject"] for c in ces} == {"acme", "beta", "gamma"}
+    assert {c["id"]: c["data"]["correlation_id"] for c in ces} == {e.request_id: e.correlation_id for e in events}
     for gran in ("hour", "day"):
         agg = list(csv.DictReader(io.StringIO(_export(db, "csv", gran).decode())))
         assert tuple(agg[0]) == AGGREGATE_COLUMNS

@@ -2,6 +2,8 @@
 input is refused by name; errors cross as their class names, internals never."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from loraplex.adapters.errors import AdapterNotFoundError, BlobStoreError
@@ -10,6 +12,7 @@ from loraplex.engine.errors import EngineOverloadedError, InvalidRequestError, P
 from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.structured.spec import StructuredOutput
 from loraplex.platform.errors import ShuttingDownError
+from loraplex.platform.routing import prefix_key
 from loraplex.platform.worker_wire import (
     GenerateRequest,
     WorkerError,
@@ -38,6 +41,22 @@ def test_generate_request_round_trip():
         sp = SamplingParams(structured_output=so)
         assert sampling_from_json(sampling_to_json(sp)) == sp
     assert sampling_from_json(sampling_to_json(SamplingParams())) == SamplingParams()
+
+
+def test_the_prefix_key_is_the_adapter_versions_on_both_sides_of_the_wire():
+    """The gateway routes by the key it computes; the worker reports the key of what it
+    served: both from the adapter's digest, as the KV cache keys it, never its name."""
+    ids = list(range(100, 180))
+    v1 = AdapterRef("sql", "sha256:" + "a" * 64)
+    sent = GenerateRequest("r1", ids, SamplingParams(), adapter=v1, cache_salt="tenant-1")
+    read = GenerateRequest.from_json(sent.to_json())  # what the worker sees
+    assert read.prefix_key == sent.prefix_key == prefix_key("tenant-1", v1.digest, ids) is not None
+    renamed = dataclasses.replace(sent, adapter=AdapterRef("sql-prod", v1.digest))
+    assert renamed.prefix_key == sent.prefix_key  # same weights under another name: same cached KV
+    rebound = dataclasses.replace(sent, adapter=AdapterRef("sql", "sha256:" + "b" * 64))
+    assert rebound.prefix_key != sent.prefix_key  # the name now means other weights
+    assert dataclasses.replace(sent, adapter=None).prefix_key not in (None, sent.prefix_key)
+    assert dataclasses.replace(sent, prompt_token_ids=ids[:15]).prefix_key is None  # no full block
 
 
 @pytest.mark.parametrize("sampling, field", [

@@ -1,0 +1,81 @@
+"""Two gateways over one database and one shared adapter store, each with its own data
+folder (as replicas of a fleet are): an adapter uploaded or replaced through one is
+listed by the other as in the shared store, never as missing, and never with the
+metadata of a version it no longer serves. SQLite (a shared folder store) and PostgreSQL
+(the database is the store)."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from loraplex.adapters import AdapterStore, BaseShapes
+from loraplex.platform.app import create_app
+from loraplex.platform.db.database import Database, migrate
+from loraplex.platform.tenancy.adapter_registry import add_adapter
+from tests.e2e.admin_fixtures import (  # noqa: F401 - fixtures
+    ADMIN_TOKEN,
+    UPLOAD_LIMIT,
+    AdminClient,
+    adapter_files,
+    upload_adapters,
+)
+from tests.e2e.conftest import LiveServer
+from tests.platform.fixtures import BACKENDS, fresh_db_url
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def gateways(request, tmp_path_factory, base_settings, tiny_engine, pg_schema_url
+             ) -> Iterator[tuple[AdminClient, AdminClient, Database]]:
+    url = fresh_db_url(request.param, tmp_path_factory.mktemp("db"), pg_schema_url)
+    migrate(url)
+    # PostgreSQL: the adapter_blobs table is the shared store; SQLite: a folder both reach.
+    shared = None if request.param == "postgresql" else str(tmp_path_factory.mktemp("shared-store"))
+    apps = [create_app(dataclasses.replace(base_settings, database_url=url, adapter_store=shared,
+                                           data_dir=tmp_path_factory.mktemp(f"gateway-{i}"), admin_token=ADMIN_TOKEN,
+                                           admin_max_upload_bytes=UPLOAD_LIMIT), tiny_engine)
+            for i in range(2)]
+    db = Database(url)
+    with LiveServer(apps[0]) as one, LiveServer(apps[1]) as other:
+        doc = httpx.get(f"{one.url}/admin/api/openapi.json").json()
+        clients = AdminClient(one.url, doc), AdminClient(other.url, doc)  # answers checked against the schema
+        yield *clients, db
+        for c in clients:
+            c.close()
+    db.dispose()
+
+
+def _listed(api: AdminClient) -> dict[str, dict]:
+    r = api.get("/adapters")
+    assert r.status_code == 200, r.text
+    return {a["name"]: a for a in r.json()}
+
+
+def test_uploads_elsewhere_are_in_the_store(gateways, upload_adapters, tiny_adapters, tiny_llama_dir, tmp_path):  # noqa: F811
+    """An adapter uploaded through the other gateway is in the shared store, not missing."""
+    one, other, db = gateways
+    r = other.post("/adapters", data={"name": "via-other", "public": "true"},
+                   files=adapter_files(upload_adapters["r4"]))
+    assert r.status_code == 201, r.text
+    seen = _listed(one)["via-other"]
+    assert (seen["digest"], seen["residency"]) == (r.json()["digest"], "store")
+    assert one.get("/adapters/via-other").json()["residency"] == "store"
+    assert _listed(other)["via-other"]["residency"] == "disk"  # the uploader keeps its own copy
+
+    # A registry row naming a version no store holds is still missing.
+    unpublished = AdapterStore(tmp_path / "unpublished", BaseShapes.from_model_dir(tiny_llama_dir))
+    add_adapter(db, unpublished, "nowhere", tiny_adapters["ad1"])  # no blob store: never published
+    assert _listed(one)["nowhere"]["residency"] == "missing"
+
+
+def test_a_version_replaced_through_another_gateway_is_not_shown_stale(gateways, upload_adapters):  # noqa: F811
+    one, other, _ = gateways
+    r = one.post("/adapters", data={"name": "replaced", "public": "true"}, files=adapter_files(upload_adapters["r4"]))
+    assert r.status_code == 201 and r.json()["rank"] == 4, r.text
+    r = other.post("/adapters/replaced/versions", files=adapter_files(upload_adapters["r8"]))
+    assert r.status_code == 200 and r.json()["rank"] == 8, r.text
+    seen = _listed(one)["replaced"]
+    # Not the rank-4 version this gateway still keeps on its disk: the current one, elsewhere.
+    assert (seen["digest"], seen["residency"], seen["rank"]) == (r.json()["digest"], "store", None)
