@@ -9,7 +9,6 @@ from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String, text
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from loraplex.platform.db.base import Base, UTCDateTime, utcnow
-from loraplex.platform.lanes import LANES
 
 
 class Tenant(Base):
