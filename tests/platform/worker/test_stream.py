@@ -52,6 +52,8 @@ def test_outputs_a_slow_client_missed_are_coalesced(blob_engine, tmp_path):
     finally:
         engine.shutdown()
     outputs = [line for line in lines if line["type"] == "output"]
-    assert len(outputs) == 2 and lines[-1]["type"] == "stats"  # the first step, then the 19 it missed
-    assert len(outputs[1]["new_token_ids"]) == 19 and outputs[1]["finished"]
+    # What the engine made before the first write (a step or, on a busy machine, a few),
+    # then everything the client missed in one line.
+    assert len(outputs) == 2 and lines[-1]["type"] == "stats"
+    assert len(outputs[0]["new_token_ids"]) < 20 and outputs[1]["finished"]
     assert [t for o in outputs for t in o["new_token_ids"]] == whole
