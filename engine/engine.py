@@ -363,7 +363,8 @@ class LLMEngine:
             adapters=AdapterResidency(tuple(tiers.get("device", ())), tuple(tiers.get("cpu", ()))),
             max_loras=loras.max_loras if loras else 0, max_cpu_loras=loras.max_cpu_loras if loras else 0,
             time=time.time(), preemptions_by_lane=dict(s.preemptions_by_lane), adapter_loads=dict(self.adapter_loads),
-            adapter_evictions=dict(self.adapter_evictions), recent_adapter_loads=tuple(self.recent_adapter_loads))
+            adapter_evictions=dict(self.adapter_evictions), recent_adapter_loads=tuple(self.recent_adapter_loads),
+            foreground_lane=s.foreground_lane, background_step_tokens=s.guard.tokens)
 
 
 def _choice_params(sampling: SamplingParams, index: int) -> SamplingParams:

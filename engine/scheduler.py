@@ -33,6 +33,7 @@ class Scheduler:
         self.slots = AdapterSlots(max_loras)
         self.waiting = _waiting_queue(config, lambda: self.clock())
         self.policy = POLICIES[config.policy](config.max_num_seqs)
+        self.foreground_lane: Lane | None = None  # as of the last plan
         self.guard = LaneGuard(config.lane_hold_seconds, config.background_step_seconds,
                                config.max_num_batched_tokens)
         self.running: list[Request] = []
@@ -95,6 +96,7 @@ class Scheduler:
         step = StepPlan(SchedulerOutput())
         self.running.sort(key=self._running_priority)
         split = self._split()
+        self.foreground_lane = None if split is None else Lane(split.top)
         total = self.config.max_num_batched_tokens
         if split is None:
             budget = [total]

@@ -167,6 +167,13 @@ class _EngineCollector:
             for lane in Lane:
                 g.add_metric([lane_name(lane)], getattr(s.lanes[lane], kind))
             yield g
+        fg = GaugeMetricFamily("loraplex:lane_foreground", "1 for the lane whose arrivals the lanes below "
+                               "make room for (none while one lane has all the work).", labels=["lane"])
+        for lane in Lane:
+            fg.add_metric([lane_name(lane)], 1.0 if s.foreground_lane is lane else 0.0)
+        yield fg
+        yield gauge("loraplex:lane_background_step_tokens", "Tokens of each step the lanes below the "
+                    "foreground get now (sized from measured step times).", s.background_step_tokens)
         state = self.m.lora_state
         info = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters.",
                                  labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])

@@ -12,6 +12,7 @@ REQUIRED = [
     "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
     "vllm:num_preemptions_total", "vllm:lora_requests_info", "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total", "loraplex:lane_requests_running", "loraplex:lane_requests_waiting",
+    "loraplex:lane_foreground", "loraplex:lane_background_step_tokens",
 ]
 
 

@@ -209,7 +209,12 @@ def test_the_engine_measures_every_step_it_executes(tiny_llama_dir):
     for i in range(3):
         engine.add_request(list(range(5, 45 + i)), SamplingParams(max_tokens=4, ignore_eos=True), lane="batch")
     engine.add_request(list(range(7, 20)), SamplingParams(max_tokens=2, ignore_eos=True), lane="interactive")
-    steps = 0
+    assert engine.stats().foreground_lane is None  # nothing planned yet
+    engine.step()
+    stats = engine.stats()
+    assert stats.foreground_lane is Lane.INTERACTIVE
+    assert stats.background_step_tokens == engine.scheduler.guard.tokens > 0
+    steps = 1
     while engine.has_unfinished_requests():
         engine.step()
         steps += 0 if engine.idle_step else 1
