@@ -11,7 +11,6 @@ import time
 
 import httpx
 import openai
-import pytest
 
 from tests.e2e.conftest import MAX_MODEL_LEN
 

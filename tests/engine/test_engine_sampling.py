@@ -211,7 +211,7 @@ def test_streamed_text_equals_full_decode(engine):
         assert out.finish_reason == "length" and len(out.new_token_ids) == 60
         assert out.new_text == engine.tokenizer.decode(out.new_token_ids)
     # Token by token, the deltas add up too (and every step carries exactly one token).
-    rid = engine.add_request(PROMPT, _sampled(50, seed=11))
+    engine.add_request(PROMPT, _sampled(50, seed=11))
     ids, text = [], ""
     while engine.has_unfinished_requests():
         for o in engine.step():

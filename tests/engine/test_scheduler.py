@@ -544,7 +544,7 @@ def test_static_batch_members_held_back_by_the_budget_still_join_it():
     a, b = h.add(10, max_tokens=3), h.add(8, max_tokens=3)
     out = h.step()
     assert scheduled(out) == {a.request_id: 10}
-    late = h.add(2, max_tokens=1)
+    h.add(2, max_tokens=1)
     out = h.step()
     assert scheduled(out) == {a.request_id: 1, b.request_id: 8}, "b belongs to the running batch"
     h.run()
