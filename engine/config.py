@@ -54,7 +54,7 @@ class SchedulerConfig:
     # the foreground's (engine/lane_guard.py): it orders the background lanes.
     aging_seconds: float = 5.0
     # A lane stays the foreground this long after its last request left.
-    lane_hold_seconds: float = 10.0
+    lane_hold_seconds: float = 60.0
     # While a foreground lane is held, the lanes below it run in steps sized (measured as
     # they run) to take about this long, so a foreground arrival waits little for the
     # step in flight; they are guaranteed that share, so they never starve.

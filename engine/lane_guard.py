@@ -4,11 +4,12 @@ Strict lane priority protects nothing on a machine where a step is long: a batch
 backlog in the running batch makes every step long, and an interactive request that
 arrives waits for the step in flight, then runs in a step as long. So while a lane
 has work (or had it within `hold_seconds`), it is the *foreground*: the lanes below it
-(the *background*) share at most `tokens` tokens of each step, and are guaranteed
-them, so they never starve. `tokens` is not a guess made once: a cost model fitted to
-the last steps' measured times (`StepCost`) sizes it so that the background adds about
-`target_seconds` to a step, on whatever device this is (a few tokens on a small CPU,
-hundreds on a GPU).
+(the *background*) share a slice of each step, `tokens` tokens of the dearer kind
+(decoded or prompt) or as many of the cheaper kind as cost the same, and are
+guaranteed it, so they never starve. The share is not a guess made once: a cost model fitted to
+the last steps' measured times (`StepCost`: a fixed cost, a cost per decoded token and
+one per prompt token) sizes it so that the background adds about `target_seconds` to
+a step, on whatever device this is (a few tokens on a small CPU, hundreds on a GPU).
 
 Plain data: no clock of its own, no tensors.
 """
@@ -25,20 +26,29 @@ from .request import Lane
 @dataclass(frozen=True)
 class Split:
     """This step's classes: lanes <= `top` are the foreground, the rest the background,
-    which gets `background_tokens` of the step's budget."""
+    which may add `background_units` of cost to the step (in units of its dearer kind of
+    token: a decoded token costs `decode_weight` units, a prompt token `prompt_weight`)
+    and at most `max_tokens` tokens."""
 
     top: int
-    background_tokens: int
+    background_units: float
+    max_tokens: int
+    decode_weight: float = 1.0
+    prompt_weight: float = 1.0
 
     def is_background(self, lane: int) -> bool:
         return lane > self.top
 
+    @property
+    def background_tokens(self) -> int:
+        """The most tokens the background can use (all of its cheaper kind)."""
+        cheapest = min(self.decode_weight, self.prompt_weight)
+        return min(self.max_tokens, int(self.background_units / cheapest + 1e-9))
+
 
 class StepCost:
     """Least squares over the last `window` steps: seconds = fixed + per_decode * decoded
-    tokens + per_prompt * prompt tokens. `per_token()` is the dearer of the two marginal
-    costs (what one more background token may add), None until the steps seen vary
-    enough to tell the fixed cost from the per-token ones."""
+    tokens + per_prompt * prompt tokens."""
 
     def __init__(self, window: int = 64) -> None:
         self._rows: deque[tuple[float, float, float]] = deque(maxlen=window)
@@ -49,7 +59,9 @@ class StepCost:
     def add(self, decoded: int, prompt: int, seconds: float) -> None:
         self._rows.append((float(decoded), float(prompt), seconds))
 
-    def per_token(self) -> float | None:
+    def slopes(self) -> tuple[float, float] | None:
+        """(seconds per decoded token, seconds per prompt token), None until the steps seen
+        vary enough to tell the fixed cost from the per-token ones."""
         if len(self._rows) < 8:
             return None
         # Normal equations, centred (the fixed cost drops out): a 2x2 system in the slopes.
@@ -69,11 +81,11 @@ class StepCost:
             sxx = sum((x - mx) ** 2 for x in tokens)
             if sxx == 0:
                 return None
-            slopes = (sum((x - mx) * (r[2] - mt) for x, r in zip(tokens, self._rows)) / sxx,)
+            one = sum((x - mx) * (r[2] - mt) for x, r in zip(tokens, self._rows)) / sxx
+            slopes = (one, one)
         else:
             return None
-        per = max(slopes)
-        return per if per > 0 and math.isfinite(per) else None
+        return slopes if max(slopes) > 0 and all(math.isfinite(x) for x in slopes) else None
 
 
 class LaneGuard:
@@ -94,6 +106,8 @@ class LaneGuard:
         # Until the steps have been measured: small, so a long step is not the first thing
         # an interactive arrival meets on a slow device.
         self.tokens = max(self.min_tokens, min(self.max_tokens, initial_tokens))
+        # Relative costs of the two kinds of token, the dearer one 1 (equal until measured).
+        self.decode_weight = self.prompt_weight = 1.0
         self.cost = StepCost()
         self._last_busy = [-math.inf] * len(Lane)
 
@@ -107,12 +121,16 @@ class LaneGuard:
         top = min(held, default=min(busy))
         if not any(lane > top for lane in busy):
             return None
-        return Split(top, self.tokens)
+        return Split(top, float(self.tokens), self.max_tokens, self.decode_weight, self.prompt_weight)
 
     def observe(self, decoded: int, prompt: int, seconds: float) -> None:
         if seconds <= 0 or not math.isfinite(seconds):
             return
         self.cost.add(decoded, prompt, seconds)
-        per = self.cost.per_token()
-        if per is not None:
-            self.tokens = max(self.min_tokens, min(self.max_tokens, int(self.target_seconds / per)))
+        slopes = self.cost.slopes()
+        if slopes is None:
+            return
+        unit = max(slopes)
+        self.tokens = max(self.min_tokens, min(self.max_tokens, int(self.target_seconds / unit)))
+        # A slope lost in the noise (or negative) must not make that kind of token free.
+        self.decode_weight, self.prompt_weight = (max(0.1, x / unit) for x in slopes)

@@ -18,7 +18,7 @@ from .fairness import FairnessConfig
 from .lane_guard import LaneGuard, Split
 from .request import AdapterRef, Lane, Request, RequestStatus
 from .request_queue import POLICIES, LaneQueue, RequestQueue
-from .step_plan import ScheduledSeq, SchedulerOutput, StepPlan
+from .step_plan import Budget, ScheduledSeq, SchedulerOutput, StepPlan
 
 
 class Scheduler:
@@ -99,7 +99,7 @@ class Scheduler:
         self.foreground_lane = None if split is None else Lane(split.top)
         total = self.config.max_num_batched_tokens
         if split is None:
-            budget = [total]
+            budget = Budget(total)
             self._continue(list(self.running), budget, step, lambda req: self.running[-1])
             self._admit(step, budget, 0, len(Lane) - 1, self._lower_lane_victim)
         else:
@@ -117,8 +117,12 @@ class Scheduler:
         # Without chunked prefill a capped background could never fit a whole prompt:
         # it then takes what the foreground leaves, as strict priority would.
         chunked = self.config.enable_chunked_prefill
-        bg_budget = [split.background_tokens if chunked else total]
-        fg_budget = [total - bg_budget[0]] if chunked else bg_budget
+        if chunked:
+            bg_budget = Budget(split.background_tokens, split.background_units, split.decode_weight,
+                               split.prompt_weight)
+            fg_budget = Budget(total - split.background_tokens)
+        else:
+            bg_budget = fg_budget = Budget(total)
         fg = [r for r in self.running if not split.is_background(r.lane)]
         now = self.clock()
 
@@ -168,17 +172,17 @@ class Scheduler:
         progress the foreground never takes (it cannot be preempted for it)."""
         return [r for r in self.running if split.is_background(r.lane)]
 
-    def _continue(self, reqs: list[Request], budget: list[int], step: StepPlan,
+    def _continue(self, reqs: list[Request], budget: Budget, step: StepPlan,
                   victim_of: Callable[[Request], Request]) -> None:
         """Plan the next tokens of running requests, in order, from `budget`; when the KV
         pool is full, preempt `victim_of(req)` (which may be `req` itself) until it fits."""
         for req in reqs:
-            if budget[0] <= 0:
+            if budget.exhausted():
                 return
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            n = min(req.num_tokens - req.num_computed_tokens, budget[0])
-            if not self.config.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens:
+            n = budget.room(req.num_tokens - req.num_computed_tokens)
+            if n <= 0 or (not self.config.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens):
                 continue
             while not self.kv.allocate_slots(req, n):
                 victim = victim_of(req)
@@ -206,15 +210,15 @@ class Scheduler:
         return ScheduledSeq(req.request_id, req.token_slice(start, start + n), start,
                             list(req.block_ids), start + n == req.num_tokens, slot)
 
-    def _admit(self, step: StepPlan, budget: list[int], first: int, last: int,
+    def _admit(self, step: StepPlan, budget: Budget, first: int, last: int,
                victim_of: Callable[[Request], Request | None], seats: bool = False) -> None:
         """Start waiting requests of lanes [first, last] from `budget`; `victim_of(req)`
         names a running request `req` may preempt for KV (and, with `seats`, for a seat)."""
-        if budget[0] <= 0 or (len(self.running) >= self.config.max_num_seqs and not seats):
+        if budget.exhausted() or (len(self.running) >= self.config.max_num_seqs and not seats):
             return
         starving = None  # the first request kept out by adapter slots
         for req in self.policy.candidates(self.waiting, len(self.running), first, last):
-            if budget[0] <= 0:
+            if budget.exhausted():
                 return
             if req.grammar is not None and not req.grammar.ready():
                 continue  # its grammar is still compiling; the others go ahead
@@ -236,7 +240,9 @@ class Scheduler:
             if not self._make_seat(req, step, victim_of if seats else None):
                 return
             cached, n_cached = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - n_cached, budget[0])
+            n = budget.room(req.num_tokens - n_cached)
+            if n <= 0:
+                return  # not one more prompt token fits
             if not self.config.enable_chunked_prefill and n < req.num_tokens - n_cached:
                 return  # the head request waits for a step with room for all of it
             while not self.kv.allocate_slots(req, n, cached):

@@ -142,8 +142,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="order inside a lane: fair shares it between tenants by the tokens they were served, "
                         "by their weights, and bounds each tenant's share of the waiting queue (HTTP 429 beyond "
                         "it); fcfs serves by arrival (default fair)")
-    g.add_argument("--lane-hold-seconds", type=_non_negative_arg, default=10.0, metavar="S",
-                   help="a lane stays the foreground this long after its last request left (default 10)")
+    g.add_argument("--lane-hold-seconds", type=_non_negative_arg, default=60.0, metavar="S",
+                   help="a lane stays the foreground this long after its last request left (default 60)")
     g.add_argument("--background-step-ms", type=_positive_arg, default=50.0, metavar="MS",
                    help="while a higher lane is the foreground, lower lanes run in steps sized to take about "
                         "this long, so an arrival in the foreground waits little (default 50)")

@@ -30,12 +30,13 @@ def test_one_busy_lane_is_not_split():
 
 def test_the_highest_busy_lane_is_the_foreground_and_stays_it_for_the_hold():
     g = LaneGuard(hold_seconds=10, target_seconds=0.05, max_batched_tokens=1024)
-    assert g.split({int(I), int(B)}, now=0.0) == Split(int(I), 16)
+    first = Split(int(I), 16.0, 512)
+    assert g.split({int(I), int(B)}, now=0.0) == first and first.background_tokens == 16
     # The interactive lane went quiet: batch stays throttled for the hold, then is alone.
-    assert g.split({int(B)}, now=9.9) == Split(int(I), 16)
+    assert g.split({int(B)}, now=9.9) == first
     assert g.split({int(B)}, now=10.1) is None
     split = g.split({int(S), int(B)}, now=11.0)
-    assert split == Split(int(S), 16)
+    assert split.top == int(S)
     assert split.is_background(int(B)) and not split.is_background(int(S))
 
 
@@ -53,6 +54,9 @@ def test_the_share_is_sized_from_the_measured_cost_of_a_token():
     assert g.tokens == 16  # too few steps to tell a token's cost from the step's
     _steps(g, 0.02, 0.004, 0.0018)  # this CPU: a decoded token is the dearer kind
     assert g.tokens == int(0.05 / 0.004)
+    assert (g.decode_weight, g.prompt_weight) == (1.0, pytest.approx(0.45))
+    split = g.split({int(I), int(B)}, now=0.0)
+    assert split.background_tokens == int(12 / 0.45)  # prompt tokens cost less: more fit
     _steps(g, 0.01, 0.00001, 0.00002)  # a GPU: tokens are nearly free, up to half a step
     assert g.tokens == 512
     _steps(g, 0.02, 0.5, 0.5)  # slower than the target for one token: one token still
