@@ -386,15 +386,17 @@ def test_refuses_a_non_loopback_host_without_the_token(tmp_path, tiny_llama_dir)
         w.stop()
 
 
-def test_json_logs_and_spans_carry_the_request_id_the_gateway_sent(tmp_path, tiny_llama_dir, oracle):
+def test_json_logs_and_spans_carry_the_request_id_and_the_trace_the_gateway_sent(tmp_path, tiny_llama_dir, oracle):
     collector = OtlpCollector()
     w = Worker(tmp_path, "--model", str(tiny_llama_dir), "--database-url", f"sqlite:///{tmp_path / 'none.db'}",
                *ENGINE_ARGS, "--log-format", "json", "--access-log", "--otlp-endpoint", collector.endpoint)
     try:
         w.wait_ready()
-        rid = "gw-req-7f3a"  # what a gateway forwards in x-request-id
+        rid = "gw-req-7f3a"  # what a gateway forwards in x-request-id, and its span in traceparent
+        trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+        headers = {**AUTH, "x-request-id": rid, "traceparent": f"00-{trace_id}-{parent_id}-01"}
         body = gen_body("cmpl-logged", oracle.tokenizer.encode("log this request"), 4)
-        with w.http.stream("POST", "/internal/v1/generate", json=body, headers={**AUTH, "x-request-id": rid}) as r:
+        with w.http.stream("POST", "/internal/v1/generate", json=body, headers=headers) as r:
             assert r.status_code == 200 and r.headers["x-request-id"] == rid
             r.read()
         w.proc.send_signal(signal.SIGTERM)  # drains, then exports the spans still buffered
@@ -409,6 +411,8 @@ def test_json_logs_and_spans_carry_the_request_id_the_gateway_sent(tmp_path, tin
     exported = collector.spans()
     assert {s.service for s in exported} == {"loraplex-worker"}
     spans = {s.name: s.attributes for s in exported}
+    (request,) = [s for s in exported if s.name == "request"]
+    assert (request.trace_id, request.parent_span_id) == (trace_id, parent_id)  # the gateway's trace continues
     assert {"request", "queue", "prefill", "decode"} <= set(spans)
     assert all(spans[name]["loraplex.request_id"] == rid for name in ("request", "queue", "prefill", "decode"))
     assert spans["request"]["loraplex.finish_reason"] == "length" and spans["request"]["loraplex.tenant"] == "acme"
