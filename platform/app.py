@@ -27,7 +27,7 @@ from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy.throttle import ThrottleConfig
 from loraplex.platform.metering.hooks import UsageHooks
 from loraplex.platform.observability.request_id import RequestIdMiddleware
-from loraplex.platform.observability.tracing import Tracing, TracingConfig
+from loraplex.platform.observability.tracing import TraceContextMiddleware, Tracing, TracingConfig
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +134,13 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
         *admin_routes(),  # /admin/api/... (JSON) and /admin/ (the UI)
     ]
     # Every request gets an id (the client's x-request-id when sane): in the response
-    # headers, error bodies, log lines, traces and its usage event.
+    # headers, error bodies, log lines, traces and its usage event. With tracing on, a
+    # client's traceparent makes its trace the parent of the request's spans.
+    middleware = [Middleware(RequestIdMiddleware)]
+    if settings.otlp_endpoint:
+        middleware.append(Middleware(TraceContextMiddleware))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=dict.fromkeys(ERRORS, _domain_error),
-                    middleware=[Middleware(RequestIdMiddleware)])
+                    middleware=middleware)
     app.state.admin_openapi = openapi()
     app.state.openai_openapi = openai_openapi(settings.limits)
     return app

@@ -9,10 +9,14 @@ import logging
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loraplex.engine.config import EngineConfig, LoRAConfig, ModelConfig
 
 from loraplex.platform.settings import Settings
+
+if TYPE_CHECKING:
+    from loraplex.platform.fleet.config import FleetConfig
 
 log = logging.getLogger("loraplex")
 
@@ -53,16 +57,18 @@ def gateway(args: argparse.Namespace) -> int:
     from loraplex.platform.routing import RouterConfig
     from loraplex.platform.app import create_app
 
-    configure_logging(args.log_format)
-    logging.getLogger("alembic").setLevel(logging.WARNING)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     base = Settings(database_url=args.database_url, host=args.host, port=args.port, create_demo_tenant=False,
                     adapter_store=args.adapter_store, request_timeout=args.request_timeout or None,
                     log_format=args.log_format, otlp_endpoint=args.otlp_endpoint, **server_settings(args),
                     **({"data_dir": args.data_dir} if args.data_dir else {}))
-    open_db(base).dispose()  # migrate (a no-op when current)
     fleet = FleetConfig(workers=args.workers, workers_dns=args.workers_dns,
                         router=RouterConfig(policy=args.router_policy, max_in_flight=args.max_in_flight))
+    check_config(base, fleet)  # a refusal leaves the process's logging as it found it
+    # One root handler in the chosen format; uvicorn's loggers propagate to it (log_config=None below).
+    configure_logging(args.log_format)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    open_db(base).dispose()  # migrate (a no-op when current)
     base.data_dir.mkdir(parents=True, exist_ok=True)
     model_dir = Path(tempfile.mkdtemp(prefix="gateway-model-", dir=base.data_dir))
     info = fetch_model_info(fleet, model_dir)
@@ -88,3 +94,17 @@ def gateway(args: argparse.Namespace) -> int:
                 f.unlink()
             model_dir.rmdir()
     return 0
+
+
+def check_config(settings: Settings, fleet: FleetConfig) -> None:
+    """The refusals that need nothing started or reached: the workers' addresses (not yet
+    resolved) and the admin token's configuration."""
+    from loraplex.platform.admin.auth import configured_token_hashes
+    from loraplex.platform.errors import ConfigError
+    from loraplex.platform.routing import DiscoveryError, discovery_for
+
+    try:
+        discovery_for(fleet.workers, fleet.workers_dns)
+    except DiscoveryError as exc:
+        raise ConfigError(str(exc)) from None
+    configured_token_hashes(settings)  # ConfigError: a token too short, an empty token file

@@ -36,6 +36,7 @@ from loraplex.platform.fleet.errors import (
 )
 from loraplex.platform.fleet.model_info import ModelInfo
 from loraplex.platform.observability.request_id import REQUEST_ID_HEADER, current_request_id
+from loraplex.platform.observability.tracing import inject_trace_context
 from loraplex.platform import worker_wire
 from loraplex.platform.routing import (
     HealthPoller,
@@ -231,6 +232,7 @@ class RemoteEngineClient:
         headers = {"content-type": "application/json"}
         if (request_id := current_request_id()) is not None:
             headers[REQUEST_ID_HEADER] = request_id  # one id in the gateway's and the worker's logs
+        inject_trace_context(headers)  # the worker's spans join the gateway's trace (tracing on)
         req = client.build_request("POST", lease.url + GENERATE, content=payload, headers=headers)
         try:
             resp = await client.send(req, stream=True)

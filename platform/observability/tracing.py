@@ -5,13 +5,20 @@ On, spans go through a batch processor to an OTLP/HTTP exporter. A request gets 
 root span (`request`) with children for the phases the gateway and engine see:
 admission and metering as they run (`span()`), queue, prefill and decode recorded
 afterwards from the engine's timestamps (`record_phases()`).
+
+W3C trace context crosses process boundaries both ways: `TraceContextMiddleware` takes a
+caller's `traceparent` (a client's at the gateway, the gateway's at a worker) as the
+parent of the requests' root spans, and `inject_trace_context` writes the root span of
+the request being awaited (`RequestTrace.carried`) into an outgoing call's headers.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, MutableMapping
 from contextlib import AbstractContextManager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .request_id import current_request_id
 
@@ -20,7 +27,16 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
 PHASES = ("admission", "queue", "prefill", "decode", "metering")
+TRACE_HEADERS = ("traceparent", "tracestate")
 _NULL = nullcontext()
+T = TypeVar("T")
+
+# The caller's trace context (an OpenTelemetry Context) while its HTTP request is handled;
+# set only by TraceContextMiddleware, so never with tracing off.
+_incoming: ContextVar[Any] = ContextVar("loraplex_incoming_trace", default=None)
+# The context of the request span being awaited (RequestTrace.carried): what a call to
+# another process made meanwhile carries.
+_outgoing: ContextVar[Any] = ContextVar("loraplex_outgoing_trace", default=None)
 
 
 @dataclass(frozen=True)
@@ -83,14 +99,14 @@ class Tracing:
             return _NULL_TRACE
         from opentelemetry import trace
 
-        root = self._tracer.start_span(name, attributes=self._attrs(attributes))
+        root = self._tracer.start_span(name, context=_incoming.get(), attributes=self._attrs(attributes))
         return RequestTrace(self, root, trace.set_span_in_context(root))
 
     def request_span(self, name: str = "request", **attributes: Any) -> AbstractContextManager[Span | None]:
         """The root span of one request, current until the block ends."""
         if not self.enabled:
             return _NULL
-        return self._tracer.start_as_current_span(name, attributes=self._attrs(attributes))
+        return self._tracer.start_as_current_span(name, context=_incoming.get(), attributes=self._attrs(attributes))
 
     def span(self, phase: str, *, parent: Any = None, **attributes: Any) -> AbstractContextManager[Span | None]:
         """A child span of the current one (or of `parent`, an OpenTelemetry context) for a
@@ -164,6 +180,22 @@ class RequestTrace:
         scheduled = start + queue_time
         self.record_phases(start, scheduled, scheduled + (prefill_time or 0.0), end, **attributes)
 
+    def carried(self, step: Awaitable[T]) -> Awaitable[T]:
+        """`step` (one await of the engine's stream) with this request's root span as what
+        calls to other processes made meanwhile carry (`inject_trace_context`): a remote
+        engine's worker continues the trace. Never across a yield, so the context cannot
+        leak into the consumer's code. Off: `step` itself."""
+        if self._tracing is None:
+            return step
+        return self._carry(step)
+
+    async def _carry(self, step: Awaitable[T]) -> T:
+        token = _outgoing.set(self._context)
+        try:
+            return await step
+        finally:
+            _outgoing.reset(token)
+
     def end(self, **attributes: Any) -> None:
         if self._root is not None:
             self._root.set_attributes({f"loraplex.{k}": v for k, v in attributes.items() if v is not None})
@@ -171,3 +203,41 @@ class RequestTrace:
 
 
 _NULL_TRACE = RequestTrace(None, None, None)
+
+
+def inject_trace_context(headers: MutableMapping[str, str]) -> None:
+    """Add W3C `traceparent` (and `tracestate`) for the request span being awaited (see
+    `RequestTrace.carried`) to an outgoing call's headers; nothing when there is none,
+    which is always the case with tracing off (and then nothing is imported)."""
+    ctx = _outgoing.get()
+    if ctx is not None:
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        TraceContextTextMapPropagator().inject(headers, context=ctx)
+
+
+class TraceContextMiddleware:
+    """ASGI middleware, installed only with tracing on: a request's W3C trace context
+    (`traceparent`, `tracestate`) becomes the parent of the root spans started while it is
+    handled, so a client's trace continues at the gateway, and the gateway's at a worker.
+    A malformed header is ignored (the request starts a trace of its own)."""
+
+    def __init__(self, app) -> None:
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self.app = app
+        self._propagator = TraceContextTextMapPropagator()
+        self._names = frozenset(h.encode() for h in TRACE_HEADERS)
+
+    async def __call__(self, scope, receive, send) -> None:
+        carrier = {}
+        if scope["type"] == "http":
+            carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k in self._names}
+        if not carrier:
+            await self.app(scope, receive, send)
+            return
+        token = _incoming.set(self._propagator.extract(carrier))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _incoming.reset(token)

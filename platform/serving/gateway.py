@@ -176,7 +176,8 @@ class Gateway:
                                       timeout=p.request_timeout or self.settings.request_timeout)
         try:
             async with aclosing(stream):
-                async for out in stream:
+                # Each await carries the request's span: a remote engine's worker continues its trace.
+                while (out := await trace.carried(anext(stream, None))) is not None:
                     if self.hooks is not None and (pending := self.hooks.progress(ctx, out)) is not None:
                         await pending
                     if not out.new_token_ids and not out.finished:

@@ -18,6 +18,7 @@ from loraplex.engine.errors import EngineError
 
 from loraplex.platform.errors import PlatformError
 from loraplex.platform.observability.request_id import RequestIdMiddleware
+from loraplex.platform.observability.tracing import TraceContextMiddleware
 from loraplex.platform.worker_wire import error_status
 from loraplex.platform.worker.adapters import BlobAdapterSource
 from loraplex.platform.worker.routes import json_response, worker_routes
@@ -56,9 +57,12 @@ def create_worker_app(state: WorkerState, *, loader: Loader | None = None,
                     await asyncio.to_thread(state.engine.shutdown)
                 await asyncio.to_thread(state.tracing.shutdown)  # exports the spans still buffered
 
+    middleware = [Middleware(RequestIdMiddleware)]  # the gateway's x-request-id
+    if state.tracing.enabled:
+        middleware.append(Middleware(TraceContextMiddleware))  # its traceparent: the spans' parent
     app = Starlette(routes=worker_routes(), lifespan=lifespan, exception_handlers={
         EngineError: _error, AdapterError: _error, PlatformError: _error, HTTPException: _error,
-        Exception: _error}, middleware=[Middleware(RequestIdMiddleware)])  # the gateway's x-request-id
+        Exception: _error}, middleware=middleware)
     app.state.worker = state
     return app
 

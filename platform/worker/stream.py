@@ -83,7 +83,8 @@ class Relay:
 
     async def _pump(self, stream) -> None:
         m, lane = self.state.metrics, self.req.lane
-        # Started in the request's context: its spans carry the gateway's x-request-id.
+        # Started in the request's context: its spans carry the gateway's x-request-id and
+        # continue the gateway's trace (its traceparent).
         trace = self.state.tracing.start_request(lane=lane_name(lane), adapter=self.adapter, tenant=self.req.tenant,
                                                  adapter_digest=self.req.adapter.digest if self.req.adapter else None)
         t0 = last = time.perf_counter()

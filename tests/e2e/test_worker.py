@@ -11,10 +11,8 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -23,6 +21,7 @@ import pytest
 
 from loraplex.platform.routing.view import WorkerStats, prefix_key
 from tests.e2e.conftest import MAX_MODEL_LEN
+from tests.helpers.otlp import OtlpCollector
 from tests.adapters.test_blobs import BUCKET, s3_endpoint  # noqa: F401 - moto's server on loopback
 from tests.platform.fixtures import pg_schema_url, tiny_adapters  # noqa: F401
 
@@ -387,57 +386,33 @@ def test_refuses_a_non_loopback_host_without_the_token(tmp_path, tiny_llama_dir)
         w.stop()
 
 
-class _OtlpCollector(BaseHTTPRequestHandler):
-    """An OTLP/HTTP traces endpoint that keeps what it is sent (server.bodies)."""
-
-    def do_POST(self):
-        self.server.bodies.append(self.rfile.read(int(self.headers["content-length"])))
-        self.send_response(200)
-        self.send_header("content-type", "application/x-protobuf")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
-def _spans(bodies: list[bytes]) -> tuple[set[str], dict[str, dict[str, str]]]:
-    """(service names, {span name: its string attributes}) from OTLP export requests."""
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-    services, spans = set(), {}
-    for body in bodies:
-        for rs in ExportTraceServiceRequest.FromString(body).resource_spans:
-            services |= {a.value.string_value for a in rs.resource.attributes if a.key == "service.name"}
-            for span in (s for ss in rs.scope_spans for s in ss.spans):
-                spans[span.name] = {a.key: a.value.string_value for a in span.attributes}
-    return services, spans
-
-
-def test_json_logs_and_spans_carry_the_request_id_the_gateway_sent(tmp_path, tiny_llama_dir, oracle):
-    collector = ThreadingHTTPServer(("127.0.0.1", 0), _OtlpCollector)
-    collector.bodies = []
-    threading.Thread(target=collector.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{collector.server_port}/v1/traces"
+def test_json_logs_and_spans_carry_the_request_id_and_the_trace_the_gateway_sent(tmp_path, tiny_llama_dir, oracle):
+    collector = OtlpCollector()
     w = Worker(tmp_path, "--model", str(tiny_llama_dir), "--database-url", f"sqlite:///{tmp_path / 'none.db'}",
-               *ENGINE_ARGS, "--log-format", "json", "--access-log", "--otlp-endpoint", endpoint)
+               *ENGINE_ARGS, "--log-format", "json", "--access-log", "--otlp-endpoint", collector.endpoint)
     try:
         w.wait_ready()
-        rid = "gw-req-7f3a"  # what a gateway forwards in x-request-id
+        rid = "gw-req-7f3a"  # what a gateway forwards in x-request-id, and its span in traceparent
+        trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+        headers = {**AUTH, "x-request-id": rid, "traceparent": f"00-{trace_id}-{parent_id}-01"}
         body = gen_body("cmpl-logged", oracle.tokenizer.encode("log this request"), 4)
-        with w.http.stream("POST", "/internal/v1/generate", json=body, headers={**AUTH, "x-request-id": rid}) as r:
+        with w.http.stream("POST", "/internal/v1/generate", json=body, headers=headers) as r:
             assert r.status_code == 200 and r.headers["x-request-id"] == rid
             r.read()
         w.proc.send_signal(signal.SIGTERM)  # drains, then exports the spans still buffered
         assert w.proc.wait(60) == 0, w.output()
     finally:
         w.stop()
-        collector.shutdown()
+        collector.close()
     lines = [orjson.loads(line) for line in w.output().splitlines() if line.strip()]  # every line is JSON
     assert {"time", "level", "logger", "message"} <= set(lines[0])
     access = [x for x in lines if x["logger"] == "uvicorn.access" and "/internal/v1/generate" in x["message"]]
     assert [x.get("request_id") for x in access] == [rid]
-    services, spans = _spans(collector.bodies)
-    assert services == {"loraplex-worker"}
+    exported = collector.spans()
+    assert {s.service for s in exported} == {"loraplex-worker"}
+    spans = {s.name: s.attributes for s in exported}
+    (request,) = [s for s in exported if s.name == "request"]
+    assert (request.trace_id, request.parent_span_id) == (trace_id, parent_id)  # the gateway's trace continues
     assert {"request", "queue", "prefill", "decode"} <= set(spans)
     assert all(spans[name]["loraplex.request_id"] == rid for name in ("request", "queue", "prefill", "decode"))
     assert spans["request"]["loraplex.finish_reason"] == "length" and spans["request"]["loraplex.tenant"] == "acme"

@@ -11,7 +11,14 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from loraplex.platform.observability.request_id import bind_request_id
-from loraplex.platform.observability.tracing import Tracing, TracingConfig
+from loraplex.platform.observability.tracing import (
+    TraceContextMiddleware,
+    Tracing,
+    TracingConfig,
+    inject_trace_context,
+)
+
+TRACE, SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 
 
 def test_off_by_default_every_helper_is_one_shared_null_context():
@@ -99,12 +106,15 @@ def test_a_bad_sample_ratio_is_refused():
         TracingConfig(sample_ratio=1.5)
 
 
-def test_off_imports_no_opentelemetry_at_all():
-    code = ("import sys\nfrom loraplex.platform.observability.tracing import Tracing, TracingConfig\n"
+def test_off_imports_no_opentelemetry_at_all_and_sends_no_trace_header():
+    code = ("import asyncio, sys\n"
+            "from loraplex.platform.observability.tracing import Tracing, TracingConfig, inject_trace_context\n"
             "t = Tracing(TracingConfig())\nwith t.request_span(), t.span('admission'):\n    pass\n"
+            "async def call():\n    headers = {}\n    inject_trace_context(headers)\n    return headers\n"
+            "print(asyncio.run(t.start_request().carried(call())))\n"
             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    assert out.split() == ["{}", "[]"]
 
 
 def test_a_request_trace_needs_no_current_span_and_survives_other_tasks():
@@ -137,3 +147,42 @@ def test_a_request_trace_needs_no_current_span_and_survives_other_tasks():
         assert span is None
     off.record_phases(0.0, 1.0, 2.0, 3.0)
     off.end()
+
+
+def test_calls_made_while_a_request_is_awaited_carry_its_span_as_traceparent():
+    import asyncio
+
+    exporter = InMemorySpanExporter()
+    t = Tracing(TracingConfig(), exporter=exporter)
+    trace = t.start_request()
+
+    async def call() -> dict[str, str]:  # what the remote engine client does before it sends
+        headers = {"content-type": "application/json"}
+        inject_trace_context(headers)
+        return headers
+
+    carried, bare = asyncio.run(trace.carried(call())), asyncio.run(call())
+    trace.end()
+    (root,) = exporter.get_finished_spans()
+    version, trace_id, span_id, flags = carried["traceparent"].split("-")
+    assert (version, trace_id, span_id) == ("00", f"{root.context.trace_id:032x}", f"{root.context.span_id:016x}")
+    assert int(flags, 16) & 1  # sampled: the worker records its spans too
+    assert "traceparent" not in bare  # outside `carried`, nothing is sent
+
+
+def test_a_callers_traceparent_parents_the_request_span_and_a_malformed_one_is_ignored():
+    import asyncio
+
+    exporter = InMemorySpanExporter()
+    t = Tracing(TracingConfig(), exporter=exporter)
+
+    async def app(scope, receive, send) -> None:  # a handler starting its request's root span
+        t.start_request().end()
+
+    middleware = TraceContextMiddleware(app)
+    for value in (f"00-{TRACE}-{SPAN}-01", "00-not-a-trace-context"):
+        asyncio.run(middleware({"type": "http", "headers": [(b"traceparent", value.encode())]}, None, None))
+    continued, fresh = exporter.get_finished_spans()
+    assert (f"{continued.context.trace_id:032x}", f"{continued.parent.span_id:016x}") == (TRACE, SPAN)
+    assert continued.parent.is_remote
+    assert fresh.parent is None and f"{fresh.context.trace_id:032x}" != TRACE
