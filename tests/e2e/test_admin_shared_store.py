@@ -20,7 +20,6 @@ from tests.e2e.admin_fixtures import (  # noqa: F401 - fixtures
     UPLOAD_LIMIT,
     AdminClient,
     adapter_files,
-    upload_adapters,
 )
 from tests.e2e.conftest import LiveServer
 from tests.platform.fixtures import BACKENDS, fresh_db_url
@@ -47,13 +46,26 @@ def gateways(request, tmp_path_factory, base_settings, tiny_engine, pg_schema_ur
     db.dispose()
 
 
+@pytest.fixture(scope="module")
+def upload_adapters(tmp_path_factory, tiny_llama_dir) -> dict:
+    """Adapters of this module's own (digests no other test's engine has loaded: the engine
+    is shared, and an adapter it holds is listed by where it is there, not 'store')."""
+    from loraplex.adapters.synth import make_random_peft_adapter
+
+    root = tmp_path_factory.mktemp("shared_store_adapters")
+    return {"r4": make_random_peft_adapter(tiny_llama_dir, root / "r4", rank=4, seed=4711, init_scale=0.3,
+                                           target_modules=["q_proj", "v_proj"]),
+            "r8": make_random_peft_adapter(tiny_llama_dir, root / "r8", rank=8, seed=4712, init_scale=0.3),
+            "unpublished": make_random_peft_adapter(tiny_llama_dir, root / "u", rank=4, seed=4713, init_scale=0.3)}
+
+
 def _listed(api: AdminClient) -> dict[str, dict]:
     r = api.get("/adapters")
     assert r.status_code == 200, r.text
     return {a["name"]: a for a in r.json()}
 
 
-def test_uploads_elsewhere_are_in_the_store(gateways, upload_adapters, tiny_adapters, tiny_llama_dir, tmp_path):  # noqa: F811
+def test_uploads_elsewhere_are_in_the_store(gateways, upload_adapters, tiny_llama_dir, tmp_path):
     """An adapter uploaded through the other gateway is in the shared store, not missing."""
     one, other, db = gateways
     r = other.post("/adapters", data={"name": "via-other", "public": "true"},
@@ -66,11 +78,11 @@ def test_uploads_elsewhere_are_in_the_store(gateways, upload_adapters, tiny_adap
 
     # A registry row naming a version no store holds is still missing.
     unpublished = AdapterStore(tmp_path / "unpublished", BaseShapes.from_model_dir(tiny_llama_dir))
-    add_adapter(db, unpublished, "nowhere", tiny_adapters["ad1"])  # no blob store: never published
+    add_adapter(db, unpublished, "nowhere", upload_adapters["unpublished"])  # no blob store: never published
     assert _listed(one)["nowhere"]["residency"] == "missing"
 
 
-def test_a_version_replaced_through_another_gateway_is_not_shown_stale(gateways, upload_adapters):  # noqa: F811
+def test_a_version_replaced_through_another_gateway_is_not_shown_stale(gateways, upload_adapters):
     one, other, _ = gateways
     r = one.post("/adapters", data={"name": "replaced", "public": "true"}, files=adapter_files(upload_adapters["r4"]))
     assert r.status_code == 201 and r.json()["rank"] == 4, r.text
