@@ -141,8 +141,10 @@ class Scheduler:
             self._continue(bg[:1], bg_budget, step, lambda req: bg_victim(req) or self._last_running(fg) or req)
         self._continue(fg, fg_budget, step, lambda req: bg_victim(req) or self._last_running(fg))
         self._continue(bg[1:] if due else bg, bg_budget, step, bg_victim)
-        admit_bg = lambda: self._admit(step, bg_budget, split.top + 1, len(Lane) - 1,  # noqa: E731
-                                       self._lower_lane_victim)
+
+        def admit_bg() -> None:
+            self._admit(step, bg_budget, split.top + 1, len(Lane) - 1, self._lower_lane_victim)
+
         # With nothing of the background running, its aged head is admitted first: freed
         # seats and blocks go to it before the foreground's next arrival.
         head = next(self.waiting.iter_lanes(split.top + 1, len(Lane) - 1), None) if not bg else None
@@ -152,7 +154,6 @@ class Scheduler:
         self._admit(step, fg_budget, 0, split.top, bg_victim, seats=True)
         if not head_first:
             admit_bg()
-
 
     def _last_running(self, reqs: list[Request]) -> Request | None:
         return next((r for r in reversed(reqs) if r.status is RequestStatus.RUNNING), None)
@@ -168,8 +169,8 @@ class Scheduler:
         return self.guard.split(busy, self.clock())
 
     def _background(self, split: Split) -> list[Request]:
-        """Running background requests in priority order: the first is the one whose
-        progress the foreground never takes (it cannot be preempted for it)."""
+        """Running background requests in priority order: the first, once it has aged to
+        the foreground's lane, is the one the foreground never preempts."""
         return [r for r in self.running if split.is_background(r.lane)]
 
     def _continue(self, reqs: list[Request], budget: Budget, step: StepPlan,
