@@ -6,10 +6,11 @@ arrives waits for the step in flight, then runs in a step as long. So while a la
 has work (or had it within `hold_seconds`), it is the *foreground*: the lanes below it
 (the *background*) share a slice of each step, `tokens` tokens of the dearer kind
 (decoded or prompt) or as many of the cheaper kind as cost the same, and are
-guaranteed it, so they never starve. The share is not a guess made once: a cost model fitted to
-the last steps' measured times (`StepCost`: a fixed cost, a cost per decoded token and
-one per prompt token) sizes it so that the background adds about `target_seconds` to
-a step, on whatever device this is (a few tokens on a small CPU, hundreds on a GPU).
+guaranteed it, so they never starve. The share is not a guess made once: a cost
+model fitted to the last steps' measured times (`StepCost`: a fixed cost, a cost per
+decoded token and one per prompt token) sizes it so that the background adds about
+`target_seconds` to a step, on whatever device this is (a few tokens on a small CPU,
+hundreds on a GPU).
 
 Plain data: no clock of its own, no tensors.
 """
@@ -48,40 +49,53 @@ class Split:
 
 class StepCost:
     """Least squares over the last `window` steps: seconds = fixed + per_decode * decoded
-    tokens + per_prompt * prompt tokens."""
+    tokens + per_prompt * prompt tokens. Running sums make each step O(1); they are
+    rebuilt from the window once per `window` steps so rounding cannot pile up."""
 
     def __init__(self, window: int = 64) -> None:
         self._rows: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._sums = [0.0] * 9  # n, d, p, t, dd, pp, dp, dt, pt
+        self._since_rebuild = 0
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def add(self, decoded: int, prompt: int, seconds: float) -> None:
-        self._rows.append((float(decoded), float(prompt), seconds))
+        if len(self._rows) == self._rows.maxlen:
+            self._accumulate(self._rows[0], -1.0)
+        row = (float(decoded), float(prompt), seconds)
+        self._rows.append(row)
+        self._accumulate(row, 1.0)
+        self._since_rebuild += 1
+        if self._since_rebuild >= (self._rows.maxlen or 1):
+            self._sums = [0.0] * 9
+            for r in self._rows:
+                self._accumulate(r, 1.0)
+            self._since_rebuild = 0
+
+    def _accumulate(self, row: tuple[float, float, float], sign: float) -> None:
+        d, p, t = row
+        for i, v in enumerate((1.0, d, p, t, d * d, p * p, d * p, d * t, p * t)):
+            self._sums[i] += sign * v
 
     def slopes(self) -> tuple[float, float] | None:
         """(seconds per decoded token, seconds per prompt token), None until the steps seen
         vary enough to tell the fixed cost from the per-token ones."""
         if len(self._rows) < 8:
             return None
-        # Normal equations, centred (the fixed cost drops out): a 2x2 system in the slopes.
-        n = len(self._rows)
-        md, mp, mt = (sum(r[i] for r in self._rows) / n for i in range(3))
-        sdd = sum((r[0] - md) ** 2 for r in self._rows)
-        spp = sum((r[1] - mp) ** 2 for r in self._rows)
-        sdp = sum((r[0] - md) * (r[1] - mp) for r in self._rows)
-        sdt = sum((r[0] - md) * (r[2] - mt) for r in self._rows)
-        spt = sum((r[1] - mp) * (r[2] - mt) for r in self._rows)
-        det = sdd * spp - sdp * sdp
-        if sdd > 0 and spp > 0 and det > 1e-9 * sdd * spp:
-            slopes = ((spp * sdt - sdp * spt) / det, (sdd * spt - sdp * sdt) / det)
-        elif sdd > 0 or spp > 0:  # one kind of token only: one slope over all of them
-            tokens = [r[0] + r[1] for r in self._rows]
-            mx = sum(tokens) / n
-            sxx = sum((x - mx) ** 2 for x in tokens)
-            if sxx == 0:
+        n, sd, sp, st, sdd, spp, sdp, sdt, spt = self._sums
+        # Centred normal equations (the fixed cost drops out): a 2x2 system in the slopes.
+        cdd, cpp, cdp = sdd - sd * sd / n, spp - sp * sp / n, sdp - sd * sp / n
+        cdt, cpt = sdt - sd * st / n, spt - sp * st / n
+        eps = 1e-9 * (1.0 + sdd + spp)  # what rounding leaves of a variance that is zero
+        det = cdd * cpp - cdp * cdp
+        if cdd > eps and cpp > eps and det > 1e-9 * cdd * cpp:
+            slopes = ((cpp * cdt - cdp * cpt) / det, (cdd * cpt - cdp * cdt) / det)
+        elif cdd > eps or cpp > eps:  # one kind of token only: one slope over all of them
+            cxx = cdd + cpp + 2 * cdp
+            if cxx <= eps:
                 return None
-            one = sum((x - mx) * (r[2] - mt) for x, r in zip(tokens, self._rows)) / sxx
+            one = (cdt + cpt) / cxx
             slopes = (one, one)
         else:
             return None

@@ -28,8 +28,9 @@ class RequestQueue(ABC):
     of that order (None when empty) and `pop` removes and returns it; `len` counts the
     queued requests. `iter_lanes(first, last)` is the same order restricted to the
     requests that asked for a lane in [first, last], aging lifting none above `first`
-    (the scheduler admits each class of lanes from its own budget). `check` raises (a typed engine error) when a new request may not
-    join now; requeued requests are never checked. `charge` bills tokens computed for a
+    (the scheduler admits each class of lanes from its own budget). `check` raises (a
+    typed engine error) when a new request may not join now; requeued requests are
+    never checked. `charge` bills tokens computed for a
     request to whatever the order depends on. No tensors, no I/O.
     """
 

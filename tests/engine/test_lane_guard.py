@@ -14,7 +14,7 @@ import pytest
 
 from loraplex.engine.block_pool import KVCacheManager
 from loraplex.engine.config import SchedulerConfig
-from loraplex.engine.lane_guard import LaneGuard, Split
+from loraplex.engine.lane_guard import LaneGuard, Split, StepCost
 from loraplex.engine.request import Lane, Request, SamplingParams
 from loraplex.engine.scheduler import Scheduler, SchedulerOutput
 from tests.engine.test_scheduler import B, I, S, Harness, scheduled
@@ -61,6 +61,19 @@ def test_the_share_is_sized_from_the_measured_cost_of_a_token():
     assert g.tokens == 512
     _steps(g, 0.02, 0.5, 0.5)  # slower than the target for one token: one token still
     assert g.tokens == 1
+
+
+def test_the_running_fit_is_the_fit_of_the_last_window_alone():
+    rng, rows = random.Random(3), []
+    long_run = StepCost(window=64)
+    for _ in range(1000):  # the window wraps many times, the sums rebuilt along the way
+        row = (rng.randrange(0, 64), rng.choice([0, 16, 128, 512]), rng.uniform(0.01, 2.0))
+        rows.append(row)
+        long_run.add(*row)
+    fresh = StepCost(window=64)
+    for row in rows[-64:]:
+        fresh.add(*row)
+    assert long_run.slopes() == pytest.approx(fresh.slopes(), rel=1e-9)
 
 
 def test_steps_that_do_not_vary_or_measure_nothing_change_nothing():
