@@ -13,6 +13,7 @@ import httpx
 import openai
 
 from tests.e2e.conftest import MAX_MODEL_LEN
+from tests.e2e.listening import read_until_listening
 
 KEY_LINE = re.compile(r"^\s+(lpx_[0-9a-f]{12}_\S+)\s*$")
 ADMIN_LINE = re.compile(r"^\s+(lpxadmin_\S+)\s*$")
@@ -33,15 +34,7 @@ class Serve:
         self.lines: list[str] = []
 
     def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise AssertionError("serve exited early:\n" + "".join(self.lines))
-            self.lines.append(line)
-            if "Uvicorn running" in line or "Application startup complete" in line:
-                return
-        raise AssertionError("serve did not start:\n" + "".join(self.lines))
+        read_until_listening(self.proc, [self.port, self.metrics_port], self.lines, timeout)
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ import pytest
 from loraplex.platform.db.database import Database, migrate
 from loraplex.platform.quotas.limits import quota_status, set_quota
 from loraplex.platform.tenancy.tenants import create_key, create_tenant
+from tests.e2e.listening import read_until_listening
 from tests.platform.fixtures import tiny_adapters  # noqa: F401 - fixture
 
 ADMIN_TOKEN = "resource-suite-admin-token-" + "r" * 16
@@ -78,18 +78,8 @@ def served(tmp_path_factory, tiny_llama_dir) -> Iterator[Served]:
            "--max-body-size", str(MAX_BODY), *SERVE_TIMEOUTS]
     env = {**os.environ, "LORAPLEX_ADMIN_TOKEN": ADMIN_TOKEN, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines = []
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError("serve exited early:\n" + "".join(lines))
-        lines.append(line)
-        if "Application startup complete" in line:
-            break
-    else:
-        proc.kill()
-        raise AssertionError("serve did not start:\n" + "".join(lines))
+    lines: list[str] = []
+    read_until_listening(proc, [port, metrics_port], lines, timeout=180)
     # Keep reading its output, so a full pipe never blocks the server.
     import threading
 
