@@ -97,7 +97,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
             await usage.start()
         if hasattr(usage, "register_metrics"):
             usage.register_metrics(m.registry)
-        tracing = Tracing(TracingConfig(otlp_endpoint=settings.otlp_endpoint))
+        tracing = Tracing(TracingConfig(otlp_endpoint=settings.otlp_endpoint, service_name=settings.service_name))
         gw = app.state.gateway = Gateway(settings, eng, auth, m, usage, tracing)
         app.state.parse_pool = ParsePool()  # tokenizing and chat templates, off the event loop
         app.state.admin = AdminState.create(settings, db, gw)

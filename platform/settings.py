@@ -111,6 +111,8 @@ class Settings:
     # tracing on (e.g. http://collector:4318/v1/traces), None leaves it off.
     log_format: str = "text"
     otlp_endpoint: str | None = None
+    # The traces' service.name: tells `serve` from a `gateway` in the tracing backend.
+    service_name: str = "loraplex"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())

@@ -59,7 +59,8 @@ def gateway(args: argparse.Namespace) -> int:
 
     base = Settings(database_url=args.database_url, host=args.host, port=args.port, create_demo_tenant=False,
                     adapter_store=args.adapter_store, request_timeout=args.request_timeout or None,
-                    log_format=args.log_format, otlp_endpoint=args.otlp_endpoint, **server_settings(args),
+                    log_format=args.log_format, otlp_endpoint=args.otlp_endpoint, service_name="loraplex-gateway",
+                    **server_settings(args),
                     **({"data_dir": args.data_dir} if args.data_dir else {}))
     fleet = FleetConfig(workers=args.workers, workers_dns=args.workers_dns,
                         router=RouterConfig(policy=args.router_policy, max_in_flight=args.max_in_flight))

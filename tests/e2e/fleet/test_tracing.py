@@ -66,7 +66,7 @@ def _request_spans(spans: list[Span], request_id: str) -> tuple[Span, Span]:
         assert len(found) == 1, (service, request_id, spans)
         return found[0]
 
-    return one("loraplex"), one("loraplex-worker")
+    return one("loraplex-gateway"), one("loraplex-worker")
 
 
 def test_the_workers_request_span_is_a_child_of_the_gateways(spans):
