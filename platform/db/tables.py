@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String, text
+from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Integer, String, text
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from loraplex.platform.db.base import Base, UTCDateTime, utcnow
@@ -65,6 +65,12 @@ class Adapter(Base):
     public: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # The current version's shape, so every replica can describe a version it has never
+    # stored on its own disk; None in rows written before these columns existed.
+    rank: Mapped[int | None] = mapped_column(Integer, default=None)
+    alpha: Mapped[float | None] = mapped_column(Float, default=None)
+    target_modules: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True), default=None)
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
 
     owner: Mapped[Tenant | None] = relationship()
     grants: Mapped[list[AdapterGrant]] = relationship(back_populates="adapter", cascade="all, delete-orphan")

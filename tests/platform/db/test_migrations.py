@@ -8,7 +8,7 @@ from pathlib import Path
 
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from loraplex.platform.db.database import make_db_engine, migrate
 from loraplex.platform.db.base import Base
@@ -60,3 +60,48 @@ def test_plain_alembic_command_in_repo_root(empty_db_url):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert _diffs(empty_db_url) == []
+
+
+def _columns(url: str, table: str) -> set[str]:
+    engine = make_db_engine(url)
+    try:
+        return {c["name"] for c in inspect(engine).get_columns(table)}
+    finally:
+        engine.dispose()
+
+
+def test_0007_adapter_metadata_up_and_down_keeps_existing_rows(empty_db_url):
+    """Adapters registered before 0007 keep their rows with no metadata (listings fall back
+    to the local store), and a downgrade drops only the new columns: the adapter's grants
+    (ON DELETE CASCADE) survive it, which a copy-and-drop of the table would not."""
+    from alembic import command
+
+    from loraplex.platform.db.database import alembic_config
+
+    metadata = {"rank", "alpha", "target_modules", "size_bytes"}
+    migrate(empty_db_url, "0006")
+    engine = make_db_engine(empty_db_url)
+    try:
+        with engine.begin() as conn:
+            t = {"t": "2026-12-01 00:00:00+00:00"}
+            conn.execute(text("INSERT INTO tenants (id, name, default_lane, allowed_lanes, enabled, created_at) "
+                              "VALUES (1, 'acme', 'standard', 'standard', true, :t)"), t)
+            conn.execute(text("INSERT INTO adapters (id, name, digest, public, owner_tenant_id, created_at, "
+                              "updated_at) VALUES (1, 'old', 'sha256:00', false, 1, :t, :t)"), t)
+            conn.execute(text("INSERT INTO adapter_grants (adapter_id, tenant_id, created_at) VALUES (1, 1, :t)"), t)
+        migrate(empty_db_url, "0007")
+        assert metadata <= _columns(empty_db_url, "adapters")
+        with engine.connect() as conn:
+            row = conn.execute(text("SELECT digest, rank, alpha, target_modules, size_bytes FROM adapters")).one()
+        assert tuple(row) == ("sha256:00", None, None, None, None)
+
+        command.downgrade(alembic_config(empty_db_url), "0006")
+        assert not metadata & _columns(empty_db_url, "adapters")
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT name, digest, owner_tenant_id FROM adapters")).all() == [
+                ("old", "sha256:00", 1)]
+            assert conn.execute(text("SELECT adapter_id, tenant_id FROM adapter_grants")).all() == [(1, 1)]
+        migrate(empty_db_url)
+        assert _diffs(empty_db_url) == []
+    finally:
+        engine.dispose()
