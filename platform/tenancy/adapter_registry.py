@@ -62,6 +62,12 @@ class AdapterInfo:
     grants: tuple[str, ...]
     created_at: dt.datetime | None = None
     updated_at: dt.datetime | None = None
+    # The current version's (`digest`'s) shape as recorded when it was published; None
+    # for a row registered before the registry kept it.
+    rank: int | None = None
+    alpha: float | None = None
+    target_modules: tuple[str, ...] | None = None
+    size_bytes: int | None = None
 
 
 def add_adapter(db: Database, store: AdapterStore, name: str, path: str | Path, *, public: bool = False,
@@ -92,6 +98,8 @@ def add_adapter(db: Database, store: AdapterStore, name: str, path: str | Path, 
             row = Adapter(name=name, digest=record.digest, public=public)
             s.add(row)
         row.digest, row.updated_at = record.digest, utcnow()
+        row.rank, row.alpha, row.size_bytes = record.rank, record.alpha, record.size_bytes
+        row.target_modules = list(record.target_modules)
         row.public = row.public or public
         if owner_t is not None:
             row.owner_tenant_id = owner_t.id
@@ -115,8 +123,10 @@ def _in_store(store: AdapterStore, name: str) -> bool:
 
 def _info(row: Adapter) -> AdapterInfo:
     grants = tuple(sorted(g.tenant.name for g in row.grants))
+    targets = tuple(row.target_modules) if row.target_modules is not None else None
     return AdapterInfo(row.name, row.digest, row.owner.name if row.owner else None, row.public, grants,
-                       row.created_at, row.updated_at)
+                       row.created_at, row.updated_at, rank=row.rank, alpha=row.alpha, target_modules=targets,
+                       size_bytes=row.size_bytes)
 
 
 def list_adapters(db: Database) -> list[AdapterInfo]:

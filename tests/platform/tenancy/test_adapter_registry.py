@@ -1,0 +1,39 @@
+"""The registry row records the current version's metadata when an adapter is published
+or replaced, so a replica that never stored the version can describe it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import select
+
+from loraplex.adapters import AdapterStore, BaseShapes
+from loraplex.platform.db.tables import Adapter
+from loraplex.platform.tenancy.adapter_registry import adapter_info, add_adapter, list_adapters
+
+
+def _metadata(info) -> tuple:
+    return info.digest, info.rank, info.alpha, info.target_modules, info.size_bytes
+
+
+def test_the_row_follows_the_current_version(tmp_path: Path, tiny_llama_dir, tiny_adapters, db):
+    store = AdapterStore(tmp_path / "store", BaseShapes.from_model_dir(tiny_llama_dir))
+    info = add_adapter(db, store, "meta", tiny_adapters["ad1"], public=True)
+    r = store.get("meta")
+    assert _metadata(info) == (r.digest, 4, r.alpha, r.target_modules, r.size_bytes)
+    assert _metadata(adapter_info(db, "meta")) == _metadata(info)
+
+    replaced = add_adapter(db, store, "meta", tiny_adapters["ad2"], replace=True)
+    r2 = store.get("meta")
+    assert (replaced.digest, replaced.rank) == (r2.digest, 8) and r2.digest != r.digest
+    assert _metadata(replaced) == (r2.digest, 8, r2.alpha, r2.target_modules, r2.size_bytes)
+    assert [_metadata(a) for a in list_adapters(db)] == [_metadata(replaced)]
+
+
+def test_a_row_without_metadata_reads_as_unknown(tmp_path: Path, tiny_llama_dir, tiny_adapters, db):
+    store = AdapterStore(tmp_path / "store", BaseShapes.from_model_dir(tiny_llama_dir))
+    add_adapter(db, store, "older", tiny_adapters["ad1"])
+    with db.session() as s:  # as a row registered before the registry kept metadata
+        row = s.scalars(select(Adapter).where(Adapter.name == "older")).one()
+        row.rank = row.alpha = row.target_modules = row.size_bytes = None
+    info = adapter_info(db, "older")
+    assert (info.rank, info.alpha, info.target_modules, info.size_bytes) == (None, None, None, None)
