@@ -46,13 +46,14 @@ def _record_json(r: AdapterRecord, where: dict[str, str]) -> dict:
 def _adapter_json(a: AdapterInfo, kept: list[AdapterRecord], where: dict[str, str], stored: set[str],
                   with_versions: bool = False) -> dict:
     """`kept`: this process's versions of the name. The registry's digest is the truth: a
-    version uploaded through another gateway is in the shared store, not in `kept`."""
+    version uploaded through another gateway is in the shared store, not in `kept`, and is
+    described by the metadata the registry row recorded with that digest."""
     r = next((v for v in kept if v.digest == a.digest), None)
     residency = where.get(a.digest) or ("disk" if r is not None else "store" if a.digest in stored else "missing")
     d: dict[str, Any] = {"name": a.name, "digest": a.digest, "public": a.public, "owner": a.owner,
                          "grants": list(a.grants), "created_at": a.created_at, "updated_at": a.updated_at,
-                         "residency": residency, "rank": None, "alpha": None, "target_modules": [],
-                         "size_bytes": None}
+                         "residency": residency, "rank": a.rank, "alpha": a.alpha,
+                         "target_modules": list(a.target_modules or ()), "size_bytes": a.size_bytes}
     if r is not None:
         d.update(rank=r.rank, alpha=r.alpha, target_modules=list(r.target_modules), size_bytes=r.size_bytes)
     if with_versions:

@@ -1,6 +1,7 @@
 """Two gateways over one database and one shared adapter store, each with its own data
 folder (as replicas of a fleet are): an adapter uploaded or replaced through one is
-listed by the other as in the shared store, never as missing, and never with the
+listed by the other as in the shared store, never as missing, with the current
+version's rank, alpha, targets and size (from the registry), and never with the
 metadata of a version it no longer serves. SQLite (a shared folder store) and PostgreSQL
 (the database is the store)."""
 from __future__ import annotations
@@ -65,6 +66,10 @@ def _listed(api: AdminClient) -> dict[str, dict]:
     return {a["name"]: a for a in r.json()}
 
 
+def _metadata(a: dict) -> dict:
+    return {k: a[k] for k in ("digest", "rank", "alpha", "target_modules", "size_bytes")}
+
+
 def test_uploads_elsewhere_are_in_the_store(gateways, upload_adapters, tiny_llama_dir, tmp_path):
     """An adapter uploaded through the other gateway is in the shared store, not missing."""
     one, other, db = gateways
@@ -74,7 +79,13 @@ def test_uploads_elsewhere_are_in_the_store(gateways, upload_adapters, tiny_llam
     seen = _listed(one)["via-other"]
     assert (seen["digest"], seen["residency"]) == (r.json()["digest"], "store")
     assert one.get("/adapters/via-other").json()["residency"] == "store"
-    assert _listed(other)["via-other"]["residency"] == "disk"  # the uploader keeps its own copy
+    uploader = _listed(other)["via-other"]
+    assert uploader["residency"] == "disk"  # the uploader keeps its own copy
+    # The other gateway never had the files on its disk, yet describes the version alike.
+    assert uploader["rank"] == 4 and sorted(uploader["target_modules"]) == ["q_proj", "v_proj"]
+    assert uploader["size_bytes"] > 0 and uploader["alpha"] is not None
+    assert _metadata(seen) == _metadata(uploader) == _metadata(r.json())
+    assert _metadata(one.get("/adapters/via-other").json()) == _metadata(uploader)
 
     # A registry row naming a version no store holds is still missing.
     unpublished = AdapterStore(tmp_path / "unpublished", BaseShapes.from_model_dir(tiny_llama_dir))
@@ -90,4 +101,9 @@ def test_a_version_replaced_through_another_gateway_is_not_shown_stale(gateways,
     assert r.status_code == 200 and r.json()["rank"] == 8, r.text
     seen = _listed(one)["replaced"]
     # Not the rank-4 version this gateway still keeps on its disk: the current one, elsewhere.
-    assert (seen["digest"], seen["residency"], seen["rank"]) == (r.json()["digest"], "store", None)
+    assert (seen["digest"], seen["residency"], seen["rank"]) == (r.json()["digest"], "store", 8)
+    replacer = _listed(other)["replaced"]
+    assert replacer["residency"] == "disk"
+    assert sorted(replacer["target_modules"]) != ["q_proj", "v_proj"]  # r8 targets more than r4 did
+    assert _metadata(seen) == _metadata(replacer) == _metadata(r.json())
+    assert _metadata(one.get("/adapters/replaced").json()) == _metadata(replacer)
