@@ -7,9 +7,12 @@ the data dir ($LORAPLEX_DATA_DIR or ~/.local/share/loraplex).
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from logging.config import fileConfig
 
 from alembic import context
+from sqlalchemy.engine import Connection
 
 from loraplex.platform.db.database import make_db_engine, normalize_url
 import loraplex.platform.db  # noqa: F401  (registers every table on Base.metadata)
@@ -38,19 +41,41 @@ def run_offline() -> None:
         context.run_migrations()
 
 
+@contextlib.contextmanager
+def _sqlite_foreign_keys_off(connection: Connection) -> Iterator[None]:
+    """SQLite alters a table by copying it and dropping the original, and with foreign
+    keys on that drop fires ON DELETE CASCADE: every api key of a rebuilt `tenants`, every
+    grant of a rebuilt `adapters` would go. So they are off while migrations run (the
+    pragma is a no-op inside a transaction, hence before it begins), and the result is
+    checked before they are back on."""
+    if connection.dialect.name != "sqlite":
+        yield
+        return
+    connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+    try:
+        yield
+        broken = connection.exec_driver_sql("PRAGMA foreign_key_check").all()
+        if broken:
+            raise RuntimeError(f"the migration left rows whose foreign keys match nothing: {broken[:5]}")
+    finally:
+        connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+
+
+def _run(connection: Connection) -> None:
+    _configure(connection=connection)
+    with _sqlite_foreign_keys_off(connection), context.begin_transaction():
+        context.run_migrations()
+
+
 def run_online() -> None:
     conn = config.attributes.get("connection")
     if conn is not None:
-        _configure(connection=conn)
-        with context.begin_transaction():
-            context.run_migrations()
+        _run(conn)
         return
     engine = make_db_engine(_url())
     try:
         with engine.connect() as connection:
-            _configure(connection=connection)
-            with context.begin_transaction():
-                context.run_migrations()
+            _run(connection)
     finally:
         engine.dispose()
 
