@@ -2,7 +2,7 @@
 
 Revision ID: 0007
 Revises: 0006
-Create Date: 2026-12-02
+Create Date: 2026-12-01
 """
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    # In place (ALTER TABLE ... DROP COLUMN, SQLite 3.35+): SQLite's batch copy would drop
-    # the old table with foreign keys on, and ON DELETE CASCADE would take every grant.
+    # In place (ALTER TABLE ... DROP COLUMN, SQLite 3.35+): no copy of the table's rows.
     with op.batch_alter_table("adapters", recreate="never") as batch:
         batch.drop_column("size_bytes")
         batch.drop_column("target_modules")
