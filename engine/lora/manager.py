@@ -143,7 +143,9 @@ class LoRAManager:
 
     def prefetch(self, digest: str) -> Future:
         """Bring `digest` into the CPU tier off the engine thread. The future's result is
-        None once it is there; its exception is the source's when it cannot be loaded."""
+        None once it is there; its exception is the source's when it cannot be loaded.
+        Each caller gets a future of its own: cancelling it (a client that left) leaves
+        the load to the others waiting for it."""
         with self._lock:
             done: Future = Future()
             if digest in self._cpu or any(r and r.digest == digest for r in self.slot_refs):
@@ -157,7 +159,7 @@ class LoRAManager:
                 del self._failed[digest]  # nobody holds it: try again
             if digest not in self._pending:
                 self._pending[digest] = self._pool.submit(self._load_to_cpu, digest)
-            return self._pending[digest]
+            return _follow(self._pending[digest])
 
     def drop(self, digest: str) -> bool:
         """Forget the CPU-tier copy of `digest` unless a request holds it; True if dropped."""
@@ -263,3 +265,20 @@ class LoRAManager:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _follow(shared: Future) -> Future:
+    """A future with `shared`'s outcome whose cancellation does not reach `shared`."""
+    mine: Future = Future()
+
+    def copy(done: Future) -> None:
+        if done.cancelled():  # the pool shut down
+            mine.cancel()
+        elif mine.set_running_or_notify_cancel():  # False: its caller cancelled it
+            if done.exception() is not None:
+                mine.set_exception(done.exception())
+            else:
+                mine.set_result(done.result())
+
+    shared.add_done_callback(copy)
+    return mine
