@@ -40,7 +40,7 @@ from loraplex.engine.request import SamplingParams  # noqa: E402
 from loraplex.platform.db.database import Database, migrate  # noqa: E402
 from loraplex.platform.fleet.client import RemoteEngineClient  # noqa: E402
 from loraplex.platform.fleet.config import FleetConfig  # noqa: E402
-from loraplex.platform.fleet.directory import AdapterDirectory  # noqa: E402
+from loraplex.platform.tenancy.adapter_directory import AdapterDirectory  # noqa: E402
 from loraplex.platform.fleet.model_info import fetch_model_info  # noqa: E402
 from loraplex.platform.routing import RouterConfig  # noqa: E402
 from loraplex.platform.serving.engine_factory import build_engine  # noqa: E402

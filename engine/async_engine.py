@@ -153,6 +153,15 @@ class AsyncEngine:
                        ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs. Closing the iterator early aborts the request."""
         rid = request_id or uuid.uuid4().hex
+        if isinstance(adapter, AdapterRef) and self.engine.lora is not None:
+            # Loaded off the engine thread first (from a shared store: fetched on first
+            # use), so a version that cannot be had is refused here with the source's
+            # error, before any output, as an engine worker refuses it.
+            loaded = self.engine.lora.prefetch(adapter.digest)
+            if loaded.done():  # resident already (or failed): no round trip through the loop
+                loaded.result()
+            else:
+                await asyncio.wrap_future(loaded)
         if rid in self._streams:
             # Checked before registering: replacing the entry would hand the other stream's
             # outputs to this one (and its error, or our abort, to the other request).

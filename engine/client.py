@@ -83,7 +83,9 @@ class EngineClient(Protocol):
     - `generate` streams one request's outputs (deltas) as `RequestOutput`s, the last one
       `finished`; closing the stream early aborts the request. It raises
       `InvalidRequestError` / `PromptTooLongError` / `UnknownAdapterError` for a request
-      the engine refuses, `EngineDeadError` once the engine stopped.
+      the engine refuses, `EngineDeadError` once the engine stopped. A request's adapter
+      version that cannot be loaded (not found, its store unreachable, corrupted) raises
+      before any output too (the adapters package's `AdapterError`s, or an engine error).
       `tenant` and `tenant_weight` place the request in tenant-fair order (a tenant over
       its share of the waiting queue gets `TenantShareExceededError`); after `timeout`
       seconds the engine ends it with finish reason "timeout".

@@ -15,7 +15,13 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from loraplex.adapters.errors import AdapterNotFoundError, AdapterValidationError, InvalidAdapterNameError
+from loraplex.adapters.errors import (
+    AdapterCorruptedError,
+    AdapterNotFoundError,
+    AdapterValidationError,
+    BlobStoreError,
+    InvalidAdapterNameError,
+)
 from loraplex.engine.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -176,6 +182,12 @@ ERRORS: dict[type[BaseException], Callable[[BaseException], ApiError]] = {
                                             "database_unavailable", headers={"Retry-After": "5"}),
     InterfaceError: lambda _exc: ApiError(503, "the database is unavailable; retry shortly", "server_error",
                                           "database_unavailable", headers={"Retry-After": "5"}),
+    # The shared adapter store is unreachable (the message would name its URL): retry later.
+    BlobStoreError: lambda _exc: ApiError(503, "the adapter store is unavailable; retry shortly", "server_error",
+                                          "adapter_store_unavailable", headers={"Retry-After": "5"}),
+    # A stored adapter version fails its digest check: an admin must upload it again.
+    AdapterCorruptedError: lambda _exc: ApiError(503, "the adapter's stored weights are damaged; an admin must "
+                                                 "upload it again", "server_error", "adapter_corrupted"),
     HTTPException: _http,
 }
 

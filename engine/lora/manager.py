@@ -1,9 +1,10 @@
 """The LoRA manager: adapter names, the CPU tier, device slots.
 
-Adapters have three tiers: their source (the disk store, or a worker's shared blob
-store), a CPU tier (LRU, loaded in the background) and the device slots, whose weights
-the LoRA backend (`backend.LoRABackend`, chosen once by the engine's kernel backend) holds
-in its kernels' layout. On CUDA an adapter also passes through staging (staging.py):
+Adapters have three tiers: their source (the disk store; a worker's shared blob store;
+or, for `serve` replicas sharing a store, the registry's names over both), a CPU tier
+(LRU, loaded in the background) and the device slots, whose weights the LoRA backend
+(`backend.LoRABackend`, chosen once by the engine's kernel backend) holds in its
+kernels' layout. On CUDA an adapter also passes through staging (staging.py):
 copied to the device in the background, it is `ready` only once that copy has completed.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .staging import CudaStager, StagedAdapter, Stager
 from .torch_backend import TorchLoRABackend
 
 if TYPE_CHECKING:
-    from loraplex.adapters import AdapterRecord, LoRAAdapter
+    from loraplex.adapters import LoRAAdapter
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +44,28 @@ class AdapterSource(Protocol):
     def load(self, digest: str, dtype: torch.dtype) -> LoRAAdapter: ...
 
 
+class AdapterVersion(Protocol):
+    """The version a name means now: its content digest, and its rank when known before
+    loading (None: only the load tells, and it enforces the engine's max_lora_rank)."""
+
+    @property
+    def digest(self) -> str: ...
+
+    @property
+    def rank(self) -> int | None: ...
+
+
 @runtime_checkable
 class NamedAdapterSource(AdapterSource, Protocol):
-    """A source that also resolves names to their current version (the disk store)."""
+    """A source that also resolves names to their current version: the disk store (an
+    `AdapterRecord`), or the platform's registry when replicas share an adapter store.
 
-    def get(self, name: str) -> AdapterRecord: ...
+    `get(name)` returns that version, or raises `AdapterNotFoundError` (or
+    `UnknownAdapterError`) for a name it does not know. It runs on the caller's thread
+    (a gateway's event loop), so it reads an index or a row, never adapter weights.
+    """
+
+    def get(self, name: str) -> AdapterVersion: ...
 
 
 class LoRAManager:
@@ -96,7 +114,7 @@ class LoRAManager:
             record = self.store.get(name)
         except (AdapterNotFoundError, AdapterError):
             raise UnknownAdapterError(f"the adapter {name!r} does not exist") from None
-        if record.rank > self.config.max_lora_rank:
+        if record.rank is not None and record.rank > self.config.max_lora_rank:
             raise InvalidRequestError(f"adapter {name!r} has rank {record.rank}, above this engine's "
                                       f"max_lora_rank {self.config.max_lora_rank}")
         return AdapterRef(name, record.digest)
@@ -143,7 +161,9 @@ class LoRAManager:
 
     def prefetch(self, digest: str) -> Future:
         """Bring `digest` into the CPU tier off the engine thread. The future's result is
-        None once it is there; its exception is the source's when it cannot be loaded."""
+        None once it is there; its exception is the source's when it cannot be loaded.
+        Each caller gets a future of its own: cancelling it (a client that left) leaves
+        the load to the others waiting for it."""
         with self._lock:
             done: Future = Future()
             if digest in self._cpu or any(r and r.digest == digest for r in self.slot_refs):
@@ -157,7 +177,7 @@ class LoRAManager:
                 del self._failed[digest]  # nobody holds it: try again
             if digest not in self._pending:
                 self._pending[digest] = self._pool.submit(self._load_to_cpu, digest)
-            return self._pending[digest]
+            return _follow(self._pending[digest])
 
     def drop(self, digest: str) -> bool:
         """Forget the CPU-tier copy of `digest` unless a request holds it; True if dropped."""
@@ -263,3 +283,20 @@ class LoRAManager:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _follow(shared: Future) -> Future:
+    """A future with `shared`'s outcome whose cancellation does not reach `shared`."""
+    mine: Future = Future()
+
+    def copy(done: Future) -> None:
+        if done.cancelled():  # the pool shut down
+            mine.cancel()
+        elif mine.set_running_or_notify_cancel():  # False: its caller cancelled it
+            if done.exception() is not None:
+                mine.set_exception(done.exception())
+            else:
+                mine.set_result(done.result())
+
+    shared.add_done_callback(copy)
+    return mine

@@ -199,7 +199,7 @@ def _demo_adapters_in_background(settings: Settings, register) -> threading.Thre
     def run() -> None:
         db = Database(settings.db_url)
         try:
-            added = register(settings, db, open_store(settings))
+            added = register(settings, db, open_store(settings), shared_blob_store(settings, db))
             if added:
                 log.info("demo adapters ready: %s", ", ".join(added))
         except Exception:  # noqa: BLE001 - a demo convenience must not stop the server
@@ -230,7 +230,7 @@ def serve(settings: Settings, access_log: bool = False) -> int:
     log.info("database %s migrated to the latest schema", Database.display_url(settings.db_url))
     try:
         demo_key = ensure_demo_tenant(db) if settings.create_demo_tenant else None
-        register_cli_adapters(settings, db, open_store(settings))
+        register_cli_adapters(settings, db, open_store(settings), shared_blob_store(settings, db))
         adapters = [a.name for a in list_adapters(db)]
     finally:
         db.dispose()

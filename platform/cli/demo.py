@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from loraplex.adapters import AdapterError, AdapterStore
+from loraplex.adapters import AdapterError, AdapterStore, BlobStore
 from loraplex.engine.config import DEFAULT_MODEL
 
 from loraplex.platform.tenancy.adapter_registry import AdapterInfo, add_adapter, list_adapters
@@ -68,8 +68,10 @@ def _subfolders(folder: Path) -> dict[str, Path]:
     return {p.name: p for p in sorted(folder.iterdir()) if (p / "adapter_config.json").is_file()}
 
 
-def register_demo_adapters(settings: Settings, db: Database, store: AdapterStore) -> list[str]:
-    """Register every demo adapter not yet registered, as public."""
+def register_demo_adapters(settings: Settings, db: Database, store: AdapterStore,
+                           blobs: BlobStore | None = None) -> list[str]:
+    """Register every demo adapter not yet registered, as public; with `blobs` (the shared
+    adapter store), published there for the other replicas."""
     folders = find_demo_adapters(settings)
     known = {a.name for a in list_adapters(db)}
     added = []
@@ -77,17 +79,19 @@ def register_demo_adapters(settings: Settings, db: Database, store: AdapterStore
         if name in known:
             continue
         try:
-            add_adapter(db, store, name, path, public=True, reserved=(settings.model_name,))
+            add_adapter(db, store, name, path, public=True, reserved=(settings.model_name,), blobs=blobs)
             added.append(name)
         except (AdapterError, PlatformError) as exc:
             log.warning("demo adapter %s skipped: %s", name, getattr(exc, "reason", exc))
     return added
 
 
-def register_cli_adapters(settings: Settings, db: Database, store: AdapterStore) -> list[AdapterInfo]:
+def register_cli_adapters(settings: Settings, db: Database, store: AdapterStore,
+                          blobs: BlobStore | None = None) -> list[AdapterInfo]:
     """`serve --adapter NAME=PATH`: register as public, or update a known adapter to a new
-    version keeping who may use it (a restart never undoes an admin's decision)."""
+    version keeping who may use it (a restart never undoes an admin's decision); with
+    `blobs` (the shared adapter store), published there for the other replicas."""
     known = {a.name for a in list_adapters(db)}
     return [add_adapter(db, store, name, path, public=name not in known, replace=name in known,
-                        reserved=(settings.model_name,))
+                        reserved=(settings.model_name,), blobs=blobs)
             for name, path in settings.adapters]

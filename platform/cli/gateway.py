@@ -52,7 +52,7 @@ def gateway(args: argparse.Namespace) -> int:
     from loraplex.platform.db.database import Database
     from loraplex.platform.fleet.client import RemoteEngineClient
     from loraplex.platform.fleet.config import FleetConfig
-    from loraplex.platform.fleet.directory import AdapterDirectory
+    from loraplex.platform.tenancy.adapter_directory import AdapterDirectory
     from loraplex.platform.fleet.model_info import fetch_model_info
     from loraplex.platform.routing import RouterConfig
     from loraplex.platform.app import create_app

@@ -26,7 +26,6 @@ from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.tokenizer import Tokenizer
 
 from loraplex.platform.fleet.config import FleetConfig
-from loraplex.platform.fleet.directory import AdapterDirectory
 from loraplex.platform.fleet.errors import (
     RETRYABLE,
     WorkerError,
@@ -47,6 +46,7 @@ from loraplex.platform.routing import (
     WorkerStats,
     discovery_for,
 )
+from loraplex.platform.tenancy.adapter_directory import AdapterDirectory
 
 log = logging.getLogger(__name__)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 
+from loraplex.adapters.sources import BlobAdapterSource
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.lora import LoRAManager
@@ -13,14 +14,30 @@ log = logging.getLogger(__name__)
 
 
 def build_lora_manager(settings: Settings) -> LoRAManager:
-    """A LoRAManager over the adapter store.
+    """A LoRAManager over the adapters this process serves, chosen once here.
 
-    The engine resolves `generate(adapter=name)` through it; the platform's database only
-    decides who may use which name.
+    Alone (the embedded default: SQLite, no shared store) the engine resolves names in
+    the disk store the registry writes to (<data_dir>/adapters). As one of several
+    replicas sharing an adapter store (`shared_blob_store`: the PostgreSQL database, or
+    `adapter_store` / $LORAPLEX_ADAPTER_STORE), it resolves names in the registry, the
+    version every replica serves, and fetches a version it lacks from the shared store
+    by digest. Either way the database alone decides who may use which name.
     """
-    from loraplex.platform.tenancy.adapter_registry import open_store
+    from loraplex.platform.db.database import Database
+    from loraplex.platform.serving.shared_adapters import RegistryAdapterSource
+    from loraplex.platform.tenancy.adapter_directory import AdapterDirectory
+    from loraplex.platform.tenancy.adapter_registry import open_store, shared_blob_store
 
-    return LoRAManager(open_store(settings), settings.engine.lora)
+    store = open_store(settings)
+    db = Database(settings.db_url)
+    blobs = shared_blob_store(settings, db)
+    if blobs is None:
+        db.dispose()
+        return LoRAManager(store, settings.engine.lora)
+    log.info("adapters: names resolve in the registry; versions not on this replica's disk come from the "
+             "shared adapter store")
+    shared = BlobAdapterSource(blobs, store.base, settings.engine.lora.max_lora_rank)
+    return LoRAManager(RegistryAdapterSource(AdapterDirectory(db), store, shared), settings.engine.lora)
 
 
 def build_engine(settings: Settings) -> AsyncEngine:

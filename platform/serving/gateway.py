@@ -146,7 +146,7 @@ class Gateway:
         hit = self._adapter_refs.get(name)
         if hit is not None and hit[1] > now:
             return hit[0]
-        ref = self.engine.resolve_adapter(name)  # UnknownAdapterError (404) for a name the store lacks
+        ref = self.engine.resolve_adapter(name)  # UnknownAdapterError (404) for a name it does not know
         if ref is None:
             return None  # an engine without adapters refuses the request itself
         if len(self._adapter_refs) > 10_000:

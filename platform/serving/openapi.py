@@ -20,7 +20,7 @@ _ERRORS = {"400": "A malformed field: `error.param` names it", "401": "Missing, 
            "403": "A lane above the tenant's", "404": "Unknown model, or one this tenant may not use",
            "413": "Body over its size limit, or a prompt longer than the context",
            "429": "Over a quota, or too many failed authentications from this address (see Retry-After)",
-           "503": "Draining, overloaded or metering unavailable (see Retry-After)"}
+           "503": "Draining, overloaded, or metering or the adapter store unavailable (see Retry-After)"}
 
 
 def _sampling(limits: ServerLimits) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.sources import BlobAdapterSource
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.errors import EngineError
 
@@ -20,7 +21,6 @@ from loraplex.platform.errors import PlatformError
 from loraplex.platform.observability.request_id import RequestIdMiddleware
 from loraplex.platform.observability.tracing import TraceContextMiddleware
 from loraplex.platform.worker_wire import error_status
-from loraplex.platform.worker.adapters import BlobAdapterSource
 from loraplex.platform.worker.routes import json_response, worker_routes
 from loraplex.platform.worker.state import WorkerState
 

@@ -7,6 +7,7 @@ import signal
 
 import uvicorn
 
+from loraplex.adapters.sources import BlobAdapterSource, open_source
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.loader import resolve_model_dir
@@ -14,7 +15,6 @@ from loraplex.engine.lora import LoRAManager
 
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
 from loraplex.platform.settings import Settings
-from loraplex.platform.worker.adapters import BlobAdapterSource, open_source
 from loraplex.platform.worker.app import create_worker_app
 from loraplex.platform.worker.config import WorkerConfig
 from loraplex.platform.worker.state import WorkerState

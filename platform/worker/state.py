@@ -20,7 +20,7 @@ from loraplex.platform.serving.metrics import Metrics
 from loraplex.platform.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
-    from loraplex.platform.worker.adapters import BlobAdapterSource
+    from loraplex.adapters.sources import BlobAdapterSource
     from loraplex.platform.worker.stream import Relay
     from loraplex.platform.worker_wire import GenerateRequest
 

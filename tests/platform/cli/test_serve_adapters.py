@@ -2,6 +2,7 @@
 the new version and keep the access an admin gave them."""
 from __future__ import annotations
 
+from loraplex.adapters.blobs import LocalBlobStore
 from loraplex.engine.config import EngineConfig, ModelConfig
 from loraplex.platform.cli.demo import register_cli_adapters
 from loraplex.platform.settings import Settings
@@ -21,3 +22,13 @@ def test_a_restart_keeps_an_admins_decision(db, tmp_path, tiny_llama_dir, tiny_a
     [updated] = register_cli_adapters(moved, db, store)  # a new version from the command line
     assert not updated.public and updated.digest != first.digest
     assert [a.public for a in list_adapters(db)] == [False]
+
+
+def test_replicas_sharing_a_store_find_the_versions_published_there(db, tmp_path, tiny_llama_dir, tiny_adapters):
+    """With a shared adapter store, an adapter from one replica's command line is published
+    there, where the other replicas fetch it by the digest the registry names."""
+    settings = Settings(data_dir=tmp_path / "replica", engine=EngineConfig(model=ModelConfig(model=str(tiny_llama_dir))),
+                        adapters=(("helper", str(tiny_adapters["ad1"])),))
+    shared = LocalBlobStore(tmp_path / "shared")
+    [info] = register_cli_adapters(settings, db, open_store(settings), shared)
+    assert shared.exists(info.digest)

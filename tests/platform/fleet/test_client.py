@@ -13,7 +13,7 @@ from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.platform.errors import api_error
 from loraplex.platform.fleet.client import RemoteEngineClient
 from loraplex.platform.fleet.config import FleetConfig
-from loraplex.platform.fleet.directory import AdapterDirectory
+from loraplex.platform.tenancy.adapter_directory import AdapterDirectory
 from loraplex.platform.fleet.errors import WorkerUnreachableError
 from loraplex.platform.fleet.model_info import write_model_dir
 from loraplex.platform.routing import RouterConfig, WorkerStats

@@ -14,7 +14,7 @@ def blob_engine(tmp_path_factory, tiny_llama_dir, tiny_adapters):  # noqa: F811
     from loraplex.engine.engine import LLMEngine
     from loraplex.engine.lora import LoRAManager
     from loraplex.platform.db import migrate
-    from loraplex.platform.worker.adapters import open_source
+    from loraplex.adapters.sources import open_source
 
     tmp = tmp_path_factory.mktemp("worker-blobs")
     url = f"sqlite:///{tmp / 'blobs.db'}"

@@ -40,3 +40,17 @@ def test_a_held_version_is_not_dropped(blob_engine):
 def test_names_do_not_resolve_on_a_worker(blob_engine):
     with pytest.raises(UnknownAdapterError):
         blob_engine[0].lora.ref("ad1")
+
+
+def test_a_caller_that_stops_waiting_leaves_the_load_to_the_others(blob_engine):
+    """A client that leaves while its version's load is queued cancels its own wait only:
+    the load still happens, and the next request for that version gets it."""
+    engine, digests = blob_engine
+    lora = engine.lora
+    for d in digests.values():
+        lora.drop(d)
+    lora.prefetch(digests["ad1"])  # the loader thread is busy with this one...
+    waiting = lora.prefetch(digests["ad2"])  # ...while this one is queued behind it
+    waiting.cancel()
+    assert lora.prefetch(digests["ad2"]).result(timeout=60) is None
+    assert digests["ad2"] in lora.tiers()["cpu"]

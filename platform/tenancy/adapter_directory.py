@@ -1,7 +1,8 @@
-"""Adapter names -> the version (content digest) they run now, from the gateway's registry.
+"""Adapter names -> the version (content digest) they run now, from the registry.
 
-Workers know adapters only by digest; the name a tenant uses is resolved here, in the
-shared database, so every gateway replica runs the version the registry published.
+Workers know adapters only by digest, and `serve` replicas sharing an adapter store each
+keep their own disk copy: the name a tenant uses is resolved here, in the shared
+database, so every replica runs the version the registry published.
 """
 from __future__ import annotations
 

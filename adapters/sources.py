@@ -1,18 +1,21 @@
-"""A worker's adapters: versions fetched by digest from the shared store, verified, cached."""
+"""Adapter versions by digest from a shared `BlobStore` (fetched on first use, verified,
+cached): the LoRA manager's source on an engine worker, and behind a `serve` replica's
+disk store when replicas share a store."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
-from loraplex.adapters import BaseShapes, BlobStore, BlobStoreConfig, LoRAAdapter, load_blob, open_blob_store
-from loraplex.adapters.blobs import CachedBlobStore
+from .blobs import BlobStore, BlobStoreConfig, CachedBlobStore, load_blob, open_blob_store
+from .peft import LoRAAdapter
+from .shapes import BaseShapes
 
 
 class BlobAdapterSource:
     """The LoRA manager's `AdapterSource` over a `BlobStore`: `load(digest)` fetches the
     blob on first use (verified, cached under the store's cache folder) and loads it.
-    It resolves no names: the gateway sends each request's version (digest)."""
+    It resolves no names: whoever sends a request names its version (digest)."""
 
     def __init__(self, store: BlobStore, base: BaseShapes, max_rank: int) -> None:
         self.store = store
@@ -30,5 +33,6 @@ class BlobAdapterSource:
 
 def open_source(url: str, model_dir: Path, cache_dir: Path, max_rank: int,
                 s3_endpoint_url: str | None = None) -> BlobAdapterSource:
+    """The source over the store `url` names (see `open_blob_store`), for the model in `model_dir`."""
     store = open_blob_store(BlobStoreConfig(url, cache_dir=cache_dir, s3_endpoint_url=s3_endpoint_url))
     return BlobAdapterSource(store, BaseShapes.from_model_dir(model_dir), max_rank)
