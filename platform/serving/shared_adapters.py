@@ -8,23 +8,12 @@ before the registry row commits).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from loraplex.adapters import AdapterNotFoundError, AdapterStore, LoRAAdapter
 from loraplex.adapters.sources import BlobAdapterSource
 
-from loraplex.platform.tenancy.adapter_directory import AdapterDirectory
-
-
-@dataclass(frozen=True)
-class RegistryVersion:
-    """A name's current version as the registry knows it: no rank (loading checks that)."""
-
-    name: str
-    digest: str
-    rank: int | None = None
+from loraplex.platform.tenancy.adapter_directory import AdapterDirectory, RegistryVersion
 
 
 class RegistryAdapterSource:
@@ -43,8 +32,7 @@ class RegistryAdapterSource:
         self.shared = shared
 
     def get(self, name: str) -> RegistryVersion:
-        ref = self.directory.resolve(name)
-        return RegistryVersion(ref.name, ref.digest)
+        return self.directory.version(name)
 
     def load(self, digest: str, dtype: torch.dtype = torch.float32) -> LoRAAdapter:
         try:

@@ -6,6 +6,8 @@ database, so every replica runs the version the registry published.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from sqlalchemy import select
 
 from loraplex.engine.errors import UnknownAdapterError
@@ -15,17 +17,32 @@ from loraplex.platform.db.database import Database
 from loraplex.platform.db.tables import Adapter
 
 
+@dataclass(frozen=True)
+class RegistryVersion:
+    """A name's current version as the registry recorded it; `rank` is None for a row
+    published before the registry kept ranks (loading then enforces max_lora_rank)."""
+
+    name: str
+    digest: str
+    rank: int | None = None
+
+
 class AdapterDirectory:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def resolve(self, name: str) -> AdapterRef:
+    def version(self, name: str) -> RegistryVersion:
         """The adapter's current version; UnknownAdapterError when the registry lacks it."""
         with self.db.engine.connect() as conn:
-            digest = conn.execute(select(Adapter.digest).where(Adapter.name == name)).scalar_one_or_none()
-        if digest is None:
+            row = conn.execute(select(Adapter.digest, Adapter.rank).where(Adapter.name == name)).one_or_none()
+        if row is None:
             raise UnknownAdapterError(f"no adapter named {name!r}")
-        return AdapterRef(name, digest)
+        return RegistryVersion(name, row.digest, row.rank)
+
+    def resolve(self, name: str) -> AdapterRef:
+        """The adapter's current version as the engine names it (see `version`)."""
+        v = self.version(name)
+        return AdapterRef(v.name, v.digest)
 
     def close(self) -> None:
         self.db.dispose()

@@ -37,3 +37,29 @@ def test_a_row_without_metadata_reads_as_unknown(tmp_path: Path, tiny_llama_dir,
         row.rank = row.alpha = row.target_modules = row.size_bytes = None
     info = adapter_info(db, "older")
     assert (info.rank, info.alpha, info.target_modules, info.size_bytes) == (None, None, None, None)
+
+
+def test_a_replica_refuses_an_adapter_over_its_rank_limit_by_the_registry_alone(
+        tmp_path: Path, tiny_llama_dir, tiny_adapters, db):
+    """The name resolves in the registry, with the rank it recorded: a replica whose
+    max_lora_rank is below it refuses the request without fetching the version."""
+    import pytest
+
+    from loraplex.engine.config import LoRAConfig
+    from loraplex.engine.errors import InvalidRequestError
+    from loraplex.engine.lora import LoRAManager
+    from loraplex.platform.serving.shared_adapters import RegistryAdapterSource
+    from loraplex.platform.tenancy.adapter_directory import AdapterDirectory
+
+    store = AdapterStore(tmp_path / "store", BaseShapes.from_model_dir(tiny_llama_dir))
+    info = add_adapter(db, store, "wide", tiny_adapters["ad2"])  # rank 8
+    directory = AdapterDirectory(db)
+    assert (directory.version("wide").digest, directory.version("wide").rank) == (info.digest, 8)
+    # This replica's own store is empty and it has no shared one: only the registry answers.
+    empty = AdapterStore(tmp_path / "empty", BaseShapes.from_model_dir(tiny_llama_dir))
+    manager = LoRAManager(RegistryAdapterSource(directory, empty, shared=None), LoRAConfig(max_lora_rank=4))
+    try:
+        with pytest.raises(InvalidRequestError, match="rank 8"):
+            manager.ref("wide")
+    finally:
+        manager.close()
