@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--no-demo", action="store_true", help="no demo tenant, no demo adapters")
+    serve.add_argument("--adapter-store", default=None, metavar="URL",
+                       help="the adapter store replicas share: a folder, s3://bucket/prefix or a database URL "
+                            "(default: $LORAPLEX_ADAPTER_STORE, else the database when it is PostgreSQL)")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
     serving_options(serve)
     _engine_options(serve)
@@ -280,7 +283,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     served_model_name=args.served_model_name, adapters=tuple(args.adapter),
                     create_demo_tenant=not args.no_demo, request_timeout=getattr(args, "request_timeout", 0) or None,
                     log_format=getattr(args, "log_format", "text"), otlp_endpoint=getattr(args, "otlp_endpoint", None),
-                    **(server_settings(args) if args.command == "serve" else {}), **kw)
+                    **(server_settings(args) if args.command == "serve" else {}),
+                    **({"adapter_store": args.adapter_store} if args.command == "serve" else {}), **kw)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -32,3 +32,19 @@ def test_replicas_sharing_a_store_find_the_versions_published_there(db, tmp_path
     shared = LocalBlobStore(tmp_path / "shared")
     [info] = register_cli_adapters(settings, db, open_store(settings), shared)
     assert shared.exists(info.digest)
+
+
+def test_serve_takes_the_shared_adapter_store_from_its_command_line(tmp_path, tiny_llama_dir):
+    import subprocess
+    import sys
+
+    from loraplex.platform.cli.main import build_parser, settings_from_args
+
+    args = build_parser().parse_args(["serve", "--adapter-store", str(tmp_path / "shared")])
+    assert settings_from_args(args).adapter_store == str(tmp_path / "shared")
+    proc = subprocess.run([sys.executable, "-c", "from loraplex.platform.cli.main import main; main()", "serve",
+                           "--model", str(tiny_llama_dir), "--data-dir", str(tmp_path), "--no-demo",
+                           "--adapter-store", "ftp://example.invalid/x"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "unsupported adapter store URL 'ftp://example.invalid/x'" in proc.stderr
