@@ -64,17 +64,22 @@ class AsyncEngine:
         return self._stats.adapters
 
     def add_adapter(self, name: str, source: str | Path, *, replace: bool = False) -> AdapterRef:
-        lora = self._lora()
-        record = lora.store.add(name, source, replace=replace)
+        record = self._disk_store().add(name, source, replace=replace)
         return AdapterRef(name, record.digest)
 
     def remove_adapter(self, name: str) -> None:
-        self._lora().store.remove(name)
+        self._disk_store().remove(name)
 
-    def _lora(self):
+    def _disk_store(self) -> Any:
+        """The disk store the engine resolves names in; a source that resolves them
+        elsewhere (a registry replicas share) is written through the platform instead."""
         if self.engine.lora is None:
             raise UnknownAdapterError("this engine serves no adapters")
-        return self.engine.lora
+        store = self.engine.lora.store
+        if not (hasattr(store, "add") and hasattr(store, "remove")):
+            raise InvalidRequestError("this engine's adapter names come from a shared registry: publish adapters "
+                                      "through the platform (admin API or `loraplex adapter add`)")
+        return store
 
     # -- the engine thread ---------------------------------------------------------
     def _run(self) -> None:

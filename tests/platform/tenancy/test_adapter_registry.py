@@ -63,3 +63,28 @@ def test_a_replica_refuses_an_adapter_over_its_rank_limit_by_the_registry_alone(
             manager.ref("wide")
     finally:
         manager.close()
+
+
+def test_an_engine_over_the_registry_refuses_adding_adapters_itself(tmp_path: Path, tiny_llama_dir, db):
+    """Names come from the registry replicas share, so an adapter is published through
+    the platform; the engine's own add/remove say so instead of failing on a missing method."""
+    import pytest
+
+    from loraplex.engine.async_engine import AsyncEngine
+    from loraplex.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
+    from loraplex.engine.engine import LLMEngine
+    from loraplex.engine.errors import InvalidRequestError
+    from loraplex.engine.lora import LoRAManager
+    from loraplex.platform.serving.shared_adapters import RegistryAdapterSource
+    from loraplex.platform.tenancy.adapter_directory import AdapterDirectory
+
+    local = AdapterStore(tmp_path / "store", BaseShapes.from_model_dir(tiny_llama_dir))
+    cfg = EngineConfig(model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
+                       cache=CacheConfig(block_size=16, num_blocks=16), lora=LoRAConfig(max_loras=1))
+    ae = AsyncEngine(LLMEngine(cfg, LoRAManager(RegistryAdapterSource(AdapterDirectory(db), local, None), cfg.lora)))
+    try:
+        for call in (lambda: ae.add_adapter("x", tmp_path), lambda: ae.remove_adapter("x")):
+            with pytest.raises(InvalidRequestError, match="publish adapters through the platform"):
+                call()
+    finally:
+        ae.shutdown()
