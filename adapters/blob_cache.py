@@ -168,13 +168,13 @@ class BlobCache:
             over = total > self.max_bytes
         for folder in trash:  # outside the lock: lookups need not wait for the disk
             shutil.rmtree(folder, ignore_errors=True)
-        for name, size in evicted:
-            log.info("adapter cache: evicted %s (%d bytes, least recently used); %d of %d bytes cached",
-                     name[:12], size, total, self.max_bytes)
+        if evicted:
+            log.info("adapter cache: evicted %d least recently used (%s, %d bytes); %d of %d bytes cached",
+                     len(evicted), ", ".join(n[:12] for n, _ in evicted), sum(b for _, b in evicted), total,
+                     self.max_bytes)
         if over:
             log.info("adapter cache: %d bytes cached, over its bound of %d: the rest is being read or was "
-                     "just fetched",
-                     total, self.max_bytes)
+                     "just fetched", total, self.max_bytes)
 
     def _discard(self, hex_digest: str) -> Path | None:
         """Under the lock: forget the blob and move its folder out of readers' sight (one
