@@ -9,8 +9,9 @@ the digest `load_peft_adapter` computes for it. The store is chosen once, from a
     s3://bucket/prefix              S3BlobStore: objects <prefix>/<hex>/<file>, boto3
 
 Remote stores fetch a blob on first `get`, verify its digest, and keep it in a local cache
-folder under its digest. A replace publishes a new digest, so a version in use on a worker
-keeps its own folder while the new one is fetched beside it.
+folder under its digest (`blob_cache.BlobCache`: bounded by `cache_max_bytes`, least
+recently used out first, never a blob being read). A replace publishes a new digest, so a
+version in use on a worker keeps its own folder while the new one is fetched beside it.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import os
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file
 
+from .blob_cache import BlobCache
 from .digest import adapter_digest, digest_hex
 from .errors import AdapterCorruptedError, AdapterNotFoundError, BlobStoreError
 from .peft import (
@@ -52,6 +55,8 @@ class BlobStoreConfig:
     url: str  # see the module docstring
     cache_dir: Path | None = None  # where remote stores keep fetched blobs
     s3_endpoint_url: str | None = None  # an S3-compatible server; None: AWS (or AWS_ENDPOINT_URL)
+    # The most bytes of fetched blobs a remote store keeps in cache_dir; None: unbounded.
+    cache_max_bytes: int | None = None
 
 
 class BlobStore(ABC):
@@ -65,8 +70,11 @@ class BlobStore(ABC):
       `connection` is a SQLAlchemy Connection inside the caller's transaction; stores
       outside that database ignore it.
     - `get(digest)` returns a local folder holding the blob's files, verified to hash to
-      `digest`; the folder is never modified afterwards. AdapterNotFoundError when absent,
-      AdapterCorruptedError when the stored bytes do not hash to `digest`.
+      `digest`; the folder is never modified afterwards, but a remote store's bounded
+      cache may remove it later. AdapterNotFoundError when absent, AdapterCorruptedError
+      when the stored bytes do not hash to `digest`.
+    - `open(digest)` is `get` as a context manager: the folder stays whole until the block
+      ends. Whoever reads the files uses it.
     - `exists(digest)` says whether `get` would find the blob (without fetching it).
     - `delete(digest)` removes the blob from the store; a missing blob is no error. A
       folder `get` already returned in another process may stay readable in its cache.
@@ -78,6 +86,10 @@ class BlobStore(ABC):
 
     @abstractmethod
     def get(self, digest: str) -> Path: ...
+
+    @contextmanager
+    def open(self, digest: str) -> Iterator[Path]:
+        yield self.get(digest)
 
     @abstractmethod
     def exists(self, digest: str) -> bool: ...
@@ -93,11 +105,13 @@ def open_blob_store(config: BlobStoreConfig, *, engine: Engine | None = None) ->
         from .blobs_s3 import S3BlobStore
 
         bucket, _, prefix = url.removeprefix("s3://").partition("/")
-        return S3BlobStore(bucket, prefix, _cache_dir(config), endpoint_url=config.s3_endpoint_url)
+        return S3BlobStore(bucket, prefix, _cache_dir(config), endpoint_url=config.s3_endpoint_url,
+                           cache_max_bytes=config.cache_max_bytes)
     if url.startswith(("postgresql", "sqlite:")):
         from .blobs_sql import SqlBlobStore
 
-        return SqlBlobStore(engine if engine is not None else _engine(url), _cache_dir(config))
+        return SqlBlobStore(engine if engine is not None else _engine(url), _cache_dir(config),
+                            cache_max_bytes=config.cache_max_bytes)
     if "://" in url and not url.startswith("file://"):
         raise BlobStoreError(f"unsupported adapter store URL {url!r}: use a folder, postgresql://, sqlite:/// or s3://")
     return LocalBlobStore(Path(url.removeprefix("file://")))
@@ -107,8 +121,10 @@ def load_blob(
     store: BlobStore, digest: str, base: BaseShapes, dtype: torch.dtype = torch.float32, *,
     max_rank: int = DEFAULT_MAX_RANK,
 ) -> LoRAAdapter:
-    """Fetch (on first use), verify and load one adapter version: what a worker calls per digest."""
-    adapter = load_peft_adapter(store.get(digest), base, dtype, max_rank=max_rank)
+    """Fetch (on first use), verify and load one adapter version: what a worker calls per digest.
+    The blob stays open while its files are read, so a bounded cache cannot evict it midway."""
+    with store.open(digest) as folder:
+        adapter = load_peft_adapter(folder, base, dtype, max_rank=max_rank)
     if adapter.digest != digest:
         raise AdapterCorruptedError(f"stored adapter {digest} is corrupted: its content digests to {adapter.digest}")
     return adapter
@@ -213,21 +229,32 @@ class CachedBlobStore(BlobStore):
 
     Concurrent fetchers (threads or processes) each stage their own copy; the first rename
     wins and the others drop theirs, so a cached folder is always whole and verified.
+    `cache_max_bytes` bounds the cache (see `BlobCache`, which assumes one process per
+    cache folder): after a fetch, least recently used blobs that nobody has `open` are
+    removed until it fits, never the one just fetched.
     """
 
-    def __init__(self, cache_dir: Path) -> None:
-        self.cache_dir = Path(cache_dir)
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, cache_dir: Path, cache_max_bytes: int | None = None) -> None:
+        self.cache = BlobCache(Path(cache_dir), cache_max_bytes)
+        self.cache_dir = self.cache.root
 
     @abstractmethod
     def download(self, digest: str, dest: Path) -> None:
         """Write the blob's files into the empty folder `dest`; AdapterNotFoundError if absent."""
 
     def get(self, digest: str) -> Path:
-        final = self.cache_dir / blob_hex(digest)
-        if final.is_dir():
-            return final
-        staging = Path(tempfile.mkdtemp(prefix=".fetch-", dir=self.cache_dir))
+        hex_digest = blob_hex(digest)
+        return self.cache.lookup(hex_digest) or self._fetch(digest, hex_digest)
+
+    @contextmanager
+    def open(self, digest: str) -> Iterator[Path]:
+        # Pinned before the lookup: a concurrent fetch's eviction cannot slip in between.
+        with self.cache.pinned(blob_hex(digest)):
+            yield self.get(digest)
+
+    def _fetch(self, digest: str, hex_digest: str) -> Path:
+        final = self.cache.path(hex_digest)
+        staging = self.cache.staging()
         try:
             self.download(digest, staging)
             missing = [n for n in REQUIRED_FILES if not (staging / n).is_file()]
@@ -242,13 +269,15 @@ class CachedBlobStore(BlobStore):
                     raise
             else:
                 fsync_dir(self.cache_dir)
+            self.cache.added(hex_digest)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return final
 
-    def evict(self, digest: str) -> None:
-        """Drop the local copy (the store keeps the blob)."""
-        shutil.rmtree(self.cache_dir / blob_hex(digest), ignore_errors=True)
+    def evict(self, digest: str) -> bool:
+        """Drop the local copy (the store keeps the blob), unless a reader has it open
+        (False: it stays until the cache's bound removes it)."""
+        return self.cache.evict(blob_hex(digest))
 
 
 def copy_fsync(src: Path, dst: Path) -> None:

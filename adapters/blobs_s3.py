@@ -28,9 +28,10 @@ class S3BlobStore(CachedBlobStore):
     """Blobs under `s3://<bucket>/<prefix>/`; see BlobStore. `connection` is ignored."""
 
     def __init__(
-        self, bucket: str, prefix: str, cache_dir: Path, *, endpoint_url: str | None = None, client: Any = None
+        self, bucket: str, prefix: str, cache_dir: Path, *, endpoint_url: str | None = None, client: Any = None,
+        cache_max_bytes: int | None = None,
     ) -> None:
-        super().__init__(cache_dir)
+        super().__init__(cache_dir, cache_max_bytes)
         if not bucket:
             raise BlobStoreError("an s3:// adapter store URL needs a bucket: s3://bucket/prefix")
         self.bucket = bucket

@@ -40,8 +40,8 @@ ADAPTER_BLOBS = adapter_blobs_table(MetaData())
 class SqlBlobStore(CachedBlobStore):
     """Blobs in `adapter_blobs` (digest, file name, chunk index, bytes); see BlobStore."""
 
-    def __init__(self, engine: Engine, cache_dir: Path) -> None:
-        super().__init__(cache_dir)
+    def __init__(self, engine: Engine, cache_dir: Path, *, cache_max_bytes: int | None = None) -> None:
+        super().__init__(cache_dir, cache_max_bytes)
         self.engine = engine
 
     def put(self, digest: str, files: Mapping[str, Path], connection: Connection | None = None) -> None:

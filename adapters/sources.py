@@ -26,13 +26,15 @@ class BlobAdapterSource:
         return load_blob(self.store, digest, self.base, dtype, max_rank=self.max_rank)
 
     def evict(self, digest: str) -> None:
-        """Drop the local copy of a remote blob (the store keeps it)."""
+        """Drop the local copy of a remote blob (the store keeps it), unless it is being read."""
         if isinstance(self.store, CachedBlobStore):
             self.store.evict(digest)
 
 
 def open_source(url: str, model_dir: Path, cache_dir: Path, max_rank: int,
-                s3_endpoint_url: str | None = None) -> BlobAdapterSource:
-    """The source over the store `url` names (see `open_blob_store`), for the model in `model_dir`."""
-    store = open_blob_store(BlobStoreConfig(url, cache_dir=cache_dir, s3_endpoint_url=s3_endpoint_url))
+                s3_endpoint_url: str | None = None, *, cache_max_bytes: int | None = None) -> BlobAdapterSource:
+    """The source over the store `url` names (see `open_blob_store`), for the model in `model_dir`;
+    at most `cache_max_bytes` of fetched blobs stay in `cache_dir` (None: unbounded)."""
+    config = BlobStoreConfig(url, cache_dir=cache_dir, s3_endpoint_url=s3_endpoint_url, cache_max_bytes=cache_max_bytes)
+    store = open_blob_store(config)
     return BlobAdapterSource(store, BaseShapes.from_model_dir(model_dir), max_rank)

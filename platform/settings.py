@@ -10,6 +10,9 @@ from loraplex.engine.config import DEFAULT_MODEL, EngineConfig
 DATA_DIR_ENV = "LORAPLEX_DATA_DIR"
 DATABASE_URL_ENV = "LORAPLEX_DATABASE_URL"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# How much disk the adapter versions a replica or worker fetched from the shared store may
+# take in its local cache before the least recently used are removed (--adapter-cache-size).
+DEFAULT_ADAPTER_CACHE_BYTES = 10 * 2**30
 
 
 def default_data_dir() -> Path:
@@ -104,6 +107,9 @@ class Settings:
     # URL); None: $LORAPLEX_ADAPTER_STORE, else the platform's database when it is
     # PostgreSQL, else none (the embedded default keeps its local folder only).
     adapter_store: str | None = None
+    # The bound on the local cache of versions fetched from a remote shared store (in
+    # <data_dir>/blob-cache); None: unbounded.
+    adapter_cache_max_bytes: int | None = DEFAULT_ADAPTER_CACHE_BYTES
     # Seconds a request may run before the engine ends it (finish reason "timeout"),
     # unless its tenant has its own; None: no limit.
     request_timeout: float | None = None
@@ -120,6 +126,8 @@ class Settings:
             raise ValueError("auth cache TTLs must be >= 0")
         if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
             raise ValueError("request_timeout must be a finite number of seconds > 0")
+        if self.adapter_cache_max_bytes is not None and self.adapter_cache_max_bytes <= 0:
+            raise ValueError("adapter_cache_max_bytes must be > 0 (or None: no bound)")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
 

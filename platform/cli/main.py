@@ -22,7 +22,15 @@ from loraplex.engine.memory_budget import DeviceMemoryError
 
 from loraplex.platform.cli import gateway as gateway_cli
 from loraplex.platform.cli import roles
-from loraplex.platform.cli.options import CLEAR, parse_size, seconds_arg, server_options, server_settings, serving_options
+from loraplex.platform.cli.options import (
+    CLEAR,
+    adapter_cache_option,
+    parse_size,
+    seconds_arg,
+    server_options,
+    server_settings,
+    serving_options,
+)
 from loraplex.platform.errors import PlatformError
 from loraplex.platform.settings import Settings, default_data_dir
 
@@ -169,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--adapter-store", default=None, metavar="URL",
                        help="the adapter store replicas share: a folder, s3://bucket/prefix or a database URL "
                             "(default: $LORAPLEX_ADAPTER_STORE, else the database when it is PostgreSQL)")
+    adapter_cache_option(serve)
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
     serving_options(serve)
     _engine_options(serve)
@@ -284,7 +293,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     create_demo_tenant=not args.no_demo, request_timeout=getattr(args, "request_timeout", 0) or None,
                     log_format=getattr(args, "log_format", "text"), otlp_endpoint=getattr(args, "otlp_endpoint", None),
                     **(server_settings(args) if args.command == "serve" else {}),
-                    **({"adapter_store": args.adapter_store} if args.command == "serve" else {}), **kw)
+                    **({"adapter_store": args.adapter_store, "adapter_cache_max_bytes": args.adapter_cache_size}
+                       if args.command == "serve" else {}), **kw)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from loraplex.platform.settings import ServerLimits, Settings
+from loraplex.platform.settings import DEFAULT_ADAPTER_CACHE_BYTES, ServerLimits, Settings
 
 # What clears a limit or a timeout on the command line.
 CLEAR = ("none", "off", "unlimited", "clear")
@@ -23,6 +23,25 @@ def parse_size(text: str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 2GiB, 512MiB or a number of bytes)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def cache_size_arg(text: str) -> int | None:
+    """A cache bound: a size > 0 as `parse_size` reads it, or none/off/unlimited (None)."""
+    if text.strip().lower() in CLEAR:
+        return None
+    size = parse_size(text)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"a cache size must be > 0, got {text!r} (or 'none' for no bound)")
+    return size
+
+
+def adapter_cache_option(p: argparse.ArgumentParser) -> None:
+    """--adapter-cache-size: `serve` and `worker` bound the local cache of adapter versions
+    fetched from a remote shared store."""
+    p.add_argument("--adapter-cache-size", type=cache_size_arg, default=DEFAULT_ADAPTER_CACHE_BYTES, metavar="SIZE",
+                   help="disk the adapter versions fetched from a remote adapter store may take in the local "
+                        "cache, e.g. 20GiB: past it the least recently used ones not being loaded are removed "
+                        f"(fetched again when next used); 'none': no bound (default {DEFAULT_ADAPTER_CACHE_BYTES >> 30}GiB)")
 
 
 def seconds_arg(text: str) -> float:

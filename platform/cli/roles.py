@@ -5,9 +5,13 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from loraplex.platform.cli.options import observability_options
+from loraplex.platform.cli.options import adapter_cache_option, observability_options
 from loraplex.platform.settings import Settings
+
+if TYPE_CHECKING:
+    from loraplex.platform.worker import WorkerConfig
 
 
 def add_worker_parser(sub, db_options: Callable[[argparse.ArgumentParser], None],
@@ -20,6 +24,7 @@ def add_worker_parser(sub, db_options: Callable[[argparse.ArgumentParser], None]
                    help="fetch adapters from this S3 bucket (default: the database's adapter_blobs table)")
     w.add_argument("--cache-dir", default=None,
                    help="where fetched adapters are cached (default $LORAPLEX_CACHE_DIR/adapters)")
+    adapter_cache_option(w)
     w.add_argument("--model", default="default", help="a Hugging Face folder, or 'default' (SmolLM2-135M)")
     w.add_argument("--served-model-name", default=None, help="the base model's id the gateways show")
     w.add_argument("--host", default="127.0.0.1")
@@ -35,19 +40,26 @@ def add_migrate_parser(sub, db_options: Callable[[argparse.ArgumentParser], None
     db_options(m)
 
 
-def worker(settings: Settings, args: argparse.Namespace) -> int:
+def worker_config(settings: Settings, args: argparse.Namespace) -> WorkerConfig:
+    """The `loraplex worker` flags -> its WorkerConfig; ConfigError for a wrong adapter store."""
     from loraplex.engine.loader import default_cache_dir
     from loraplex.platform.errors import ConfigError
-    from loraplex.platform.observability.json_logs import configure_logging
-    from loraplex.platform.worker import WorkerConfig, run_worker
+    from loraplex.platform.worker import WorkerConfig
 
     if args.adapter_store and args.database_url:
         raise ConfigError("give --database-url or --adapter-store, not both: a worker reads one adapter store")
     if args.adapter_store and not args.adapter_store.startswith("s3://"):
         raise ConfigError(f"--adapter-store takes s3://bucket/prefix, got {args.adapter_store!r}")
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir() / "adapters"
-    config = WorkerConfig(adapter_store=args.adapter_store or settings.db_url, cache_dir=cache,
-                          host=args.host, port=args.port)
+    return WorkerConfig(adapter_store=args.adapter_store or settings.db_url, cache_dir=cache,
+                        cache_max_bytes=args.adapter_cache_size, host=args.host, port=args.port)
+
+
+def worker(settings: Settings, args: argparse.Namespace) -> int:
+    from loraplex.platform.observability.json_logs import configure_logging
+    from loraplex.platform.worker import run_worker
+
+    config = worker_config(settings, args)
     config.check()  # a refusal leaves the process's logging as it found it
     # One root handler in the chosen format; uvicorn's loggers propagate to it (run_worker).
     configure_logging(settings.log_format)

@@ -48,7 +48,8 @@ def shared_blob_store(settings: Settings, db: Database) -> BlobStore | None:
     url = settings.adapter_store or os.environ.get(ADAPTER_STORE_ENV) or None
     if url is None and db.engine.dialect.name != "postgresql":
         return None
-    config = BlobStoreConfig(url or settings.db_url, cache_dir=settings.data_dir / "blob-cache")
+    config = BlobStoreConfig(url or settings.db_url, cache_dir=settings.data_dir / "blob-cache",
+                             cache_max_bytes=settings.adapter_cache_max_bytes)
     same_db = url is None or url == settings.db_url
     return open_blob_store(config, engine=db.engine if same_db else None)
 

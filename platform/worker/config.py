@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.platform.errors import ConfigError
+from loraplex.platform.settings import DEFAULT_ADAPTER_CACHE_BYTES
 from loraplex.platform.worker_wire import TOKEN_ENV
 
 
@@ -15,12 +16,15 @@ class WorkerConfig:
     """How a worker listens, authenticates and reaches the adapter store.
 
     `adapter_store`: a database URL (the `adapter_blobs` table) or `s3://bucket/prefix`;
-    fetched blobs are cached under `cache_dir`. `internal_token`: None reads
+    fetched blobs are cached under `cache_dir`, at most `cache_max_bytes` of them (None:
+    unbounded; the least recently used go first). `cache_dir` is this worker's alone: the
+    cache assumes one process per folder. `internal_token`: None reads
     $LORAPLEX_INTERNAL_TOKEN; without one the worker listens on loopback only.
     """
 
     adapter_store: str
     cache_dir: Path
+    cache_max_bytes: int | None = DEFAULT_ADAPTER_CACHE_BYTES
     host: str = "127.0.0.1"
     port: int = 8001
     internal_token: str | None = None

@@ -3,6 +3,10 @@ PostgreSQL at 127.0.0.1:5432 (and SQLite), and S3 as served by moto's standalone
 running as its own process on a loopback port."""
 from __future__ import annotations
 
+import gc
+import logging
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -112,12 +116,14 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 def open_store(
     store_url: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> Iterator[Callable[[str], BlobStore]]:
-    """open_store(cache name) -> a store on the same backend, as another replica would open it."""
+    """open_store(cache name, max_bytes) -> a store on the same backend, as another replica
+    would open it, its cache bounded to max_bytes (None: unbounded)."""
     engines = []
     endpoint = request.getfixturevalue("s3_endpoint") if store_url.startswith("s3://") else None
 
-    def make(cache: str = "cache") -> BlobStore:
-        store = open_blob_store(BlobStoreConfig(store_url, tmp_path / cache, s3_endpoint_url=endpoint))
+    def make(cache: str = "cache", max_bytes: int | None = None) -> BlobStore:
+        config = BlobStoreConfig(store_url, tmp_path / cache, s3_endpoint_url=endpoint, cache_max_bytes=max_bytes)
+        store = open_blob_store(config)
         if isinstance(store, SqlBlobStore):
             engines.append(store.engine)
         return store
@@ -267,6 +273,159 @@ def test_cache_is_reused_without_the_store(open_store: Callable[..., BlobStore],
     store.evict(digest)
     with pytest.raises(AdapterNotFoundError):
         store.get(digest)
+
+
+# ---- remote stores: the cache's size bound --------------------------------------------------------
+
+REMOTE = ("sqlite", "postgresql", "s3")
+
+
+class Blobs:
+    """Four adapter versions of one shape (so one size) published in a store, by letter."""
+
+    def __init__(self, versions: list[tuple[str, dict[str, Path]]]) -> None:
+        self.digest = dict(zip("abcd", (d for d, _ in versions)))
+        self.files = dict(zip("abcd", (f for _, f in versions)))
+        sizes = {sum(p.stat().st_size for p in files.values()) for files in self.files.values()}
+        assert len(sizes) == 1, sizes
+        self.size = sizes.pop()
+
+    def publish(self, store: BlobStore) -> None:
+        for letter, digest in self.digest.items():
+            store.put(digest, self.files[letter])
+
+    def cached(self, store: BlobStore) -> set[str]:
+        """The letters of the blobs in the store's cache folder; nothing else may be there."""
+        assert isinstance(store, CachedBlobStore)
+        names = {p.name for p in store.cache_dir.iterdir()}
+        by_hex = {digest_hex(d): letter for letter, d in self.digest.items()}
+        assert names <= set(by_hex), f"not a cached blob: {names - set(by_hex)}"
+        return {by_hex[n] for n in names}
+
+
+@pytest.fixture(scope="module")
+def same_size(tmp_path_factory: pytest.TempPathFactory, base: BaseShapes, make_adapter: Callable[..., Path]
+              ) -> Blobs:
+    store = AdapterStore(tmp_path_factory.mktemp("same-size"), base)
+    versions = []
+    for i, name in enumerate("abcd"):
+        digest = store.add(name, make_adapter(rank=4, alpha=8, target_modules=["q_proj", "v_proj"], seed=20 + i)).digest
+        versions.append((digest, store.blob_files(digest)))
+    return Blobs(versions)
+
+
+@pytest.mark.parametrize("store_url", REMOTE, indirect=True)
+def test_a_bounded_cache_evicts_the_least_recently_used(
+    open_store: Callable[..., BlobStore], same_size: Blobs, base: BaseShapes
+) -> None:
+    blobs = same_size
+    blobs.publish(open_store("writer"))
+    store = open_store("bounded", max_bytes=int(2.5 * blobs.size))
+    store.get(blobs.digest["a"])
+    store.get(blobs.digest["b"])
+    assert blobs.cached(store) == {"a", "b"}
+    store.get(blobs.digest["a"])  # a hit: b is now the least recently used
+    store.get(blobs.digest["c"])
+    assert blobs.cached(store) == {"a", "c"}
+    assert load_blob(store, blobs.digest["d"], base).digest == blobs.digest["d"]
+    assert blobs.cached(store) == {"c", "d"}
+    assert isinstance(store, CachedBlobStore) and store.cache.total_bytes() == 2 * blobs.size
+    assert store.get(blobs.digest["b"]).is_dir()  # an evicted version is fetched again on demand
+    assert blobs.cached(store) == {"d", "b"}
+
+
+@pytest.mark.parametrize("store_url", ["sqlite", "s3"], indirect=True)
+def test_a_blob_being_read_survives_a_fetch_that_would_evict_it(
+    open_store: Callable[..., BlobStore], same_size: Blobs
+) -> None:
+    blobs = same_size
+    blobs.publish(open_store("writer"))
+    store = open_store("bounded", max_bytes=int(2.5 * blobs.size))
+    assert isinstance(store, CachedBlobStore)
+    store.get(blobs.digest["a"])
+    store.get(blobs.digest["b"])
+    holding, release, read = threading.Event(), threading.Event(), {}
+
+    def reader() -> None:
+        with store.open(blobs.digest["a"]) as folder:
+            holding.set()
+            release.wait(timeout=60)  # a slow reader: the fetches below run meanwhile
+            read.update({p.name: p.read_bytes() for p in folder.iterdir()})
+
+    def fetcher() -> None:
+        store.get(blobs.digest["c"])  # evicts b, the least recently used
+        store.get(blobs.digest["d"])  # a is the least recently used now, but being read: c goes
+
+    reading = threading.Thread(target=reader)
+    reading.start()
+    assert holding.wait(timeout=60)
+    fetching = threading.Thread(target=fetcher)
+    fetching.start()
+    fetching.join(timeout=120)
+    assert not fetching.is_alive() and reading.is_alive()
+    assert blobs.cached(store) == {"a", "d"}
+    assert store.evict(blobs.digest["a"]) is False  # the worker's unload waits for the reader too
+    release.set()
+    reading.join(timeout=60)
+    assert read == {n: p.read_bytes() for n, p in blobs.files["a"].items()}
+    store.get(blobs.digest["b"])  # a is no longer held: it goes first
+    assert blobs.cached(store) == {"d", "b"}
+    assert store.evict(blobs.digest["d"]) is True and blobs.cached(store) == {"b"}
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_a_restarted_cache_measures_what_it_holds(
+    open_store: Callable[..., BlobStore], same_size: Blobs
+) -> None:
+    blobs = same_size
+    blobs.publish(open_store("writer"))
+    first = open_store("bounded")  # unbounded
+    assert isinstance(first, CachedBlobStore)
+    for letter in "abc":
+        first.get(blobs.digest[letter])
+    now = time.time()
+    for age, letter in enumerate("acb"):  # the last run used b longest ago, then c
+        stamp = now - 60 * age
+        os.utime(first.cache_dir / digest_hex(blobs.digest[letter]), (stamp, stamp))
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    crashed = first.cache_dir / f".fetch-{ended.pid}-x"  # a fetch whose process is gone
+    alive = first.cache_dir / f".fetch-{os.getppid()}-y"  # another process's fetch in flight
+    for staging in (crashed, alive):
+        staging.mkdir()
+        (staging / WEIGHTS).write_bytes(b"partial")
+    cache_dir = first.cache_dir
+    del first
+    gc.collect()  # this process forgets the folder, as a restarted one has never seen it
+
+    store = open_store("bounded", max_bytes=int(2.5 * blobs.size))
+    assert isinstance(store, CachedBlobStore)
+    assert not crashed.exists() and alive.is_dir()
+    shutil.rmtree(alive)
+    assert blobs.cached(store) == {"a", "c"}  # over its bound at start: b, the oldest, went
+    assert store.cache.total_bytes() == 2 * blobs.size
+    store.get(blobs.digest["d"])
+    assert blobs.cached(store) == {"a", "d"} and store.cache_dir == cache_dir
+
+
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
+def test_a_blob_larger_than_the_bound_still_loads(
+    open_store: Callable[..., BlobStore], same_size: Blobs, base: BaseShapes, caplog: pytest.LogCaptureFixture
+) -> None:
+    blobs = same_size
+    blobs.publish(open_store("writer"))
+    store = open_store("tiny", max_bytes=blobs.size // 2)
+    with caplog.at_level(logging.WARNING, logger="loraplex.adapters.blob_cache"):
+        assert load_blob(store, blobs.digest["a"], base).digest == blobs.digest["a"]
+    assert "larger than the adapter cache's bound" in caplog.text
+    assert blobs.cached(store) == {"a"}
+    with store.open(blobs.digest["a"]):
+        store.get(blobs.digest["b"])  # just fetched, and a is being read: both stay for now
+        assert blobs.cached(store) == {"a", "b"}
+    store.get(blobs.digest["c"])
+    assert blobs.cached(store) == {"c"}
+    with pytest.raises(ValueError, match="must be > 0"):
+        open_store("zero", max_bytes=0)
 
 
 # ---- the database store: one transaction with the registry ----------------------------------------

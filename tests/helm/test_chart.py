@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 
 import helm_python as helm
+import pytest
 
 from tests.helm.conftest import CHART, NAMESPACE, RELEASE
 
@@ -177,6 +178,25 @@ def test_ingress_service_monitor_and_operator_knobs(render):
     assert monitors["gateway"]["spec"]["endpoints"][0]["port"] == "metrics"
     assert monitors["worker"]["spec"]["endpoints"][0]["port"] == "http"
     assert all(m["metadata"]["labels"]["release"] == "prometheus" for m in monitors.values())
+
+
+def test_the_adapter_cache_is_bounded_below_the_cache_volume(render, chart):
+    from loraplex.platform.cli.options import cache_size_arg
+
+    def bound_and_volume(values: dict | None = None) -> tuple[str | None, str]:
+        worker = render(values).one("StatefulSet", "worker")
+        volumes = {v["name"]: v for v in worker["spec"]["template"]["spec"]["volumes"]}
+        return _flag(_container(worker)["args"], "--adapter-cache-size"), volumes["cache"]["emptyDir"]["sizeLimit"]
+
+    assert bound_and_volume() == ("16Gi", "20Gi")
+    assert bound_and_volume({"worker": {"cacheSize": "100Gi", "adapterCacheSize": "80Gi"}}) == ("80Gi", "100Gi")
+    assert bound_and_volume({"worker": {"adapterCacheSize": "20G"}}) == ("20G", "20Gi")  # 2e10 < 20 x 2^30
+    # The worker reads the quantity as the kubelet reads the volume's: Gi is 2^30, G is 10^9.
+    assert (cache_size_arg("16Gi"), cache_size_arg("20G")) == (16 * 2**30, 20 * 10**9)
+    for values in ({"adapterCacheSize": "20Gi"}, {"cacheSize": "16Gi"}, {"cacheSize": "8Gi"},
+                   {"adapterCacheSize": "1.5Gi", "cacheSize": "1536Mi"}):
+        with pytest.raises(helm.HelmError, match=r"worker.adapterCacheSize \(.+\) must be below worker.cacheSize"):
+            chart.render({"worker": values}, name=RELEASE, namespace=NAMESPACE)
 
 
 def test_pods_run_unprivileged(render):

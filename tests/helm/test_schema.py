@@ -45,6 +45,8 @@ def test_a_typo_in_a_value_name_is_rejected(chart, values, named):
     {"gateway": {"replicaCount": -1}},
     {"observability": {"logFormat": "yaml"}},
     {"observability": {"otlpEndpoint": "otel:4318"}},                         # no scheme: not a URL
+    {"worker": {"adapterCacheSize": "lots"}},
+    {"worker": {"adapterCacheSize": "16GiB"}},                                # not a Kubernetes quantity
 ])
 def test_a_wrong_value_is_rejected(chart, values):
     with pytest.raises(helm.HelmValuesError):
@@ -55,6 +57,7 @@ def test_a_wrong_value_is_rejected(chart, values):
     ({"inferencePool": {"enabled": True}}, "inferencePool.endpointPicker.name"),
     ({"adapterStore": {"type": "s3"}}, "adapterStore.s3.bucket"),
     ({"postgresql": {"enabled": False}}, "needs a database"),
+    ({"worker": {"adapterCacheSize": None}}, "worker.adapterCacheSize is required"),  # unbounded: the pod is evicted
 ])
 def test_incomplete_settings_fail_with_a_message_naming_the_value(chart, values, message):
     with pytest.raises(helm.HelmError, match=message):

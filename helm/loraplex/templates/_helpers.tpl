@@ -241,6 +241,30 @@ pre-install,pre-upgrade
 {{- end }}
 {{- end }}
 
+{{/* A Kubernetes quantity (123, 500M, 1.5Gi) as a number of bytes; empty for any other
+     form (an exponent, milli), which the callers then leave unchecked. */}}
+{{- define "loraplex.quantityBytes" -}}
+{{- $q := toString . | trim }}
+{{- $re := "^([0-9]+(?:\\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$" }}
+{{- if regexMatch $re $q }}
+{{- $units := dict "" 1 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "P" 1000000000000000 }}
+{{- mulf (regexReplaceAll $re $q "${1}" | float64) (index $units (regexReplaceAll $re $q "${2}")) }}
+{{- end }}
+{{- end }}
+
+{{/* The worker's --adapter-cache-size: below the cache volume's size, which also holds
+     compiled kernels, or the kubelet evicts a worker whose adapters filled it. */}}
+{{- define "loraplex.workerAdapterCacheSize" -}}
+{{- $w := .Values.worker }}
+{{- $_ := required "worker.adapterCacheSize is required: unbounded, fetched adapters would fill the cache volume" $w.adapterCacheSize }}
+{{- $adapters := include "loraplex.quantityBytes" $w.adapterCacheSize }}
+{{- $volume := include "loraplex.quantityBytes" $w.cacheSize }}
+{{- if and $adapters $volume (ge (float64 $adapters) (float64 $volume)) }}
+{{- fail (printf "worker.adapterCacheSize (%v) must be below worker.cacheSize (%v): the cache volume also holds compiled kernels, and a worker that fills it is evicted" $w.adapterCacheSize $w.cacheSize) }}
+{{- end }}
+{{- $w.adapterCacheSize }}
+{{- end }}
+
 {{/* `loraplex worker ...` arguments; a null engine knob leaves the engine's default. */}}
 {{- define "loraplex.workerArgs" -}}
 {{- $c := include "loraplex.c" . | fromJson }}
@@ -261,6 +285,8 @@ pre-install,pre-upgrade
 - --database-url
 - $({{ $c.env.databaseUrl }})
 {{- end }}
+- --adapter-cache-size
+- {{ include "loraplex.workerAdapterCacheSize" . | quote }}
 {{- with $e.dtype }}
 - --dtype
 - {{ . }}

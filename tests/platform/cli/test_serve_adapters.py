@@ -48,3 +48,25 @@ def test_serve_takes_the_shared_adapter_store_from_its_command_line(tmp_path, ti
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "unsupported adapter store URL 'ftp://example.invalid/x'" in proc.stderr
+
+
+def test_serve_bounds_the_cache_of_versions_fetched_from_the_shared_store(db, tmp_path, tiny_llama_dir):
+    from loraplex.adapters.blobs import CachedBlobStore
+    from loraplex.platform.cli.main import build_parser, settings_from_args
+    from loraplex.platform.db import migrate
+    from loraplex.platform.settings import DEFAULT_ADAPTER_CACHE_BYTES
+    from loraplex.platform.tenancy.adapter_registry import shared_blob_store
+
+    def settings(*argv: str) -> Settings:
+        return settings_from_args(build_parser().parse_args(["serve", "--data-dir", str(tmp_path), *argv]))
+
+    assert settings().adapter_cache_max_bytes == DEFAULT_ADAPTER_CACHE_BYTES
+    assert settings("--adapter-cache-size", "none").adapter_cache_max_bytes is None
+    shared = f"sqlite:///{tmp_path / 'shared.db'}"
+    migrate(shared)
+    blobs = shared_blob_store(settings("--adapter-store", shared, "--adapter-cache-size", "3GiB"), db)
+    try:
+        assert isinstance(blobs, CachedBlobStore)
+        assert blobs.cache.max_bytes == 3 * 2**30 and blobs.cache_dir == tmp_path / "blob-cache"
+    finally:
+        blobs.engine.dispose()

@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from loraplex.platform.errors import ConfigError
+from loraplex.platform.settings import DEFAULT_ADAPTER_CACHE_BYTES
 from loraplex.platform.worker.config import WorkerConfig, is_loopback
 
 
@@ -24,3 +27,37 @@ def test_a_non_loopback_worker_needs_the_token(monkeypatch, tmp_path):
     monkeypatch.setenv("LORAPLEX_INTERNAL_TOKEN", "s3cret")
     WorkerConfig("sqlite://", tmp_path, host="0.0.0.0").check()
     assert WorkerConfig("sqlite://", tmp_path, host="0.0.0.0").token == "s3cret"
+
+
+def _worker_config(*argv: str) -> WorkerConfig:
+    from loraplex.platform.cli.main import build_parser, settings_from_args
+    from loraplex.platform.cli.roles import worker_config
+
+    args = build_parser().parse_args(["worker", "--cache-dir", "/var/cache/lpx", *argv])
+    return worker_config(settings_from_args(args), args)
+
+
+def test_the_adapter_cache_is_bounded_by_default_and_by_the_flag():
+    assert _worker_config().cache_max_bytes == DEFAULT_ADAPTER_CACHE_BYTES == 10 * 2**30
+    assert WorkerConfig("sqlite://", Path("/c")).cache_max_bytes == DEFAULT_ADAPTER_CACHE_BYTES
+    assert _worker_config("--adapter-cache-size", "16Gi").cache_max_bytes == 16 * 2**30  # as the chart passes it
+    assert _worker_config("--adapter-cache-size", "512MiB").cache_max_bytes == 512 * 2**20
+    assert _worker_config("--adapter-cache-size", "none").cache_max_bytes is None
+    for bad in ("0", "lots", "-1GiB"):
+        with pytest.raises(SystemExit):
+            _worker_config("--adapter-cache-size", bad)
+
+
+def test_the_worker_source_honours_the_bound(tmp_path, tiny_llama_dir):
+    from loraplex.adapters.blobs import CachedBlobStore
+    from loraplex.adapters.sources import open_source
+    from loraplex.platform.db import migrate
+
+    url = f"sqlite:///{tmp_path / 'blobs.db'}"
+    migrate(url)
+    config = _worker_config("--adapter-cache-size", "3MiB")
+    source = open_source(url, tiny_llama_dir, tmp_path / "cache", max_rank=8, cache_max_bytes=config.cache_max_bytes)
+    try:
+        assert isinstance(source.store, CachedBlobStore) and source.store.cache.max_bytes == 3 * 2**20
+    finally:
+        source.store.engine.dispose()
