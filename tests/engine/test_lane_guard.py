@@ -64,16 +64,21 @@ def test_the_share_is_sized_from_the_measured_cost_of_a_token():
 
 
 def test_the_running_fit_is_the_fit_of_the_last_window_alone():
+    # Steps with a real cost per token (and noise), so both fits are decisions, not ties.
     rng, rows = random.Random(3), []
     long_run = StepCost(window=64)
     for _ in range(1000):  # the window wraps many times, the sums rebuilt along the way
-        row = (rng.randrange(0, 64), rng.choice([0, 16, 128, 512]), rng.uniform(0.01, 2.0))
+        decoded, prompt = rng.randrange(0, 64), rng.choice([0, 16, 128, 512])
+        row = (decoded, prompt, 0.01 + 0.002 * decoded + 0.0005 * prompt + rng.uniform(0.0, 0.005))
         rows.append(row)
         long_run.add(*row)
     fresh = StepCost(window=64)
     for row in rows[-64:]:
         fresh.add(*row)
-    assert long_run.slopes() == pytest.approx(fresh.slopes(), rel=1e-9)
+    fitted = fresh.slopes()
+    assert fitted is not None and long_run.slopes() is not None
+    assert long_run.slopes() == pytest.approx(fitted, rel=1e-9)
+    assert fitted == pytest.approx((0.002, 0.0005), rel=0.05)
 
 
 def test_steps_that_do_not_vary_or_measure_nothing_change_nothing():

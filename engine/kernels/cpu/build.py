@@ -33,7 +33,11 @@ log = logging.getLogger(__name__)
 
 # -ffast-math lets reductions vectorise and exp use glibc's vector math. It also assumes
 # no infinities, so the kernels are written never to make one (exp only of values <= 0).
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+# Linked apart from compiling: given -ffast-math, gcc links crtfastmath.o into a shared
+# library too, whose constructor sets flush-to-zero in the loading process, changing
+# the float arithmetic of Python, numpy and torch in every thread after it.
+LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
@@ -57,10 +61,11 @@ def _compile(source: Path, target: Path, flags: list[str]) -> None:
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *flags, str(source), "-o", str(out), "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[:500]}")
+        obj, out = Path(tmp) / f"{target.stem}.o", Path(tmp) / target.name
+        for argv in ([cc, *flags, "-c", str(source), "-o", str(obj)], [cc, *LINK_FLAGS, str(obj), "-o", str(out), "-lm"]):
+            proc = subprocess.run(argv, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[:500]}")
         os.replace(out, target)
 
 
@@ -76,7 +81,7 @@ def load(source_name: str, signatures: dict[str, list], march: str = "native") -
         source = Path(__file__).with_name(source_name)
         flags = _flags(march)
         headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-        digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:16]
+        digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags + LINK_FLAGS).encode()).hexdigest()[:16]
         folder = default_cache_dir() / "kernels"
         target = folder / f"{source.stem}-{digest}-{_cpu_tag()}.so"
         lib = None
