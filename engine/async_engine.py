@@ -61,7 +61,13 @@ class AsyncEngine:
         return None if lora is None else lora.ref(name)
 
     def adapter_residency(self) -> AdapterResidency:
-        return self._stats.adapters
+        """Read from the LoRA manager now: its CPU tier fills on a loader thread, between
+        the stats snapshots, and routers and metrics should see a load as it completes."""
+        lora = self.engine.lora
+        if lora is None:
+            return self._stats.adapters
+        tiers = lora.tiers()
+        return AdapterResidency(tuple(tiers["device"]), tuple(tiers["cpu"]))
 
     def add_adapter(self, name: str, source: str | Path, *, replace: bool = False) -> AdapterRef:
         record = self._disk_store().add(name, source, replace=replace)

@@ -89,7 +89,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
         auth = Authenticator(db, settings.auth_cache_ttl, settings.auth_negative_ttl,
                              settings.last_used_flush_seconds,
                              ThrottleConfig(settings.auth_failure_burst, settings.auth_failure_rate))
-        m = Metrics(settings.model_name, eng.stats, settings.engine.lora.max_loras)
+        m = Metrics(settings.model_name, eng.stats, settings.engine.lora.max_loras, residency=eng.adapter_residency)
         # No hooks passed in: quotas and metering (metering/hooks.py). Hooks with async
         # start()/close() (UsageHooks do) are started and closed with the app.
         usage = app.state.usage = UsageHooks(settings) if hooks is None else hooks

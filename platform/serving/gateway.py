@@ -168,7 +168,7 @@ class Gateway:
         t0 = last = time.perf_counter()
         first, times, t_first = True, None, t0
         generated: dict[int, int] = {}  # per choice (n > 1): every choice's tokens are metered
-        m.request_started(ctx.adapter, ctx.lane)
+        m.request_started(ctx.adapter, ctx.lane, ref.digest if ref is not None else None)
         p = ctx.principal
         stream = self.engine.generate(req.prompt, req.sampling, request_id=ctx.request_id, lane=ctx.lane,
                                       adapter=ref or ctx.adapter, cache_salt=f"tenant-{p.tenant_id}",

@@ -7,16 +7,24 @@ observed by the gateway as requests run, and engine events (preemptions by lane,
 adapter loads, evictions and load latency) are carried over from the snapshot at each
 scrape. Label sets stay bounded: model_name, lane, adapter (a bounded set), finish
 reason, endpoint and status code; never tenant or key ids.
+
+The series an endpoint picker (Gateway API Inference Extension, llm-d) scores on:
+queue and running depth, KV usage, `vllm:cache_config_info` (block size and count),
+`vllm:lora_requests_info` (adapters with requests running or waiting, as vLLM reports
+them and today's pickers read them) and `vllm:lora_adapter_loaded` (which adapters sit
+in the device tier, `level="gpu"`, or the CPU tier, before any traffic for them), so a
+picker can send a request where its adapter already lives.
 """
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from loraplex.engine.client import EngineStats
+from loraplex.engine.client import AdapterResidency, EngineStats
 from loraplex.platform.lanes import Lane, lane_name
 from loraplex.platform.observability.request_metrics import BASE_ADAPTER, RequestMetrics
 
@@ -27,15 +35,25 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Finish reasons whose end-to-end latency is a served request's (aborted and failed
 # ones would skew the histogram toward the client's patience).
 _SERVED = ("stop", "length", "timeout")
+# Adapter names remembered with the version they last ran (for the residency series);
+# only those resident or in use are kept past a scrape, and never more than this.
+MAX_ADAPTER_NAMES = 4096
+# vLLM's residency levels: "gpu" is the engine's device tier (the CPU itself on a CPU engine).
+_LEVELS = {"device": "gpu", "cpu": "cpu"}
 
 
 class Metrics:
     def __init__(self, model_name: str, stats: Callable[[], EngineStats], max_lora: int,
-                 max_adapter_labels: int = 50) -> None:
+                 max_adapter_labels: int = 50, residency: Callable[[], AdapterResidency] | None = None) -> None:
+        """`residency`: where adapter versions sit now (the engine client's `adapter_residency`;
+        default: the stats snapshot's view)."""
         disable_created_metrics()  # no *_created series (process-wide; vLLM does the same)
         self.model_name = model_name
         self.max_lora = max_lora
         self.stats = stats
+        self.residency = residency or (lambda: stats().adapters)
+        # adapter name -> the version (digest) it last ran, most recent last.
+        self.versions: OrderedDict[str, str] = OrderedDict()
         self.registry = r = CollectorRegistry()
         self.requests = RequestMetrics(r, model_name, max_adapter_labels)
         m = ["model_name"]
@@ -53,10 +71,20 @@ class Metrics:
         r.register(_EngineCollector(self, stats))
 
     # -- per request (hot path: a few counter/histogram updates) ----------------------
-    def request_started(self, adapter: str | None, lane: Lane) -> None:
+    def request_started(self, adapter: str | None, lane: Lane, digest: str | None = None) -> None:
+        """`digest`: the version the adapter name resolved to (names the residency series)."""
         self._adapter_requests.labels(adapter or BASE_ADAPTER_LABEL).inc()
         if adapter is not None:
             self.lora_state.setdefault(adapter, [0, 0])[0] += 1
+            if digest is not None:
+                self.adapter_named(adapter, digest)
+
+    def adapter_named(self, name: str, digest: str) -> None:
+        """`name` means version `digest` now (a request ran it, or it was loaded by name)."""
+        self.versions[name] = digest
+        self.versions.move_to_end(name)
+        if len(self.versions) > MAX_ADAPTER_NAMES:
+            self.versions.popitem(last=False)
 
     def first_token(self, adapter: str | None, lane: Lane, ttft: float, prompt_tokens: int,
                     queue_s: float | None = None, prefill_s: float | None = None) -> None:
@@ -181,3 +209,31 @@ class _EngineCollector:
                          ",".join(sorted(a for a, v in state.items() if v[0] > 0)), str(self.m.max_lora)],
                         time.time())
         yield info
+        yield from _residency_families(self.m)
+        # The one KV pool, on the GPU or the CPU alike (vLLM's label names).
+        cache = GaugeMetricFamily("vllm:cache_config_info", "KV-cache configuration (value 1).",
+                                  labels=["block_size", "num_gpu_blocks"])
+        cache.add_metric([str(s.block_size), str(s.num_blocks)], 1.0)
+        yield cache
+
+
+def _residency_families(m: Metrics):
+    """vLLM's adapter residency shape: one series per adapter name and level, and the
+    count of versions per level. A name is shown where the version it last ran sits; a
+    name whose version left both tiers (and has no request in flight) is forgotten."""
+    where = m.residency().where()
+    loaded = GaugeMetricFamily("vllm:lora_adapter_loaded", "1 for each adapter resident at a level "
+                               "(gpu: the device tier; cpu: the CPU tier).", labels=["adapter_name", "level", "pinned"])
+    for name, digest in list(m.versions.items()):
+        if (tier := where.get(digest)) is not None:
+            # Nothing pins an adapter for good; one in use by a running request is kept
+            # only while it runs (lora_requests_info lists those).
+            loaded.add_metric([name, _LEVELS[tier], "false"], 1.0)
+        elif name not in m.lora_state:
+            del m.versions[name]
+    yield loaded
+    for tier, level in _LEVELS.items():
+        g = GaugeMetricFamily(f"vllm:num_{level}_loaded_lora_adapters", f"Adapter versions in the {tier} tier.",
+                              labels=["model_name"])
+        g.add_metric([m.model_name], sum(1 for t in where.values() if t == tier))
+        yield g

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.client import AdapterResidency
 from loraplex.engine.errors import EngineDeadError, EngineOverloadedError, UnknownAdapterError
 from loraplex.engine.request import AdapterRef
 
@@ -51,7 +50,8 @@ class WorkerState:
 
     def attach(self, engine: AsyncEngine, source: BlobAdapterSource | None) -> None:
         lora = engine.engine.lora
-        self.metrics = Metrics(self.model_name, engine.stats, lora.config.max_loras if lora is not None else 0)
+        self.metrics = Metrics(self.model_name, engine.stats, lora.config.max_loras if lora is not None else 0,
+                               residency=engine.adapter_residency)
         self.model_info = {"model": self.model_name, "max_model_len": engine.engine.max_model_len,
                            "vocab_size": engine.engine.arch.vocab_size,
                            "eos_token_ids": list(engine.tokenizer.eos_token_ids),
@@ -99,6 +99,8 @@ class WorkerState:
         if lora is None:
             raise UnknownAdapterError("this worker serves no adapters")
         await asyncio.wrap_future(lora.prefetch(ref.digest))
+        if self.metrics is not None:
+            self.metrics.adapter_named(ref.name, ref.digest)
 
     def unload(self, digest: str) -> None:
         """Drop a version's CPU-tier copy and local cache, unless a request still holds it."""
@@ -120,11 +122,8 @@ class WorkerState:
     def stats(self) -> WorkerStats:
         if self.engine is None:
             return WorkerStats(ready=False, draining=self.draining)
-        stats = self.engine.stats()
-        lora = self.engine.engine.lora
-        if lora is not None:  # fresh: a load finishes on the loader thread, between snapshots
-            tiers = lora.tiers()
-            stats = dataclasses.replace(stats, adapters=AdapterResidency(tuple(tiers["device"]), tuple(tiers["cpu"])))
+        # Residency read now: a load finishes on the loader thread, between snapshots.
+        stats = dataclasses.replace(self.engine.stats(), adapters=self.engine.adapter_residency())
         return WorkerStats.from_engine(stats, ready=self.ready, draining=self.draining,
                                        prefix_keys=tuple(self._prefix_keys))
 

@@ -12,7 +12,8 @@ REQUIRED = [
     "vllm:inter_token_latency_seconds_count", "vllm:e2e_request_latency_seconds_count",
     "vllm:num_preemptions_total", "vllm:lora_requests_info", "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total", "loraplex:lane_requests_running", "loraplex:lane_requests_waiting",
-    "loraplex:lane_foreground", "loraplex:lane_background_step_tokens",
+    "loraplex:lane_foreground", "loraplex:lane_background_step_tokens", "vllm:cache_config_info",
+    "vllm:num_gpu_loaded_lora_adapters", "vllm:num_cpu_loaded_lora_adapters",
 ]
 
 
@@ -68,3 +69,25 @@ def test_adapter_requests_counted_by_name(live):
     after = scrape(live)
     assert value(after, "loraplex:adapter_requests_total", adapter="pub") - \
         value(before, "loraplex:adapter_requests_total", adapter="pub") == 1
+
+
+def test_endpoint_picker_series(live):
+    """What a GAIE / llm-d endpoint picker reads: the KV pool's shape, the adapters with
+    requests, and where each adapter sits (vLLM's names and labels)."""
+    live.client("gamma").completions.create(model="pub", prompt="where do I live", max_tokens=2)
+    r = httpx.get(f"{live.url}/metrics")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    stats = live.engine.stats()
+    (cache,) = families["vllm:cache_config_info"].samples
+    assert cache.value == 1 and cache.labels == {"block_size": str(stats.block_size),
+                                                 "num_gpu_blocks": str(stats.num_blocks)}
+    assert stats.block_size == 16 and stats.num_blocks == 128
+    (info,) = families["vllm:lora_requests_info"].samples
+    assert set(info.labels) == {"running_lora_adapters", "waiting_lora_adapters", "max_lora"}
+    loaded = {s.labels["adapter_name"]: s for s in families["vllm:lora_adapter_loaded"].samples}
+    assert loaded["pub"].value == 1 and loaded["pub"].labels == {"adapter_name": "pub", "level": "gpu",
+                                                                 "pinned": "false"}
+    digest = live.gateway.adapter_ref("pub").digest
+    assert digest in live.engine.adapter_residency().device
+    gpu = families["vllm:num_gpu_loaded_lora_adapters"].samples[0].value
+    assert gpu == len(live.engine.adapter_residency().device) >= 1

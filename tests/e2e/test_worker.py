@@ -341,6 +341,45 @@ def test_metrics_have_vllms_names_and_requests_per_adapter(worker, blob_store):
     assert 'loraplex:adapter_requests_total{adapter="ad1"}' in text
 
 
+def test_metrics_tell_an_endpoint_picker_where_adapters_sit(tmp_path, tiny_llama_dir, blob_store):
+    """One device slot: loading by name puts both versions in the CPU tier; running one
+    moves it to the device (level "gpu"), running the other moves it out; unloading a
+    version from the CPU tier takes its series away. Parsed with Prometheus's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, digests = blob_store
+    w = Worker(tmp_path, "--model", str(tiny_llama_dir), "--database-url", url, *ENGINE_ARGS, "--max-loras", "1")
+
+    def scrape() -> dict:
+        families = {f.name: f for f in text_string_to_metric_families(w.http.get("/metrics").text)}
+        loaded = {s.labels["adapter_name"]: s.labels for s in families["vllm:lora_adapter_loaded"].samples}
+        assert all(set(ls) == {"adapter_name", "level", "pinned"} and ls["pinned"] == "false" for ls in loaded.values())
+        counts = {lvl: families[f"vllm:num_{lvl}_loaded_lora_adapters"].samples[0].value for lvl in ("gpu", "cpu")}
+        return {"levels": {n: ls["level"] for n, ls in loaded.items()}, "counts": counts, "families": families}
+
+    try:
+        w.wait_ready()
+        first = scrape()
+        assert first["levels"] == {} and first["counts"] == {"gpu": 0, "cpu": 0}
+        (cache,) = first["families"]["vllm:cache_config_info"].samples
+        assert cache.labels == {"block_size": "16", "num_gpu_blocks": "64"} and cache.value == 1
+        (info,) = first["families"]["vllm:lora_requests_info"].samples
+        assert info.labels == {"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": "1"}
+        for name in ("ad1", "ad2"):
+            r = w.http.post("/internal/v1/adapters/load", json={"name": name, "digest": digests[name]}, headers=AUTH)
+            assert r.status_code == 200
+        assert scrape()["levels"] == {"ad1": "cpu", "ad2": "cpu"}
+        for name, want in (("ad1", {"ad1": "gpu", "ad2": "cpu"}), ("ad2", {"ad1": "cpu", "ad2": "gpu"})):
+            r, lines = stream_lines(w.http, gen_body(f"run-{name}", [1, 2, 3], 2, {"name": name, "digest": digests[name]}))
+            assert r.status_code == 200 and lines[-2]["finished"]
+            got = scrape()
+            assert got["levels"] == want and got["counts"] == {"gpu": 1, "cpu": 1}
+        assert w.http.delete(f"/internal/v1/adapters/{digests['ad1']}", headers=AUTH).status_code == 204
+        assert scrape()["levels"] == {"ad2": "gpu"}
+    finally:
+        w.stop()
+
+
 def test_model_route_gives_the_gateway_a_tokenizer(worker, oracle, tmp_path):
     from loraplex.engine.tokenizer import Tokenizer
 
