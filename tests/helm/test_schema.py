@@ -41,6 +41,8 @@ def test_a_typo_in_a_value_name_is_rejected(chart, values, named):
     {"worker": {"engine": {"gpuMemoryUtilization": "1.5"}}},                # as `--set` passes it
     {"worker": {"engine": {"maxNumSeqs": "many"}}},
     {"adapterStore": {"type": "gcs"}},
+    {"topology": "inference-pool"},
+    {"pool": {"port": 0}},
     {"model": {"source": "huggingface"}},
     {"gateway": {"replicaCount": -1}},
     {"observability": {"logFormat": "yaml"}},
@@ -54,7 +56,8 @@ def test_a_wrong_value_is_rejected(chart, values):
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"inferencePool": {"enabled": True}}, "inferencePool.endpointPicker.name"),
+    ({"topology": "pool"}, "inferencePool.endpointPicker.name"),
+    ({"inferencePool": {"enabled": True}}, "needs topology=pool"),  # the fleet's workers speak no OpenAI
     ({"adapterStore": {"type": "s3"}}, "adapterStore.s3.bucket"),
     ({"postgresql": {"enabled": False}}, "needs a database"),
     ({"worker": {"adapterCacheSize": None}}, "worker.adapterCacheSize is required"),  # unbounded: the pod is evicted

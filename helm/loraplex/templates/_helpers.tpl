@@ -6,6 +6,7 @@ environment variables the roles read. A rename in loraplex is one edit here.
 commands:
   gateway: gateway
   worker: worker
+  serve: serve
   migrate: migrate
 routes:
   liveness: /health
@@ -265,10 +266,9 @@ pre-install,pre-upgrade
 {{- $w.adapterCacheSize }}
 {{- end }}
 
-{{/* `loraplex worker ...` arguments; a null engine knob leaves the engine's default. */}}
+{{/* `loraplex worker ...` arguments. */}}
 {{- define "loraplex.workerArgs" -}}
 {{- $c := include "loraplex.c" . | fromJson }}
-{{- $e := .Values.worker.engine }}
 - {{ $c.commands.worker }}
 - --host
 - 0.0.0.0
@@ -287,20 +287,7 @@ pre-install,pre-upgrade
 {{- end }}
 - --adapter-cache-size
 - {{ include "loraplex.workerAdapterCacheSize" . | quote }}
-{{- with $e.dtype }}
-- --dtype
-- {{ . }}
-{{- end }}
-{{- range $flag, $v := dict "--threads" $e.threads "--max-num-seqs" $e.maxNumSeqs "--max-num-batched-tokens" $e.maxNumBatchedTokens "--max-model-len" $e.maxModelLen "--max-loras" $e.maxLoras "--max-lora-rank" $e.maxLoraRank }}
-{{- if not (kindIs "invalid" $v) }}
-- {{ $flag }}
-- {{ $v | quote }}
-{{- end }}
-{{- end }}
-{{- if and (not $.Values.cpuOnly) (ne (include "loraplex.workerDevice" $) "cpu") (not (kindIs "invalid" $e.gpuMemoryUtilization)) }}
-- --gpu-memory-utilization
-- {{ $e.gpuMemoryUtilization | quote }}
-{{- end }}
+{{- include "loraplex.engineArgs" . }}
 {{- include "loraplex.observabilityArgs" . }}
 {{- range .Values.worker.extraArgs }}
 - {{ . | quote }}
