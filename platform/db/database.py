@@ -96,8 +96,35 @@ def alembic_config(url: str):
     return cfg
 
 
+# The PostgreSQL advisory lock migrations take turns under (any fixed 64-bit key).
+MIGRATION_LOCK_KEY = 0x6C6F7261706C6578  # "loraplex"
+
+
 def migrate(url: str, revision: str = "head") -> None:
-    """`alembic upgrade head` on `url` (creates the schema in an empty database)."""
+    """`alembic upgrade head` on `url` (creates the schema in an empty database).
+
+    On PostgreSQL the processes that migrate at once (a pool's `serve` replicas starting
+    beside the chart's migration Job) take turns under an advisory lock: the first
+    upgrades, the others then find the schema current, instead of racing to create the
+    same tables and failing."""
     from alembic import command
 
-    command.upgrade(alembic_config(url), revision)
+    cfg = alembic_config(url)
+    if make_url(normalize_url(url)).get_backend_name() != "postgresql":
+        command.upgrade(cfg, revision)
+        return
+    engine = make_db_engine(url, pool_size=1, max_overflow=0)
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql(f"SELECT pg_advisory_lock({MIGRATION_LOCK_KEY})")
+            conn.commit()  # a session lock: it outlives this transaction
+            try:
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, revision)
+                conn.commit()
+            finally:
+                conn.rollback()
+                conn.exec_driver_sql(f"SELECT pg_advisory_unlock({MIGRATION_LOCK_KEY})")
+                conn.commit()
+    finally:
+        engine.dispose()

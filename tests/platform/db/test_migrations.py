@@ -43,6 +43,18 @@ def test_upgrade_head_matches_models(empty_db_url):
     assert _diffs(empty_db_url) == []
 
 
+def test_processes_migrating_one_postgresql_at_once_take_turns(pg_schema_url):
+    """A pool's `serve` replicas and the chart's migration Job start together on an empty
+    database: every one of them succeeds and the schema is the models'."""
+    url = pg_schema_url()
+    code = "import sys; from loraplex.platform.db import migrate; migrate(sys.argv[1])"
+    procs = [subprocess.Popen([sys.executable, "-c", code, url], stderr=subprocess.PIPE, env=os.environ.copy())
+             for _ in range(3)]
+    errors = [p.communicate(timeout=300)[1].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errors
+    assert _diffs(url) == []
+
+
 def test_downgrade_base_removes_everything(empty_db_url):
     from alembic import command
 
