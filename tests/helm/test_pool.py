@@ -90,6 +90,13 @@ def test_every_port_named_is_one_its_process_listens_on(render, values):
             for p in svc["spec"]["ports"]:
                 c = _container(doc)
                 assert _resolve(c, p.get("targetPort", p["port"])) in _listening(c), (svc["metadata"]["name"], p)
+    for monitor in out.all("ServiceMonitor"):
+        services = [s for s in out.all("Service")
+                    if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+        assert services, f"ServiceMonitor {monitor['metadata']['name']} selects no Service"
+        for svc in services:
+            named = {p.get("name") for p in svc["spec"]["ports"]}
+            assert {e["port"] for e in monitor["spec"]["endpoints"]} <= named, (monitor["metadata"]["name"], named)
     for pool in out.all("InferencePool"):
         pods = _selected(out, pool["spec"]["selector"]["matchLabels"])
         assert pods and all(_component(d) == "pool" for d in pods)

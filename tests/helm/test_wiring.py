@@ -16,7 +16,7 @@ from tests.helm.conftest import NAMESPACE
 # chart's helpers name them ("loraplex.contract" in templates/_helpers.tpl).
 ROUTES = {"liveness": "/health", "readiness": "/ready", "metrics": "/metrics"}
 # The subcommands the chart runs.
-COMMANDS = {"gateway", "worker", "migrate"}
+COMMANDS = {"gateway", "worker", "serve", "migrate"}
 
 
 def _container(doc: dict) -> dict:
