@@ -84,7 +84,8 @@ def server_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-port", type=int, default=9464,
                    help="/metrics on this port of its own (default 9464); 0: on the main port")
     g.add_argument("--forwarded-allow-ips", default="127.0.0.1", metavar="IPS",
-                   help="proxies trusted for X-Forwarded-For/-Proto (comma-separated, or '*')")
+                   help="proxies trusted for X-Forwarded-For/-Proto: addresses or CIDR ranges, comma-separated, "
+                        "or '*'")
     g.add_argument("--header-timeout", type=float, default=d.header_timeout, metavar="S",
                    help="seconds to send a request's headers")
     g.add_argument("--body-timeout", type=float, default=d.body_timeout, metavar="S",
