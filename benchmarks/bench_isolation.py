@@ -388,7 +388,8 @@ def report(out: dict) -> dict:
     for name, s in phases.items():
         ttft, tpot, health = _stats(s.ttft), _stats(s.tpot), _stats(s.health)
         row = {"b_requests": len(s.ttft), "b_errors": dict(s.errors),
-               "ttft_ratio": {q: ttft[q] / b_ttft[q] for q in ttft}, "tpot_ratio": {q: tpot[q] / b_tpot[q] for q in tpot},
+               "ttft_ratio": {q: ttft[q] / b_ttft[q] for q in ttft},
+               "tpot_ratio": {q: tpot[q] / b_tpot[q] for q in tpot},
                "ttft_s": ttft, "tpot_s": tpot, "health_ms": {q: v * 1e3 for q, v in health.items()},
                "health_errors": dict(s.health_errors), "attack": out["attack_statuses"].get(name, {})}
         rows[name] = row

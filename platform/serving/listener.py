@@ -79,7 +79,7 @@ class TrustedPeers:
         return any(addr in net for net in self.networks)
 
 
-def _over_cap_response(limit: int) -> bytes:
+def over_cap_response(limit: int) -> bytes:
     err = api_error(RateLimitedError(f"more than {limit} connections from this address", 1.0))
     body = orjson.dumps(err.body())
     return (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
@@ -91,7 +91,7 @@ def guarded_protocol(limits: ServerLimits, trusted: str = "") -> type[HttpToolsP
     (proxies) are not held to the per-address connection cap."""
     per_client: Counter[str] = Counter()
     proxies = TrustedPeers(trusted)
-    over_cap = _over_cap_response(limits.max_connections_per_client)
+    over_cap = over_cap_response(limits.max_connections_per_client)
 
     class GuardedHttpProtocol(HttpToolsProtocol):
         _timer: asyncio.TimerHandle | None = None
