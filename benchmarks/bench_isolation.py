@@ -13,7 +13,9 @@ turn, for `--seconds` each:
   tools         A sends a 3.5 MiB tools list
   slow reader   A holds 4 long streams and reads each a few bytes a second
 
-Each attacker runs in a process of its own (no share of this process's GIL). Printed:
+Each attacker runs in a process of its own (no share of this process's GIL), at the
+lowest CPU priority, so that on a small machine B loses what the server spends on the
+attack rather than the CPU the attacking client burns. Printed:
 B's TTFT (per request) and TPOT (every gap between two streamed tokens, so the p99 has
 samples even when a phase holds few requests) p50/p99 per phase as ratios to B alone in
 the same run, /health
@@ -323,6 +325,9 @@ def _attack_main(name: str, t: Target, stop, out) -> None:
     """The attack on a thread, reported as soon as `stop` is set (a request still in
     flight then is not waited for beyond a few seconds)."""
     got: Counter = Counter()
+    # On a small machine the attacker's own CPU would be most of what B loses; niced,
+    # the figures show what the server spends on the attack.
+    os.nice(19)
 
     def attack() -> None:
         try:
