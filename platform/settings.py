@@ -88,7 +88,8 @@ class Settings:
     # Unknown keys are remembered this long, so a flood of bad keys cannot hammer the DB.
     auth_negative_ttl: float = 2.0
     # Failed authentication (API keys, admin tokens) one client address may make in a
-    # burst, and how many per second after it; past that it gets 429 with Retry-After.
+    # burst, and how many per second after it; past that it gets 429 with Retry-After for
+    # unknown API keys and admin tokens (valid API keys and admin sessions are still served).
     auth_failure_burst: int = 20
     auth_failure_rate: float = 1.0
     # last_used_at is kept in memory and written in one batch this often (and at shutdown).
