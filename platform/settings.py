@@ -28,13 +28,18 @@ class ServerLimits:
     """What one client may hold of the HTTP server and of the request parser. Every cap
     is listed with its flag in the README's "Limits" section."""
 
-    # Seconds a client has to send a request's line and headers (slowloris), and that a
-    # request body may stall between two chunks; then the connection is closed.
+    # Seconds a client has to send a request's line and headers (slowloris), and to send
+    # its body, plus one second per body_min_rate bytes sent (as mod_reqtimeout's MinRate);
+    # then the connection is closed.
     header_timeout: float = 10.0
     body_timeout: float = 30.0
+    body_min_rate: int = 8192
     keep_alive_timeout: int = 5
-    # Connections plus requests in progress (uvicorn's limit_concurrency); past it, 503.
+    # Connections plus requests in progress (uvicorn's limit_concurrency); past it, 503
+    # (but never to /health and /ready).
     max_connections: int = 1024
+    # Connections one client address may hold (trusted proxies excepted); past it, 429.
+    max_connections_per_client: int = 128
     backlog: int = 2048
     max_header_bytes: int = 64 * 1024
     # Request bodies: the OpenAI routes, and the admin API's JSON (the adapter upload has
@@ -48,7 +53,8 @@ class ServerLimits:
     max_content_parts: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("header_timeout", "body_timeout", "max_connections", "max_header_bytes", "max_body_bytes",
+        for name in ("header_timeout", "body_timeout", "body_min_rate", "max_connections",
+                     "max_connections_per_client", "max_header_bytes", "max_body_bytes",
                      "max_admin_body_bytes", "max_sign_in_body_bytes", "max_json_depth", "max_messages",
                      "max_content_parts"):
             if getattr(self, name) <= 0:
@@ -82,7 +88,8 @@ class Settings:
     # Unknown keys are remembered this long, so a flood of bad keys cannot hammer the DB.
     auth_negative_ttl: float = 2.0
     # Failed authentication (API keys, admin tokens) one client address may make in a
-    # burst, and how many per second after it; past that it gets 429 with Retry-After.
+    # burst, and how many per second after it; past that it gets 429 with Retry-After for
+    # unknown API keys and admin tokens (valid API keys and admin sessions are still served).
     auth_failure_burst: int = 20
     auth_failure_rate: float = 1.0
     # last_used_at is kept in memory and written in one batch this often (and at shutdown).
@@ -124,6 +131,8 @@ class Settings:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
         if self.auth_cache_ttl < 0 or self.auth_negative_ttl < 0:
             raise ValueError("auth cache TTLs must be >= 0")
+        if self.auth_failure_burst < 1 or not self.auth_failure_rate > 0:
+            raise ValueError("auth_failure_burst must be >= 1 and auth_failure_rate > 0")
         if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
             raise ValueError("request_timeout must be a finite number of seconds > 0")
         if self.adapter_cache_max_bytes is not None and self.adapter_cache_max_bytes <= 0:

@@ -84,14 +84,24 @@ def server_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-port", type=int, default=9464,
                    help="/metrics on this port of its own (default 9464); 0: on the main port")
     g.add_argument("--forwarded-allow-ips", default="127.0.0.1", metavar="IPS",
-                   help="proxies trusted for X-Forwarded-For/-Proto (comma-separated, or '*')")
+                   help="proxies trusted for X-Forwarded-For/-Proto: addresses or CIDR ranges, comma-separated, "
+                        "or '*'")
+    g.add_argument("--auth-failure-burst", type=int, default=Settings.auth_failure_burst, metavar="N",
+                   help="failed authentications one address may make in a burst before 429 (valid keys "
+                        "are always served)")
+    g.add_argument("--auth-failure-rate", type=float, default=Settings.auth_failure_rate, metavar="PER_S",
+                   help="failed authentications per second an address earns back after its burst")
     g.add_argument("--header-timeout", type=float, default=d.header_timeout, metavar="S",
                    help="seconds to send a request's headers")
     g.add_argument("--body-timeout", type=float, default=d.body_timeout, metavar="S",
-                   help="seconds a request body may stall")
+                   help="seconds to send a request body, plus one per --body-min-rate bytes sent")
+    g.add_argument("--body-min-rate", type=parse_size, default=d.body_min_rate, metavar="SIZE",
+                   help="bytes per second of request body that earn one more second (default 8KiB)")
     g.add_argument("--keep-alive-timeout", type=int, default=d.keep_alive_timeout, metavar="S")
     g.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
-                   help="connections + requests in progress; past it, 503")
+                   help="connections + requests in progress; past it, 503 (never to /health, /ready)")
+    g.add_argument("--max-connections-per-client", type=int, default=d.max_connections_per_client, metavar="N",
+                   help="connections from one address (trusted proxies excepted); past it, 429")
     g.add_argument("--max-body-size", type=parse_size, default=d.max_body_bytes, metavar="SIZE",
                    help="request bodies of the OpenAI routes (default 4MiB)")
     g.add_argument("--max-upload-size", type=parse_size, default=Settings.admin_max_upload_bytes, metavar="SIZE",
@@ -100,7 +110,10 @@ def server_options(p: argparse.ArgumentParser) -> None:
 
 def server_settings(args: argparse.Namespace) -> dict:
     limits = ServerLimits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                          keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
+                          body_min_rate=args.body_min_rate, keep_alive_timeout=args.keep_alive_timeout,
+                          max_connections=args.max_connections,
+                          max_connections_per_client=args.max_connections_per_client,
                           max_body_bytes=args.max_body_size)
     return {"limits": limits, "metrics_host": args.metrics_host, "metrics_port": args.metrics_port or None,
-            "forwarded_allow_ips": args.forwarded_allow_ips, "admin_max_upload_bytes": args.max_upload_size}
+            "forwarded_allow_ips": args.forwarded_allow_ips, "admin_max_upload_bytes": args.max_upload_size,
+            "auth_failure_burst": args.auth_failure_burst, "auth_failure_rate": args.auth_failure_rate}

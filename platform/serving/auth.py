@@ -8,9 +8,13 @@ adapter grant changed by another process (the CLI, another replica) therefore ta
 effect within that many seconds. Expiry (`expires_at`) is checked on every request
 and is exact. Unknown keys are remembered for `auth_negative_ttl` seconds so a flood of
 bad keys cannot hammer the database; a key created meanwhile is unaffected (it is new).
-Failed attempts are throttled per client address (tenancy/throttle.py): past a burst,
-that address gets 429 before its key is even hashed. Lookups run on their own small
-thread pool, so a flood of unknown keys never delays `/ready` or other database work;
+Failed attempts are throttled per client address (tenancy/throttle.py), but many tenants
+may share an address (a proxy's), so a throttled address is never refused a valid key:
+past its burst, a key that is not cached and whose digest is not among the keys the
+database holds (tenancy/known_keys.py, refreshed every `auth_cache_ttl` seconds, at
+least every `MIN_KNOWN_KEYS_REFRESH`) gets 429 without a database query, and a
+malformed one without even a hash. Lookups run on their own small thread pool, so a
+flood of unknown keys never delays `/ready` or other database work;
 `ping()` (readiness) has a thread of its own.
 
 `last_used_at` is recorded in memory (a set of key ids) and written in one UPDATE for all
@@ -36,6 +40,7 @@ from loraplex.platform.db.database import Database
 from loraplex.platform.errors import AuthenticationError, BadRequestError, PermissionDeniedError, RateLimitedError
 from loraplex.platform.db.base import utcnow
 from loraplex.platform.db.tables import ApiKey, Tenant
+from loraplex.platform.tenancy.known_keys import KnownKeys
 from loraplex.platform.tenancy.tenants import hash_key, key_prefix
 from loraplex.platform.tenancy.throttle import FailureThrottle, ThrottleConfig
 
@@ -43,6 +48,8 @@ log = logging.getLogger(__name__)
 _MAX_CACHE = 100_000
 # Database lookups of keys not in the cache run on this many threads of their own.
 AUTH_THREADS = 2
+# With the auth cache off (ttl 0), the set of known keys is still refreshed this often.
+MIN_KNOWN_KEYS_REFRESH = 1.0
 
 
 @dataclass(frozen=True)
@@ -98,30 +105,41 @@ class Authenticator:
         self._inflight: dict[str, asyncio.Future] = {}
         self._used: set[int] = set()  # key ids used since the last flush
         self._flusher: asyncio.Task | None = None
+        self.known = KnownKeys(db)
+        self._refresher: asyncio.Task | None = None
 
     async def authenticate(self, authorization: str | None, client: str | None = None) -> Principal:
-        """The caller's Principal; `client` (its address) is throttled after failures."""
-        if client is not None:
-            wait = self.throttle.retry_after(client)
-            if wait > 0:
-                raise RateLimitedError("too many failed authentication attempts from this address", wait)
+        """The caller's Principal; `client` (its address) is throttled after failures,
+        which refuses only keys that do not exist."""
+        wait = self.throttle.retry_after(client) if client is not None else 0.0
         try:
-            return await self._authenticate(authorization)
+            return await self._authenticate(authorization, wait)
         except AuthenticationError:
             if client is not None:
                 self.throttle.failed(client)
             raise
 
-    async def _authenticate(self, authorization: str | None) -> Principal:
+    @staticmethod
+    def _refuse(wait: float, error: str) -> AuthenticationError | RateLimitedError:
+        """401 naming what is wrong, or 429 when the address is throttled."""
+        if wait > 0:
+            return RateLimitedError("too many failed authentication attempts from this address", wait)
+        return AuthenticationError(error)
+
+    async def _authenticate(self, authorization: str | None, wait: float = 0.0) -> Principal:
         if not authorization or not authorization[:7].lower() == "bearer ":
-            raise AuthenticationError("Missing API key: send 'Authorization: Bearer <key>'.")
+            raise self._refuse(wait, "Missing API key: send 'Authorization: Bearer <key>'.")
         key = authorization[7:].strip()
+        if key_prefix(key) is None:  # no key has this shape: no hash, no query
+            raise self._refuse(wait, "Invalid API key.")
         digest = hash_key(key)
         now = time.monotonic()
         hit = self._cache.get(digest)
         if hit is not None and hit[1] > now:
             principal = hit[0]
         else:
+            if wait > 0 and self.known.loaded and digest not in self.known:
+                raise self._refuse(wait, "Invalid API key.")
             principal = await self._lookup(key, digest, now)
         if principal.expires_at is not None and principal.expires_at <= time.time():
             raise AuthenticationError("Invalid API key: this key has expired.")
@@ -147,6 +165,7 @@ class Authenticator:
         if isinstance(principal, AuthenticationError):
             raise principal
         self._cache[digest] = (principal, time.monotonic() + self.ttl)
+        self.known.add(digest)
         return principal
 
     def _load(self, key: str, digest: str) -> Principal | AuthenticationError | None:
@@ -180,6 +199,19 @@ class Authenticator:
     def start(self) -> None:
         if self.flush_seconds > 0 and self._flusher is None:
             self._flusher = asyncio.create_task(self._flush_loop())
+        if self._refresher is None:
+            self._refresher = asyncio.create_task(self._refresh_loop())
+
+    async def refresh_known_keys(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._pool, self.known.refresh)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            try:
+                await self.refresh_known_keys()
+            except Exception:  # a DB hiccup: keep the last set, try again next round
+                log.exception("refreshing the known API keys failed")
+            await asyncio.sleep(max(self.ttl, MIN_KNOWN_KEYS_REFRESH))
 
     async def _flush_loop(self) -> None:
         while True:
@@ -199,9 +231,10 @@ class Authenticator:
             s.execute(update(ApiKey).where(ApiKey.id.in_(key_ids)).values(last_used_at=when))
 
     async def close(self) -> None:
-        if self._flusher is not None:
-            self._flusher.cancel()
-            self._flusher = None
+        for task in (self._flusher, self._refresher):
+            if task is not None:
+                task.cancel()
+        self._flusher = self._refresher = None
         try:
             await self.flush_last_used()
         finally:

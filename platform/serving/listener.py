@@ -3,11 +3,24 @@
 uvicorn bounds idle keep-alive connections and, with `limit_concurrency`, the number of
 connections and requests, but nothing bounds how long a client may take to send its
 request head or body: a few hundred connections sending a byte now and then (slowloris)
-would hold every slot. `GuardedHttpProtocol` adds those bounds: a request head must
-arrive within `header_timeout` seconds and stay under `max_header_bytes`, and a body may
-not stall for more than `body_timeout` seconds; past either, the connection is closed.
-The app sees a disconnect and has reserved nothing yet (bodies are read in full before
-admission).
+would hold every slot. `GuardedHttpProtocol` adds, per connection:
+
+- a deadline for the request head (`header_timeout`, total, and `max_header_bytes`);
+- a deadline for the body, as Apache's mod_reqtimeout sets one: `body_timeout` seconds,
+  extended by one second per `body_min_rate` bytes received, so a body trickled in a
+  byte at a time is cut off after `body_timeout` whatever it sends, while a large body
+  sent at a sane rate has the time it needs. Past either deadline the connection is
+  closed; the app sees a disconnect and has reserved nothing yet (bodies are read in full
+  before admission). Time the app leaves the body unread does not count;
+- when the app answers before the body is in (a 401 or 413 before reading it), the
+  response says `Connection: close` and the rest of the body is not read: the server
+  half-closes and discards what is still in flight for at most `LINGER_SECONDS` /
+  `LINGER_BYTES` (so the client reads the answer instead of a reset), then closes;
+- at most `max_connections_per_client` connections from one address: past it a
+  connection gets a 429 and is closed before anything it sends is parsed. Proxies
+  trusted with `--forwarded-allow-ips` carry many clients and are not capped here;
+- `/health` and `/ready` are answered past `max_connections` (uvicorn's 503 when
+  saturated), so the probes of an orchestrator never fail because tenants filled it.
 
 `/metrics` can have a listener of its own (`Settings.metrics_port`, loopback by
 default), served by a second uvicorn server in the same event loop.
@@ -16,7 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+from collections import Counter
 from typing import Any
+
+import orjson
 
 import uvicorn
 from starlette.applications import Starlette
@@ -25,24 +42,71 @@ from starlette.responses import Response
 from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from loraplex.platform.errors import RateLimitedError, api_error
 from loraplex.platform.serving.metrics import CONTENT_TYPE
 from loraplex.platform.settings import ServerLimits, Settings
+
+# After an early answer, how long and how much of the unread body is still taken in.
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 256 * 1024
+PROBE_PATHS = frozenset({b"/health", b"/ready"})
 
 
 class HeadTooLargeError(Exception):
     """Raised inside the parser's callbacks: httptools turns it into a 400 and a close."""
 
 
-def guarded_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with the read bounds of `limits`."""
+class TrustedPeers:
+    """Addresses matching uvicorn's `forwarded_allow_ips` (addresses, CIDR ranges, '*')."""
+
+    def __init__(self, spec: str) -> None:
+        items = [x.strip() for x in spec.split(",") if x.strip()]
+        self.everyone = "*" in items
+        self.networks, self.names = [], set()
+        for item in items:
+            try:
+                self.networks.append(ipaddress.ip_network(item, strict=False))
+            except ValueError:
+                self.names.add(item)
+
+    def __contains__(self, host: str) -> bool:
+        if self.everyone or host in self.names:
+            return True
+        try:
+            addr = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return any(addr in net for net in self.networks)
+
+
+def over_cap_response(limit: int) -> bytes:
+    err = api_error(RateLimitedError(f"more than {limit} connections from this address", 1.0))
+    body = orjson.dumps(err.body())
+    return (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+            b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def guarded_protocol(limits: ServerLimits, trusted: str = "") -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with the read bounds of `limits`; peers in `trusted`
+    (proxies) are not held to the per-address connection cap."""
+    per_client: Counter[str] = Counter()
+    proxies = TrustedPeers(trusted)
+    over_cap = over_cap_response(limits.max_connections_per_client)
 
     class GuardedHttpProtocol(HttpToolsProtocol):
         _timer: asyncio.TimerHandle | None = None
         _head_bytes = 0
+        _counted: str | None = None  # the address this connection counts against
+        _refused = False  # over the per-address cap: answered 429, never parsed
+        _body_pending = False  # the head is in, the body is not complete yet
+        _body_deadline = 0.0
+        _close_after_response = False  # answered before the body was in
+        _lingering = False
+        _lingered = 0
 
         def _arm(self, seconds: float) -> None:
             self._disarm()
-            self._timer = self.loop.call_later(seconds, self._expired)
+            self._timer = self.loop.call_later(max(0.0, seconds), self._expired)
 
         def _disarm(self) -> None:
             if self._timer is not None:
@@ -53,19 +117,70 @@ def guarded_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
             self._timer = None
             if self.transport.is_closing():
                 return
+            if self._lingering:
+                self.transport.close()
+                return
+            now = self.loop.time()
             if self.flow is not None and self.flow.read_paused:  # the app is slow, not the client
+                self._body_deadline = max(self._body_deadline, now + limits.body_timeout)
                 self._arm(limits.body_timeout)
+                return
+            if self._body_pending and self._body_deadline > now:  # the body's rate earned more time
+                self._arm(self._body_deadline - now)
                 return
             self.transport.close()
 
+        # -- connections: the per-address cap --------------------------------------------
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            peer = transport.get_extra_info("peername")
+            host = peer[0] if isinstance(peer, tuple) and peer else None
+            if host is not None and host not in proxies:
+                if per_client[host] >= limits.max_connections_per_client:
+                    self._refuse(transport)
+                    return
+                per_client[host] += 1
+                self._counted = host
             super().connection_made(transport)
             self._arm(limits.header_timeout)
 
+        def _refuse(self, transport: asyncio.Transport) -> None:
+            self.transport, self._refused = transport, True
+            transport.write(over_cap)
+            self._start_linger()
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
-            super().connection_lost(exc)
+            if self._counted is not None:
+                per_client[self._counted] -= 1
+                if per_client[self._counted] <= 0:
+                    del per_client[self._counted]
+                self._counted = None
+            if not self._refused:
+                super().connection_lost(exc)
 
+        def data_received(self, data: bytes) -> None:
+            if self._lingering:  # taken in and dropped, so the client reads our answer
+                self._lingered += len(data)
+                if self._lingered > LINGER_BYTES:
+                    self.transport.close()
+                return
+            super().data_received(data)
+
+        def eof_received(self) -> bool | None:
+            if self._lingering:
+                self.transport.close()
+                return None
+            return super().eof_received()
+
+        def _start_linger(self) -> None:
+            self._lingering = True
+            if self.flow is not None:
+                self.flow.resume_reading()
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self._arm(LINGER_SECONDS)
+
+        # -- the request head --------------------------------------------------------------
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._head_bytes = 0
@@ -85,16 +200,53 @@ def guarded_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
                 raise HeadTooLargeError(f"request head over {limits.max_header_bytes} bytes")
 
         def on_headers_complete(self) -> None:
-            self._arm(limits.body_timeout)  # until the body (if any) is complete
-            super().on_headers_complete()
-
-        def on_body(self, body: bytes) -> None:
+            self._body_pending = True
+            self._body_deadline = self.loop.time() + limits.body_timeout
             self._arm(limits.body_timeout)
+            probe = self.url.split(b"?", 1)[0] in PROBE_PATHS and self.parser.get_method() == b"GET"
+            saved = self.limit_concurrency
+            if probe:  # never refused for a full server: the probes must see it alive
+                self.limit_concurrency = None
+            try:
+                super().on_headers_complete()
+            finally:
+                self.limit_concurrency = saved
+            if self.cycle is not None:
+                self._watch_early_answer(self.cycle)
+
+        # -- the body ------------------------------------------------------------------------
+        def on_body(self, body: bytes) -> None:
+            self._body_deadline += len(body) / limits.body_min_rate
             super().on_body(body)
 
         def on_message_complete(self) -> None:
+            self._body_pending = False
             self._disarm()
             super().on_message_complete()
+
+        def _watch_early_answer(self, cycle: Any) -> None:
+            """A response that starts before the body is in says Connection: close, and the
+            connection lingers briefly instead of reading the rest."""
+            send = cycle.send
+
+            async def send_or_close(message: Any) -> None:
+                if message["type"] != "http.response.start" or not (self._body_pending and self.cycle is cycle):
+                    await send(message)
+                    return
+                self._close_after_response = True
+                cycle.keep_alive = False  # the head says close
+                await send(message)
+                cycle.keep_alive = True  # uvicorn must not close at once: on_response_complete lingers
+
+            cycle.send = send_or_close
+
+        def on_response_complete(self) -> None:
+            if self._close_after_response:
+                self.server_state.total_requests += 1
+                if not self.transport.is_closing():
+                    self._start_linger()
+                return
+            super().on_response_complete()
 
     return GuardedHttpProtocol
 
@@ -102,7 +254,8 @@ def guarded_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
 def uvicorn_config(app: Any, settings: Settings, **kw: Any) -> uvicorn.Config:
     """The main listener's configuration, bounded by `settings.limits`."""
     limits = settings.limits
-    return uvicorn.Config(app, host=settings.host, port=settings.port, http=guarded_protocol(limits),
+    return uvicorn.Config(app, host=settings.host, port=settings.port,
+                          http=guarded_protocol(limits, settings.forwarded_allow_ips),
                           timeout_keep_alive=limits.keep_alive_timeout, limit_concurrency=limits.max_connections,
                           backlog=limits.backlog, proxy_headers=True,
                           forwarded_allow_ips=settings.forwarded_allow_ips, **kw)
@@ -132,7 +285,8 @@ async def serve(main: uvicorn.Server, app: Starlette, settings: Settings) -> Non
         await main.serve()
         return
     side_config = uvicorn.Config(metrics_app(app), host=settings.metrics_host, port=settings.metrics_port,
-                                 http=guarded_protocol(settings.limits), access_log=False, lifespan="off",
+                                 http=guarded_protocol(settings.limits, settings.forwarded_allow_ips),
+                                 access_log=False, lifespan="off",
                                  limit_concurrency=64, log_config=None)  # the main server's logging stays
     side = _SideServer(side_config)
     task = asyncio.create_task(side.serve())

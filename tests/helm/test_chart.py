@@ -169,6 +169,24 @@ def test_ingress_service_monitor_and_operator_knobs(render):
     assert all(m["metadata"]["labels"]["release"] == "prometheus" for m in monitors.values())
 
 
+def test_the_gateway_trusts_the_ingress_for_client_addresses(render, chart):
+    """Behind the Ingress every client would share its pods' address (one throttle and one
+    connection cap for all tenants) unless the gateway believes their X-Forwarded-For."""
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+    gw = _container(render().one("Deployment", "gateway"))
+    trusted = _flag(gw["args"], "--forwarded-allow-ips")
+    assert trusted == "10.0.0.0/8,172.16.0.0/12,192.168.0.0/16"
+    hosts = ProxyHeadersMiddleware(None, trusted_hosts=trusted).trusted_hosts  # what uvicorn makes of it
+    assert "10.244.1.7" in hosts and "8.8.8.8" not in hosts
+    gw = _container(render({"gateway": {"forwardedAllowIps": ["10.244.0.0/16"]}}).one("Deployment", "gateway"))
+    assert _flag(gw["args"], "--forwarded-allow-ips") == "10.244.0.0/16"
+    assert "--forwarded-allow-ips" not in _container(render({"gateway": {"forwardedAllowIps": []}})
+                                                     .one("Deployment", "gateway"))["args"]
+    with pytest.raises(Exception, match="forwardedAllowIps"):
+        chart.validate_schema({"gateway": {"forwardedAllowIps": ["ingress pods"]}})
+
+
 def test_the_adapter_cache_is_bounded_below_the_cache_volume(render, chart):
     from loraplex.platform.cli.options import cache_size_arg
 

@@ -219,6 +219,7 @@ pre-install,pre-upgrade
 - --metrics-port
 - "0"
 {{- end }}
+{{- include "loraplex.forwardedAllowIpsArgs" . }}
 {{- if eq .Values.adapterStore.type "s3" }}
 - --adapter-store
 - {{ include "loraplex.adapterStoreUrl" . }}
@@ -226,6 +227,15 @@ pre-install,pre-upgrade
 {{- include "loraplex.observabilityArgs" . }}
 {{- range .Values.gateway.extraArgs }}
 - {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/* --forwarded-allow-ips for every pod that takes client traffic through the Ingress:
+     the client address (throttling, per-address caps) is the one the proxy saw. */}}
+{{- define "loraplex.forwardedAllowIpsArgs" -}}
+{{- with .Values.gateway.forwardedAllowIps }}
+- --forwarded-allow-ips
+- {{ join "," . | quote }}
 {{- end }}
 {{- end }}
 

@@ -172,22 +172,98 @@ def test_lanes_only_go_down():
             parse_lane(bad, "priority")
 
 
-def test_failed_keys_are_throttled_per_client_address(db):
+JUNK = "lpx_0123456789ab_" + "j" * 43  # well formed, in no database
+
+
+def test_failed_keys_are_throttled_per_client_address_but_valid_keys_are_served(db):
     create_tenant(db, "acme")
     key = create_key(db, "acme")
     auth = Authenticator(db, ttl=60, throttle=ThrottleConfig(burst=3, per_second=0.01))
 
     async def go():
-        for i in range(3):
+        await auth.refresh_known_keys()
+        for bad in ("Bearer lpx_0123456789ab_0", f"Bearer {JUNK}", None):
             with pytest.raises(AuthenticationError):
-                await auth.authenticate(f"Bearer lpx_0123456789ab_{i}", client="10.1.1.1")
-        with pytest.raises(RateLimitedError) as err:
-            await auth.authenticate(f"Bearer {key}", client="10.1.1.1")  # refused before any lookup
-        assert err.value.retry_after > 1
+                await auth.authenticate(bad, client="10.1.1.1")
+        for bad in (f"Bearer {JUNK}", "Bearer junk", None):
+            with pytest.raises(RateLimitedError) as err:
+                await auth.authenticate(bad, client="10.1.1.1")
+            assert err.value.retry_after > 1
+        assert (await auth.authenticate(f"Bearer {key}", client="10.1.1.1")).tenant == "acme"
+        # Until the set of known keys is first loaded, a throttled address's keys are looked up.
+        fresh = Authenticator(db, ttl=60, throttle=ThrottleConfig(burst=1, per_second=0.01))
+        with pytest.raises(AuthenticationError):
+            await fresh.authenticate(f"Bearer {JUNK}", client="10.1.1.1")
+        assert (await fresh.authenticate(f"Bearer {key}", client="10.1.1.1")).tenant == "acme"
         assert (await auth.authenticate(f"Bearer {key}", client="10.1.1.2")).tenant == "acme"
         assert (await auth.authenticate(f"Bearer {key}")).tenant == "acme"
 
     _run(go())
+
+
+def _count_queries(db) -> list[str]:
+    from sqlalchemy import event
+
+    seen: list[str] = []
+    event.listen(db.engine, "before_cursor_execute", lambda _c, _cur, stmt, *_a: seen.append(stmt))
+    return seen
+
+
+def test_a_throttled_address_costs_no_query_for_unknown_keys_and_learns_new_keys(db):
+    """Other tenants behind the same address keep working, new keys (created by another
+    process) included once the known set is refreshed; unknown keys never reach the DB."""
+    create_tenant(db, "acme")
+    create_tenant(db, "beta")
+    beta = create_key(db, "beta")
+    auth = Authenticator(db, ttl=60, throttle=ThrottleConfig(burst=2, per_second=0.01))
+
+    async def go():
+        await auth.refresh_known_keys()
+        for i in range(2):
+            with pytest.raises(AuthenticationError):
+                await auth.authenticate(f"Bearer lpx_0123456789a{i}_" + "x" * 43, client="10.0.0.9")
+        queries = _count_queries(db)
+        for i in range(50):
+            with pytest.raises(RateLimitedError):
+                await auth.authenticate(f"Bearer lpx_0123456789{i:02d}_" + "y" * 43, client="10.0.0.9")
+        assert queries == []
+        assert (await auth.authenticate(f"Bearer {beta}", client="10.0.0.9")).tenant == "beta"
+        late = create_key(db, "acme")  # as by the CLI or another replica
+        queries.clear()
+        with pytest.raises(RateLimitedError):  # not known here until the next refresh
+            await auth.authenticate(f"Bearer {late}", client="10.0.0.9")
+        assert queries == []
+        await auth.refresh_known_keys()
+        assert (await auth.authenticate(f"Bearer {late}", client="10.0.0.9")).tenant == "acme"
+        # Revoked elsewhere: still known, so looked up (after the cache's TTL) and refused.
+        revoked = create_key(db, "acme")
+        await auth.refresh_known_keys()
+        revoke_key(db, key_prefix(revoked))
+        with pytest.raises(AuthenticationError, match="revoked"):
+            await auth.authenticate(f"Bearer {revoked}", client="10.0.0.9")
+        await auth.close()
+
+    _run(go())
+
+
+def test_known_keys_reach_back_for_ids_committed_late_and_reload_in_full(db):
+    from loraplex.platform.tenancy.known_keys import KnownKeys
+
+    create_tenant(db, "acme")
+    keys = [create_key(db, "acme") for _ in range(3)]
+    now = [0.0]
+    known = KnownKeys(db, full_reload_seconds=100, clock=lambda: now[0])
+    assert not known.loaded
+    known.refresh()
+    assert known.loaded and all(hash_key(k) in known for k in keys) and len(known) == 3
+    with db.session() as s:  # an id below the watermark, as a transaction committed late
+        s.add(ApiKey(tenant_id=1, prefix="0000000000aa", secret_hash=hash_key("late")))
+        s.execute(ApiKey.__table__.delete().where(ApiKey.secret_hash == hash_key(keys[0])))
+    known.refresh()
+    assert hash_key("late") in known and hash_key(keys[0]) in known  # incremental: only adds
+    now[0] = 200.0
+    known.refresh()
+    assert hash_key(keys[0]) not in known and len(known) == 3  # the full reload forgets it
 
 
 def test_readiness_ping_never_waits_behind_key_lookups(db):
@@ -205,7 +281,7 @@ def test_readiness_ping_never_waits_behind_key_lookups(db):
     auth._load = slow_load
 
     async def go():
-        lookups = [asyncio.ensure_future(auth.authenticate(f"Bearer lpx_0123456789a{i}_x")) for i in range(8)]
+        lookups = [asyncio.ensure_future(auth.authenticate(f"Bearer lpx_0123456789a{i}_" + "x" * 43)) for i in range(8)]
         await asyncio.sleep(0.05)
         await asyncio.wait_for(auth.ping(), timeout=20)  # answers while the lookups are stuck
         assert not any(f.done() for f in lookups)
