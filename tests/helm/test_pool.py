@@ -118,6 +118,7 @@ def test_pool_topology_is_serve_replicas_behind_the_inference_pool(render):
     args = _parse(c["args"])
     assert (args.command, args.host, args.port, args.served_model_name) == ("serve", "0.0.0.0", 8000, "llama-8b")
     assert args.no_demo and args.max_loras == 16 and args.database_url is None  # from the env: out of argv
+    assert args.forwarded_allow_ips == "10.0.0.0/8,172.16.0.0/12,192.168.0.0/16"  # the inference gateway's proxies
     env = {e["name"]: e for e in c["env"]}
     assert {"LORAPLEX_DATABASE_URL", "LORAPLEX_ADMIN_TOKEN"} <= set(env)
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and args.device == "cuda"

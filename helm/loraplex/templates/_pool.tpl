@@ -38,6 +38,7 @@
 - {{ $p.port | quote }}
 - --metrics-port
 - "0"
+{{- include "loraplex.forwardedAllowIpsArgs" . }}
 - --model
 - {{ .Values.model.path | quote }}
 {{- with $p.servedModelName }}
