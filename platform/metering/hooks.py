@@ -304,3 +304,8 @@ class _UsageCollector:
         yield CounterMetricFamily("loraplex:usage_events_recovered",
                                   "Usage events recovered from the journals of stopped processes.",
                                   value=h.ledger.recovered)
+        yield CounterMetricFamily("loraplex:usage_journal_skipped_bytes",
+                                  "Damaged usage journal bytes skipped at recovery (the records around them kept).",
+                                  value=h.ledger.skipped_bytes)
+        yield CounterMetricFamily("loraplex:usage_journal_skipped_records",
+                                  "Usage journal records lost to damage at recovery.", value=h.ledger.skipped_records)
