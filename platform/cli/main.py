@@ -31,7 +31,7 @@ from loraplex.platform.cli.options import (
     server_settings,
     serving_options,
 )
-from loraplex.platform.errors import PlatformError
+from loraplex.platform.errors import PlatformError, WeakSecretError
 from loraplex.platform.settings import Settings, default_data_dir
 
 def _adapter_arg(text: str) -> tuple[str, str]:
@@ -301,8 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         code = _dispatch(args)
-    except (DeviceUnavailableError, DeviceMemoryError) as exc:
-        # Configuration the machine cannot honour: a usage error, as argparse's are.
+    except (DeviceUnavailableError, DeviceMemoryError, WeakSecretError) as exc:
+        # Configuration the machine cannot honour, or a secret that is none: a usage error, as argparse's are.
         code = _fail(str(exc), code=2)
     except (PlatformError, AdapterError, EngineError, ValueError) as exc:
         code = _fail(getattr(exc, "reason", None) or str(exc))
