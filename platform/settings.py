@@ -71,6 +71,9 @@ class Settings:
     # Proxies whose X-Forwarded-For/-Proto are believed (client address for throttling,
     # https for Secure cookies behind TLS termination); uvicorn's forwarded_allow_ips.
     forwarded_allow_ips: str = "127.0.0.1"
+    # The admin session cookie is Secure whatever the request's scheme: for a TLS-terminating
+    # proxy (an Ingress) whose X-Forwarded-Proto this process does not trust.
+    secure_cookies: bool = False
     # The id /v1/models shows for the base model; None derives it from the model path.
     served_model_name: str | None = None
     # (name, path) pairs registered (public) at `serve` start.
@@ -103,6 +106,9 @@ class Settings:
     usage_batch_size: int = 500
     usage_flush_seconds: float = 0.25
     usage_max_buffer: int = 100_000
+    # At shutdown, how long the usage writer keeps trying to put the journal's events into
+    # the database before leaving them in the journal (replayed at the next start there).
+    usage_drain_seconds: float = 10.0
     # Where every replica fetches adapter versions from (s3://bucket/prefix or a database
     # URL); None: $LORAPLEX_ADAPTER_STORE, else the platform's database when it is
     # PostgreSQL, else none (the embedded default keeps its local folder only).
@@ -128,6 +134,8 @@ class Settings:
             raise ValueError("request_timeout must be a finite number of seconds > 0")
         if self.adapter_cache_max_bytes is not None and self.adapter_cache_max_bytes <= 0:
             raise ValueError("adapter_cache_max_bytes must be > 0 (or None: no bound)")
+        if not 0 <= self.usage_drain_seconds < float("inf"):
+            raise ValueError("usage_drain_seconds must be a finite number of seconds >= 0")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
 

@@ -85,6 +85,11 @@ def server_options(p: argparse.ArgumentParser) -> None:
                    help="/metrics on this port of its own (default 9464); 0: on the main port")
     g.add_argument("--forwarded-allow-ips", default="127.0.0.1", metavar="IPS",
                    help="proxies trusted for X-Forwarded-For/-Proto (comma-separated, or '*')")
+    g.add_argument("--secure-cookies", action="store_true",
+                   help="mark the admin session cookie Secure on every request (behind a TLS-terminating proxy)")
+    g.add_argument("--usage-drain-timeout", type=float, default=Settings.usage_drain_seconds, metavar="S",
+                   help="at shutdown, seconds to keep writing the usage journal's events to the database "
+                        "(what is left stays in the journal; default 10)")
     g.add_argument("--header-timeout", type=float, default=d.header_timeout, metavar="S",
                    help="seconds to send a request's headers")
     g.add_argument("--body-timeout", type=float, default=d.body_timeout, metavar="S",
@@ -103,4 +108,5 @@ def server_settings(args: argparse.Namespace) -> dict:
                           keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
                           max_body_bytes=args.max_body_size)
     return {"limits": limits, "metrics_host": args.metrics_host, "metrics_port": args.metrics_port or None,
-            "forwarded_allow_ips": args.forwarded_allow_ips, "admin_max_upload_bytes": args.max_upload_size}
+            "forwarded_allow_ips": args.forwarded_allow_ips, "admin_max_upload_bytes": args.max_upload_size,
+            "secure_cookies": args.secure_cookies, "usage_drain_seconds": args.usage_drain_timeout}
