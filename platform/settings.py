@@ -116,6 +116,9 @@ class Settings:
     # The bound on the local cache of versions fetched from a remote shared store (in
     # <data_dir>/blob-cache); None: unbounded.
     adapter_cache_max_bytes: int | None = DEFAULT_ADAPTER_CACHE_BYTES
+    # A blob of the shared adapter store that no adapter names is deleted once it was seen
+    # unreferenced this long ago (tenancy/blob_gc.py): workers may still be fetching it.
+    adapter_gc_grace_seconds: float = 3600.0
     # Seconds a request may run before the engine ends it (finish reason "timeout"),
     # unless its tenant has its own; None: no limit.
     request_timeout: float | None = None

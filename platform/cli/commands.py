@@ -184,6 +184,24 @@ def adapter_add(settings: Settings, db: Database, name: str, path: str, *, publi
     return 0
 
 
+def adapter_gc(settings: Settings, db: Database, grace: float, store_url: str | None) -> int:
+    import dataclasses
+
+    from loraplex.platform.errors import BadRequestError
+    from loraplex.platform.tenancy.blob_gc import collect_blobs
+
+    if not grace >= 0:
+        raise BadRequestError(f"--grace must be >= 0 seconds, got {grace}")
+    blobs = shared_blob_store(dataclasses.replace(settings, adapter_store=store_url) if store_url else settings, db)
+    if blobs is None:
+        raise BadRequestError("no shared adapter store to collect: give --adapter-store (or "
+                              "$LORAPLEX_ADAPTER_STORE), or a PostgreSQL --database-url")
+    r = collect_blobs(db, blobs, grace)
+    _out(f"adapter blobs: {len(r.deleted)} deleted, {len(r.marked)} newly unreferenced (deleted by a run after "
+         f"{grace:g} s), {r.waiting} waiting, {r.referenced} in use")
+    return 0
+
+
 def adapter_list(db: Database) -> int:
     _out(f"{'NAME':24} {'ACCESS':10} {'OWNER':16} {'GRANTS':24} DIGEST")
     for a in list_adapters(db):
