@@ -106,6 +106,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
             yield
         finally:
             gw.draining = True
+            await app.state.admin.close()  # the audit rows of failed sign-ins still being counted
             if hasattr(usage, "close"):
                 try:
                     await usage.close()  # finishes what is still open, flushes the usage writer

@@ -88,6 +88,9 @@ class Settings:
     # burst, and how many per second after it; past that it gets 429 with Retry-After.
     auth_failure_burst: int = 20
     auth_failure_rate: float = 1.0
+    # Failed admin sign-ins and Bearer tokens are audited as one row per this many seconds
+    # (the first at once), however many there were (admin/failed_auth.py).
+    audit_failure_window: float = 60.0
     # last_used_at is kept in memory and written in one batch this often (and at shutdown).
     last_used_flush_seconds: float = 30.0
     # `serve`: create the demo tenant (and print its key) on first start.

@@ -19,6 +19,7 @@ from loraplex.adapters.blobs import BlobStore
 from loraplex.platform.tenancy import audit
 from loraplex.platform.tenancy.adapter_registry import open_store, shared_blob_store
 from loraplex.platform.admin.auth import Admin, AdminAuth
+from loraplex.platform.admin.failed_auth import FailureAudit
 from loraplex.platform.db.database import Database
 from loraplex.platform.serving.gateway import Gateway
 from loraplex.platform.settings import Settings
@@ -36,6 +37,7 @@ class AdminState:
     gateway: Gateway
     auth: AdminAuth
     store: AdapterStore
+    failures: FailureAudit | None = None  # failed sign-ins and Bearer tokens, aggregated
 
     @classmethod
     def create(cls, settings: Settings, db: Database, gateway: Gateway) -> AdminState:
@@ -46,7 +48,15 @@ class AdminState:
         auth = AdminAuth.from_settings(settings, db)
         if not auth.configured:
             log.warning("admin API: no admin token configured (set $LORAPLEX_ADMIN_TOKEN); /admin is locked")
-        return cls(settings, db, gateway, auth, store)
+        st = cls(settings, db, gateway, auth, store)
+        st.failures = FailureAudit(lambda actor, action, target, details: st.audit(actor, action, target, **details),
+                                   settings.audit_failure_window)
+        return st
+
+    async def close(self) -> None:
+        """Write the failure windows still open."""
+        if self.failures is not None:
+            await self.failures.close()
 
     @functools.cached_property
     def blobs(self) -> BlobStore | None:

@@ -89,7 +89,7 @@ async def create_session(request: Request, st: AdminState, admin: None, query: d
     try:
         who = st.auth.check_token(body["token"], client)
     except AdminAuthenticationError as exc:
-        await st.audit("anonymous", "session.failed", f"client:{client or 'unknown'}", reason=str(exc))
+        st.failures.failed("session.failed", client, str(exc))
         raise
     cookie, session = await asyncio.to_thread(st.auth.new_session, who)
     await st.audit(session, "session.create", f"session:{(session.session_id or '')[:12]}", client=client)
