@@ -122,6 +122,9 @@ class Settings:
     # A blob of the shared adapter store that no adapter names is deleted once it was seen
     # unreferenced this long ago (tenancy/blob_gc.py): workers may still be fetching it.
     adapter_gc_grace_seconds: float = 3600.0
+    # How often each serving process runs such a pass (0: only after removals and by
+    # `loraplex adapter gc`).
+    adapter_gc_interval_seconds: float = 900.0
     # Seconds a request may run before the engine ends it (finish reason "timeout"),
     # unless its tenant has its own; None: no limit.
     request_timeout: float | None = None

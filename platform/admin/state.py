@@ -18,6 +18,7 @@ from loraplex.adapters.blobs import BlobStore
 
 from loraplex.platform.tenancy import audit
 from loraplex.platform.tenancy.adapter_registry import open_store, shared_blob_store
+from loraplex.platform.tenancy.blob_gc import collect_blobs
 from loraplex.platform.admin.auth import Admin, AdminAuth
 from loraplex.platform.admin.failed_auth import FailureAudit
 from loraplex.platform.db.database import Database
@@ -38,6 +39,7 @@ class AdminState:
     auth: AdminAuth
     store: AdapterStore
     failures: FailureAudit | None = None  # failed sign-ins and Bearer tokens, aggregated
+    _collector: asyncio.Task | None = None
 
     @classmethod
     def create(cls, settings: Settings, db: Database, gateway: Gateway) -> AdminState:
@@ -53,8 +55,27 @@ class AdminState:
                                    settings.audit_failure_window)
         return st
 
+    def start(self) -> None:
+        """Collect unreferenced blobs of the shared store every `adapter_gc_interval_seconds`."""
+        if self.settings.adapter_gc_interval_seconds > 0 and self._collector is None:
+            self._collector = asyncio.get_running_loop().create_task(self._collect_periodically())
+
+    async def _collect_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.adapter_gc_interval_seconds)
+            try:
+                if self.blobs is not None:
+                    await asyncio.to_thread(collect_blobs, self.db, self.blobs, self.settings.adapter_gc_grace_seconds)
+            except Exception as exc:  # noqa: BLE001 - a store or database blip: the next pass retries
+                log.warning("adapter blob collection failed (retried in %g s): %s",
+                            self.settings.adapter_gc_interval_seconds, exc)
+
     async def close(self) -> None:
-        """Write the failure windows still open."""
+        """Stop collecting; write the failure windows still open."""
+        if self._collector is not None:
+            self._collector.cancel()
+            await asyncio.gather(self._collector, return_exceptions=True)
+            self._collector = None
         if self.failures is not None:
             await self.failures.close()
 
