@@ -244,7 +244,8 @@ def test_network_policies(render):
     ingress_ns = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}
     out = render({"networkPolicy": {"gatewayFrom": [ingress_ns]}, "postgresql": {"enabled": False},
                   "database": {"url": "postgresql://db/x"}})
-    assert {r["ports"][0]["port"]: r for r in _policy(out, "gateway")["spec"]["ingress"]}["http"]["from"] == [ingress_ns]
+    rules = {r["ports"][0]["port"]: r for r in _policy(out, "gateway")["spec"]["ingress"]}
+    assert rules["http"]["from"] == [ingress_ns]
     assert len(out.all("NetworkPolicy")) == 2
     assert render({"networkPolicy": {"enabled": False}}).all("NetworkPolicy") == []
 

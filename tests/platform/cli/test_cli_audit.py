@@ -24,7 +24,8 @@ def test_cli_mutations_and_exports_are_audited(cli, tmp_path, tiny_llama_dir, ti
     prefix = key.split("_")[1]
     assert cli("tenant", "update", "acme", "--key", prefix, "--rpm", "5")[0] == 0
     assert cli("key", "revoke", prefix)[0] == 0
-    assert cli("adapter", "add", "helper", str(tiny_adapters["ad1"]), "--public", "--model", str(tiny_llama_dir))[0] == 0
+    assert cli("adapter", "add", "helper", str(tiny_adapters["ad1"]), "--public",
+               "--model", str(tiny_llama_dir))[0] == 0
     assert cli("tenant", "list")[0] == 0  # reading changes nothing: not audited
     assert cli("usage", "export", "--from", "2026-01-15", "--to", "2026-01-16", "--tenant", "acme",
                "--output", str(tmp_path / "bill.csv"))[0] == 0
