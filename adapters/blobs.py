@@ -78,6 +78,11 @@ class BlobStore(ABC):
     - `exists(digest)` says whether `get` would find the blob (without fetching it).
     - `delete(digest)` removes the blob from the store; a missing blob is no error. A
       folder `get` already returned in another process may stay readable in its cache.
+    - `digests()` lists every stored blob's digest.
+    - `marks()`, `mark(digest, at)`, `unmark(digest)`: garbage-collection marks, kept in
+      the store so every replica (and the CLI) sees them: {digest: the time (epoch
+      seconds) it was first seen unreferenced}. A mark is not a blob; `unmark` of an
+      unmarked digest is no error.
     Any method may raise BlobStoreError when the store is unreachable.
     """
 
@@ -96,6 +101,18 @@ class BlobStore(ABC):
 
     @abstractmethod
     def delete(self, digest: str, connection: Connection | None = None) -> None: ...
+
+    @abstractmethod
+    def digests(self) -> set[str]: ...
+
+    @abstractmethod
+    def marks(self) -> dict[str, float]: ...
+
+    @abstractmethod
+    def mark(self, digest: str, at: float) -> None: ...
+
+    @abstractmethod
+    def unmark(self, digest: str) -> None: ...
 
 
 def open_blob_store(config: BlobStoreConfig, *, engine: Engine | None = None) -> BlobStore:
@@ -156,15 +173,36 @@ def check_files(files: Mapping[str, Path]) -> None:
 
 
 class LocalBlobStore(BlobStore):
-    """Blobs in `<root>/blobs/<hex>/`, staged in `<root>/tmp/` and published by one rename."""
+    """Blobs in `<root>/blobs/<hex>/`, staged in `<root>/tmp/` and published by one rename;
+    garbage-collection marks are files `<root>/gc/<hex>` holding the time."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.blobs = self.root / "blobs"
         self.tmp = self.root / "tmp"
+        self.gc = self.root / "gc"
         self.blobs.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(exist_ok=True)
         self._verified: set[str] = set()
+
+    def digests(self) -> set[str]:
+        return {f"sha256:{p.name}" for p in self.blobs.iterdir() if p.is_dir() and len(p.name) == 64}
+
+    def marks(self) -> dict[str, float]:
+        out = {}
+        for p in self.gc.glob("*") if self.gc.is_dir() else ():
+            try:
+                out[f"sha256:{p.name}"] = float(p.read_text())
+            except (OSError, ValueError):
+                continue  # being written or removed: read again at the next pass
+        return out
+
+    def mark(self, digest: str, at: float) -> None:
+        self.gc.mkdir(exist_ok=True)
+        (self.gc / blob_hex(digest)).write_text(repr(at))
+
+    def unmark(self, digest: str) -> None:
+        (self.gc / blob_hex(digest)).unlink(missing_ok=True)
 
     def path(self, digest: str) -> Path:
         """Where the blob lives (or would), unverified."""

@@ -21,6 +21,7 @@ from .blobs import BLOB_FILES, CachedBlobStore, blob_hex, check_files
 from .errors import AdapterCorruptedError, AdapterNotFoundError, BlobStoreError
 
 MARKER = ".complete"
+GC_FOLDER = ".gc"  # <prefix>/.gc/<hex>: a garbage-collection mark, its body the time
 _MISSING = ("404", "NoSuchKey", "NotFound")
 
 
@@ -61,6 +62,40 @@ class S3BlobStore(CachedBlobStore):
             self.client.delete_object(Bucket=self.bucket, Key=self._key(digest, MARKER))
             keys = [{"Key": self._key(digest, n)} for n in BLOB_FILES]
             self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
+
+    def _list(self, folder: str) -> Iterator[dict]:
+        base = "/".join(p for p in (self.prefix, folder) if p)
+        with _errors():
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=base + "/" if base else ""):
+                yield from page.get("Contents", ())
+
+    def digests(self) -> set[str]:
+        # A blob counts once its marker is written (a crashed upload has none).
+        return {"sha256:" + o["Key"].split("/")[-2] for o in self._list("") if o["Key"].endswith("/" + MARKER)
+                and len(o["Key"].split("/")[-2]) == 64}
+
+    def marks(self) -> dict[str, float]:
+        out = {}
+        for o in self._list(GC_FOLDER):
+            with _errors():
+                body = self.client.get_object(Bucket=self.bucket, Key=o["Key"])["Body"].read()
+            try:
+                out["sha256:" + o["Key"].rsplit("/", 1)[1]] = float(body)
+            except ValueError:
+                continue
+        return out
+
+    def _gc_key(self, digest: str) -> str:
+        return "/".join(p for p in (self.prefix, GC_FOLDER, blob_hex(digest)) if p)
+
+    def mark(self, digest: str, at: float) -> None:
+        with _errors():
+            self.client.put_object(Bucket=self.bucket, Key=self._gc_key(digest), Body=repr(at).encode())
+
+    def unmark(self, digest: str) -> None:
+        with _errors():
+            self.client.delete_object(Bucket=self.bucket, Key=self._gc_key(digest))
 
     def download(self, digest: str, dest: Path) -> None:
         manifest = self._manifest(digest)

@@ -20,6 +20,9 @@ from .errors import AdapterCorruptedError, AdapterNotFoundError, BlobStoreError
 
 TABLE_NAME = "adapter_blobs"
 CHUNK_BYTES = 4 << 20  # well under PostgreSQL's 1 GB bytea limit, few rows per adapter
+# A garbage-collection mark is one row of its own in the same table (no schema change):
+# digest "gc:<hex>", this file name, the time as text. No blob digest starts with "gc:".
+MARK_PREFIX, MARK_FILE = "gc:", ".gc-mark"
 
 
 def adapter_blobs_table(metadata: MetaData) -> Table:
@@ -79,6 +82,27 @@ class SqlBlobStore(CachedBlobStore):
             return
         with _errors(), self.engine.begin() as conn:
             conn.execute(stmt)
+
+    def digests(self) -> set[str]:
+        t = ADAPTER_BLOBS
+        with _errors(), self.engine.connect() as conn:
+            return set(conn.execute(select(t.c.digest).where(t.c.digest.like("sha256:%")).distinct()).scalars())
+
+    def marks(self) -> dict[str, float]:
+        t = ADAPTER_BLOBS
+        query = select(t.c.digest, t.c.data).where(t.c.digest.like(f"{MARK_PREFIX}%"), t.c.file_name == MARK_FILE)
+        with _errors(), self.engine.connect() as conn:
+            return {"sha256:" + d.removeprefix(MARK_PREFIX): float(bytes(data)) for d, data in conn.execute(query)}
+
+    def mark(self, digest: str, at: float) -> None:
+        row = {"digest": MARK_PREFIX + blob_hex(digest), "file_name": MARK_FILE, "chunk_index": 0,
+               "data": repr(at).encode()}
+        with _errors(), self.engine.begin() as conn:
+            conn.execute(_insert_ignoring_duplicates(conn), row)
+
+    def unmark(self, digest: str) -> None:
+        with _errors(), self.engine.begin() as conn:
+            conn.execute(delete(ADAPTER_BLOBS).where(ADAPTER_BLOBS.c.digest == MARK_PREFIX + blob_hex(digest)))
 
     def download(self, digest: str, dest: Path) -> None:
         t = ADAPTER_BLOBS

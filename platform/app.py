@@ -101,11 +101,13 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
         gw = app.state.gateway = Gateway(settings, eng, auth, m, usage, tracing)
         app.state.parse_pool = ParsePool()  # tokenizing and chat templates, off the event loop
         app.state.admin = AdminState.create(settings, db, gw)
+        app.state.admin.start()  # periodic collection of unreferenced adapter blobs
         auth.start()
         try:
             yield
         finally:
             gw.draining = True
+            await app.state.admin.close()  # the audit rows of failed sign-ins still being counted
             if hasattr(usage, "close"):
                 try:
                     await usage.close()  # finishes what is still open, flushes the usage writer

@@ -41,6 +41,10 @@ class ConfigError(PlatformError):
     """Bad settings or a bad environment (database URL, missing files...)."""
 
 
+class WeakSecretError(ConfigError):
+    """A configured secret too short to be one: a usage error (the CLI exits 2)."""
+
+
 class BadRequestError(PlatformError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)

@@ -77,6 +77,9 @@ class Settings:
     # Proxies whose X-Forwarded-For/-Proto are believed (client address for throttling,
     # https for Secure cookies behind TLS termination); uvicorn's forwarded_allow_ips.
     forwarded_allow_ips: str = "127.0.0.1"
+    # The admin session cookie is Secure whatever the request's scheme: for a TLS-terminating
+    # proxy (an Ingress) whose X-Forwarded-Proto this process does not trust.
+    secure_cookies: bool = False
     # The id /v1/models shows for the base model; None derives it from the model path.
     served_model_name: str | None = None
     # (name, path) pairs registered (public) at `serve` start.
@@ -92,6 +95,9 @@ class Settings:
     # unknown API keys and admin tokens (valid API keys and admin sessions are still served).
     auth_failure_burst: int = 20
     auth_failure_rate: float = 1.0
+    # Failed admin sign-ins and Bearer tokens are audited as one row per this many seconds
+    # (the first at once), however many there were (admin/failed_auth.py).
+    audit_failure_window: float = 60.0
     # last_used_at is kept in memory and written in one batch this often (and at shutdown).
     last_used_flush_seconds: float = 30.0
     # `serve`: create the demo tenant (and print its key) on first start.
@@ -110,6 +116,9 @@ class Settings:
     usage_batch_size: int = 500
     usage_flush_seconds: float = 0.25
     usage_max_buffer: int = 100_000
+    # At shutdown, how long the usage writer keeps trying to put the journal's events into
+    # the database before leaving them in the journal (replayed at the next start there).
+    usage_drain_seconds: float = 10.0
     # Where every replica fetches adapter versions from (s3://bucket/prefix or a database
     # URL); None: $LORAPLEX_ADAPTER_STORE, else the platform's database when it is
     # PostgreSQL, else none (the embedded default keeps its local folder only).
@@ -117,6 +126,12 @@ class Settings:
     # The bound on the local cache of versions fetched from a remote shared store (in
     # <data_dir>/blob-cache); None: unbounded.
     adapter_cache_max_bytes: int | None = DEFAULT_ADAPTER_CACHE_BYTES
+    # A blob of the shared adapter store that no adapter names is deleted once it was seen
+    # unreferenced this long ago (tenancy/blob_gc.py): workers may still be fetching it.
+    adapter_gc_grace_seconds: float = 3600.0
+    # How often each serving process runs such a pass (0: only after removals and by
+    # `loraplex adapter gc`).
+    adapter_gc_interval_seconds: float = 900.0
     # Seconds a request may run before the engine ends it (finish reason "timeout"),
     # unless its tenant has its own; None: no limit.
     request_timeout: float | None = None
@@ -137,6 +152,8 @@ class Settings:
             raise ValueError("request_timeout must be a finite number of seconds > 0")
         if self.adapter_cache_max_bytes is not None and self.adapter_cache_max_bytes <= 0:
             raise ValueError("adapter_cache_max_bytes must be > 0 (or None: no bound)")
+        if not 0 <= self.usage_drain_seconds < float("inf"):
+            raise ValueError("usage_drain_seconds must be a finite number of seconds >= 0")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -36,13 +38,47 @@ from loraplex.engine.fairness import TenantShareExceededError
 from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.structured.spec import StructuredOutput
 
-from loraplex.platform.errors import AuthenticationError, ShuttingDownError, api_error
+from loraplex.platform.errors import (
+    AuthenticationError,
+    ConfigError,
+    RateLimitedError,
+    ShuttingDownError,
+    WeakSecretError,
+    api_error,
+)
 from loraplex.platform.lanes import lane_name
 from loraplex.platform.routing.view import prefix_key
 
 STATS_HEADER = "x-loraplex-stats"  # the worker's WorkerStats JSON at admission
 NDJSON = "application/x-ndjson"
 TOKEN_ENV = "LORAPLEX_INTERNAL_TOKEN"
+TOKEN_FILE_ENV = "LORAPLEX_INTERNAL_TOKEN_FILE"
+MIN_TOKEN_CHARS = 16  # as for the admin token
+
+
+def internal_token(explicit: str | None = None) -> str | None:
+    """The internal API's shared secret: `explicit`, else $LORAPLEX_INTERNAL_TOKEN, else
+    the file $LORAPLEX_INTERNAL_TOKEN_FILE names; None when none is set. Surrounding
+    whitespace is not part of it (a Secret made from a file often ends in a newline, and
+    a gateway sending it would fail every call). WeakSecretError below MIN_TOKEN_CHARS."""
+    source = "the configured internal token"
+    token = explicit
+    if token is None and os.environ.get(TOKEN_ENV, "").strip():
+        token, source = os.environ[TOKEN_ENV], f"${TOKEN_ENV}"
+    elif token is None and os.environ.get(TOKEN_FILE_ENV):
+        path = os.environ[TOKEN_FILE_ENV]
+        try:
+            token, source = Path(path).read_text(), f"the file ${TOKEN_FILE_ENV} names ({path})"
+        except OSError as exc:
+            raise ConfigError(f"${TOKEN_FILE_ENV}: cannot read {path}: {exc.strerror}") from None
+    token = (token or "").strip()
+    if not token:
+        return None
+    if len(token) < MIN_TOKEN_CHARS:
+        raise WeakSecretError(f"the internal token from {source} is too short ({len(token)} characters): use at "
+                              f"least {MIN_TOKEN_CHARS} random characters, the same on gateways and workers "
+                              "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+    return token
 
 
 class WorkerError(EngineError):
@@ -53,7 +89,7 @@ class WorkerError(EngineError):
 WIRE_ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (
     InvalidRequestError, PromptTooLongError, UnknownAdapterError, EngineOverloadedError, EngineDeadError,
     ModelLoadError, ShuttingDownError, AuthenticationError, AdapterNotFoundError, AdapterValidationError,
-    AdapterCorruptedError, BlobStoreError, WorkerError, TenantShareExceededError)}
+    AdapterCorruptedError, BlobStoreError, WorkerError, TenantShareExceededError, RateLimitedError)}
 
 
 # -- errors ------------------------------------------------------------------------------

@@ -29,6 +29,19 @@ from loraplex.platform.admin.state import AdminState, json_response, log
 from loraplex.platform.admin.uploads import bool_field, receive_upload
 from loraplex.platform.errors import BadRequestError, NotFoundError
 from loraplex.platform.serving.gateway import Gateway
+from loraplex.platform.tenancy.blob_gc import collect_blobs
+
+async def _collect_blobs(st: AdminState) -> None:
+    """A collection pass of the shared store after a version left the registry: marks it,
+    and deletes what earlier passes marked more than the grace ago. A store that fails
+    here is retried by the next pass; the change itself stands."""
+    if st.blobs is None:
+        return
+    try:
+        await asyncio.to_thread(collect_blobs, st.db, st.blobs, st.settings.adapter_gc_grace_seconds)
+    except BlobStoreError as exc:
+        log.warning("adapter blob collection failed (the next removal or `loraplex adapter gc` retries): %s", exc)
+
 
 # -- serializers ---------------------------------------------------------------------------
 
@@ -153,6 +166,7 @@ async def replace_adapter(request: Request, st: AdminState, admin: Admin, query:
     finally:
         shutil.rmtree(up.folder, ignore_errors=True)
     st.adapters_changed()
+    await _collect_blobs(st)
     payload = await _adapters_payload(st, name)
     await st.audit(admin, "adapter.replace", f"adapter:{name}", previous_digest=before.digest, digest=info.digest,
                    rank=payload["rank"], size_bytes=payload["size_bytes"], upload_bytes=up.total_bytes)
@@ -203,5 +217,6 @@ async def remove_adapter_(request: Request, st: AdminState, admin: Admin, query:
     validate_name(name)
     info = await asyncio.to_thread(remove_adapter, st.db, st.store, name)
     st.adapters_changed()
+    await _collect_blobs(st)
     await st.audit(admin, "adapter.remove", f"adapter:{name}", digest=info.digest)
     return {"name": info.name, "digest": info.digest, "removed": True}

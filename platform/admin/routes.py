@@ -40,7 +40,7 @@ from loraplex.platform.admin.adapters import (
     update_adapter_,
     upload_adapter,
 )
-from loraplex.platform.admin.auth import CSRF_HEADER, SESSION_COOKIE
+from loraplex.platform.admin.auth import CSRF_HEADER, SESSION_COOKIE, Admin
 from loraplex.platform.admin.schemas import Op, check_query, check_text, openapi_document, qparam, validate
 from loraplex.platform.admin.state import AdminState, json_response
 from loraplex.platform.tenancy.throttle import client_address
@@ -65,6 +65,7 @@ from loraplex.platform.admin.usage import (
     usage_series,
 )
 from loraplex.platform.errors import (
+    AdminAuthenticationError,
     BadRequestError,
     NotFoundError,
     UnsupportedMediaTypeError,
@@ -108,6 +109,20 @@ async def _json_body(request: Request, schema: dict, limit: int, limits: ServerL
     return body
 
 
+async def _authenticate(st: AdminState, request: Request) -> Admin:
+    """The caller (a session is a database row: checked off the event loop). A wrong Bearer
+    token is audited, aggregated per window (admin/failed_auth.py)."""
+    bearer = request.headers.get("authorization")
+    client = client_address(request)
+    try:
+        return await asyncio.to_thread(st.auth.authenticate, request.method, bearer,
+                                       request.cookies.get(SESSION_COOKIE), request.headers.get(CSRF_HEADER), client)
+    except AdminAuthenticationError as exc:
+        if bearer:
+            st.failures.failed("admin.bearer_failed", client, str(exc))
+        raise
+
+
 def _endpoint(op: Op):
     async def endpoint(request: Request) -> Response:
         try:
@@ -116,10 +131,7 @@ def _endpoint(op: Op):
             if op.body is not None:  # refused from its declared size alone, before any other work
                 check_content_length(request, _body_limit(st, op))
             if op.auth:
-                # A session is a database row: checked off the event loop.
-                admin = await asyncio.to_thread(
-                    st.auth.authenticate, request.method, request.headers.get("authorization"),
-                    request.cookies.get(SESSION_COOKIE), request.headers.get(CSRF_HEADER), client_address(request))
+                admin = await _authenticate(st, request)
             for name, value in request.path_params.items():
                 check_text(value, name)
             args: dict[str, Any] = {"query": check_query(op, request.query_params)}

@@ -18,7 +18,9 @@ from loraplex.adapters.blobs import BlobStore
 
 from loraplex.platform.tenancy import audit
 from loraplex.platform.tenancy.adapter_registry import open_store, shared_blob_store
+from loraplex.platform.tenancy.blob_gc import collect_blobs
 from loraplex.platform.admin.auth import Admin, AdminAuth
+from loraplex.platform.admin.failed_auth import FailureAudit
 from loraplex.platform.db.database import Database
 from loraplex.platform.serving.gateway import Gateway
 from loraplex.platform.settings import Settings
@@ -36,6 +38,8 @@ class AdminState:
     gateway: Gateway
     auth: AdminAuth
     store: AdapterStore
+    failures: FailureAudit | None = None  # failed sign-ins and Bearer tokens, aggregated
+    _collector: asyncio.Task | None = None
 
     @classmethod
     def create(cls, settings: Settings, db: Database, gateway: Gateway) -> AdminState:
@@ -46,7 +50,34 @@ class AdminState:
         auth = AdminAuth.from_settings(settings, db)
         if not auth.configured:
             log.warning("admin API: no admin token configured (set $LORAPLEX_ADMIN_TOKEN); /admin is locked")
-        return cls(settings, db, gateway, auth, store)
+        st = cls(settings, db, gateway, auth, store)
+        st.failures = FailureAudit(lambda actor, action, target, details: st.audit(actor, action, target, **details),
+                                   settings.audit_failure_window)
+        return st
+
+    def start(self) -> None:
+        """Collect unreferenced blobs of the shared store every `adapter_gc_interval_seconds`."""
+        if self.settings.adapter_gc_interval_seconds > 0 and self._collector is None:
+            self._collector = asyncio.get_running_loop().create_task(self._collect_periodically())
+
+    async def _collect_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.adapter_gc_interval_seconds)
+            try:
+                if self.blobs is not None:
+                    await asyncio.to_thread(collect_blobs, self.db, self.blobs, self.settings.adapter_gc_grace_seconds)
+            except Exception as exc:  # noqa: BLE001 - a store or database blip: the next pass retries
+                log.warning("adapter blob collection failed (retried in %g s): %s",
+                            self.settings.adapter_gc_interval_seconds, exc)
+
+    async def close(self) -> None:
+        """Stop collecting; write the failure windows still open."""
+        if self._collector is not None:
+            self._collector.cancel()
+            await asyncio.gather(self._collector, return_exceptions=True)
+            self._collector = None
+        if self.failures is not None:
+            await self.failures.close()
 
     @functools.cached_property
     def blobs(self) -> BlobStore | None:

@@ -89,12 +89,12 @@ async def create_session(request: Request, st: AdminState, admin: None, query: d
     try:
         who = st.auth.check_token(body["token"], client)
     except AdminAuthenticationError as exc:
-        await st.audit("anonymous", "session.failed", f"client:{client or 'unknown'}", reason=str(exc))
+        st.failures.failed("session.failed", client, str(exc))
         raise
     cookie, session = await asyncio.to_thread(st.auth.new_session, who)
     await st.audit(session, "session.create", f"session:{(session.session_id or '')[:12]}", client=client)
     resp = json_response(_session_json(session), 201)
-    secure = request.url.scheme == "https"
+    secure = st.settings.secure_cookies or request.url.scheme == "https"
     resp.set_cookie(SESSION_COOKIE, cookie, max_age=SESSION_SECONDS, path=COOKIE_PATH, httponly=True,
                     samesite="strict", secure=secure)
     resp.set_cookie(CSRF_COOKIE, session.csrf or "", max_age=SESSION_SECONDS, path=COOKIE_PATH, httponly=False,

@@ -124,6 +124,9 @@ async def usage_export(request: Request, st: AdminState, admin: Admin, query: di
             yield first
         yield from chunks
 
+    tenant = query.get("tenant")
+    await st.audit(admin, "usage.export", f"tenant:{tenant}" if tenant else "usage", format=fmt,
+                   granularity=granularity, start=start.isoformat(), end=end.isoformat())
     media, ext = _EXPORT_TYPES[fmt]
     stamp = f"{start:%Y%m%dT%H%M}-{end:%Y%m%dT%H%M}"
     return StreamingResponse(body(), media_type=media, headers={

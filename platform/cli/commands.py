@@ -34,6 +34,26 @@ def _out(line: str = "") -> None:
     print(line, flush=True)
 
 
+def cli_actor() -> str:
+    """Who made a change from the command line, for the audit log: `cli:<user>@<host>`."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (OSError, KeyError):  # no login name (a container's bare uid)
+        user = f"uid{os.getuid()}"
+    return f"cli:{user}@{socket.gethostname()}"
+
+
+def _audit(db: Database, action: str, target: str, **details) -> None:
+    """One audit row for a change made here, as the admin API writes for its own."""
+    from loraplex.platform.tenancy import audit
+
+    with db.session() as s:
+        audit.record(s, cli_actor(), action, target, **details)
+
+
 def tenant_create(db: Database, name: str, lane: str, allowed: list[str] | None, quotas: dict | None = None, *,
                   weight: float = 1.0, request_timeout: float | None = None) -> int:
     from loraplex.platform.errors import BadRequestError
@@ -46,6 +66,8 @@ def tenant_create(db: Database, name: str, lane: str, allowed: list[str] | None,
          f"{_scheduling_text(t)})")
     if quotas:
         _out(f"quotas: {_limits_text(set_quota(db, name, **quotas).limits)}")
+    _audit(db, "tenant.create", f"tenant:{t.name}", default_lane=t.default_lane, allowed_lanes=list(t.allowed_lanes),
+           weight=t.weight, request_timeout=t.request_timeout, quotas=quotas or {})
     return 0
 
 
@@ -74,6 +96,7 @@ def tenant_update(db: Database, name: str, key: str | None, quotas: dict, clear:
         raise BadRequestError("--weight and --request-timeout are per tenant, not per key: leave out --key")
     if scheduling:
         _out(f"tenant {name}: {_scheduling_text(update_tenant(db, name, **scheduling))}")
+        _audit(db, "tenant.update", f"tenant:{name}", **scheduling)
     if not quotas and not clear:
         return 0
     if clear:
@@ -86,6 +109,8 @@ def tenant_update(db: Database, name: str, key: str | None, quotas: dict, clear:
     info = set_quota(db, name, key_prefix=key, **quotas)
     who = f"key lpx_{info.key_prefix} of tenant {info.tenant}" if info.key_prefix else f"tenant {info.tenant}"
     _out(f"quotas of {who}: {_limits_text(info.limits)}")
+    _audit(db, "quota.update", f"key:lpx_{info.key_prefix}" if info.key_prefix else f"tenant:{info.tenant}",
+           tenant=info.tenant, cleared=clear, **quotas)
     return 0
 
 
@@ -130,6 +155,8 @@ def usage_export(db: Database, start: str, end: str, *, tenant: str | None, fmt:
             for chunk in chunks:
                 f.write(chunk)
         os.replace(tmp, path)
+    _audit(db, "usage.export", f"tenant:{tenant}" if tenant else "usage", format=fmt, granularity=granularity,
+           start=start, end=end, records=stats.records, output=output)
     note = f"exported {stats.records} {dict(event='events', hour='hourly records', day='daily records')[granularity]}"
     if stats.skipped_open_periods:
         note += (f"; left out {stats.skipped_open_periods} records of periods not over yet "
@@ -164,11 +191,14 @@ def tenant_list(db: Database) -> int:
 def key_create(db: Database, tenant: str, expires_at: dt.datetime | None, name: str | None) -> int:
     key = create_key(db, tenant, expires_at, name)
     _out(key)  # stdout carries only the key, so `KEY=$(loraplex key create t)` works
+    _audit(db, "key.create", f"key:lpx_{key.split('_')[1]}", tenant=tenant, name=name,
+           expires_at=expires_at.isoformat() if expires_at else None)
     return 0
 
 
 def key_revoke(db: Database, prefix: str) -> int:
     revoke_key(db, prefix)
+    _audit(db, "key.revoke", f"key:lpx_{prefix.removeprefix('lpx_')}")
     print(f"revoked key {prefix} (servers stop accepting it within their auth cache TTL, 5 s by default)",
           file=sys.stderr)
     return 0
@@ -178,9 +208,30 @@ def adapter_add(settings: Settings, db: Database, name: str, path: str, *, publi
                 owner: str | None, replace: bool) -> int:
     info = add_adapter(db, open_store(settings), name, path, public=public, grants=grants, owner=owner,
                        replace=replace, reserved=(settings.model_name,), blobs=shared_blob_store(settings, db))
+    _audit(db, "adapter.replace" if replace else "adapter.upload", f"adapter:{info.name}", digest=info.digest,
+           public=info.public, owner=info.owner, grants=list(info.grants))
     who = "public" if info.public else ", ".join(filter(None, [info.owner and f"owner {info.owner}",
                                                              info.grants and f"granted to {', '.join(info.grants)}"]))
     _out(f"registered adapter {info.name} {info.digest} ({who or 'no tenant may use it yet'})")
+    return 0
+
+
+def adapter_gc(settings: Settings, db: Database, grace: float, store_url: str | None) -> int:
+    import dataclasses
+
+    from loraplex.platform.errors import BadRequestError
+    from loraplex.platform.tenancy.blob_gc import collect_blobs
+
+    if not grace >= 0:
+        raise BadRequestError(f"--grace must be >= 0 seconds, got {grace}")
+    blobs = shared_blob_store(dataclasses.replace(settings, adapter_store=store_url) if store_url else settings, db)
+    if blobs is None:
+        raise BadRequestError("no shared adapter store to collect: give --adapter-store (or "
+                              "$LORAPLEX_ADAPTER_STORE), or a PostgreSQL --database-url")
+    r = collect_blobs(db, blobs, grace)
+    _audit(db, "adapter.gc", "adapter-store", deleted=r.deleted, marked=len(r.marked), grace=grace)
+    _out(f"adapter blobs: {len(r.deleted)} deleted, {len(r.marked)} newly unreferenced (deleted by a run after "
+         f"{grace:g} s), {r.waiting} waiting, {r.referenced} in use")
     return 0
 
 

@@ -99,7 +99,7 @@ def gateway(args: argparse.Namespace) -> int:
 
 def check_config(settings: Settings, fleet: FleetConfig) -> None:
     """The refusals that need nothing started or reached: the workers' addresses (not yet
-    resolved) and the admin token's configuration."""
+    resolved) and the admin and internal tokens' configuration."""
     from loraplex.platform.admin.auth import configured_token_hashes
     from loraplex.platform.errors import ConfigError
     from loraplex.platform.routing import DiscoveryError, discovery_for
@@ -109,3 +109,4 @@ def check_config(settings: Settings, fleet: FleetConfig) -> None:
     except DiscoveryError as exc:
         raise ConfigError(str(exc)) from None
     configured_token_hashes(settings)  # ConfigError: a token too short, an empty token file
+    fleet.token  # noqa: B018 - WeakSecretError: an internal token too short

@@ -31,7 +31,7 @@ from loraplex.platform.cli.options import (
     server_settings,
     serving_options,
 )
-from loraplex.platform.errors import PlatformError
+from loraplex.platform.errors import PlatformError, WeakSecretError
 from loraplex.platform.settings import Settings, default_data_dir
 
 def _adapter_arg(text: str) -> tuple[str, str]:
@@ -228,6 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
     aa.add_argument("--model", default="default", help="the base model it must fit (default: SmolLM2)")
     _db_options(aa)
     _db_options(adapter.add_parser("list", help="list adapters"))
+    gc = adapter.add_parser("gc", help="delete shared-store blobs no adapter names (after a grace period)",
+                            description="Blobs seen unreferenced for the first time are marked; a later run "
+                                        "deletes those marked more than --grace seconds ago.")
+    gc.add_argument("--grace", type=float, default=Settings.adapter_gc_grace_seconds, metavar="S",
+                    help="seconds a blob stays after it was first seen unreferenced (default 3600)")
+    gc.add_argument("--adapter-store", default=None, metavar="URL",
+                    help="the shared store: a folder, s3://bucket/prefix or a database URL "
+                         "(default: $LORAPLEX_ADAPTER_STORE, else the database when it is PostgreSQL)")
+    _db_options(gc)
 
     usage = sub.add_parser("usage", help="usage and billing export").add_subparsers(dest="action", required=True)
     ue = usage.add_parser("export", help="export usage for billing (to stdout, or --output FILE)",
@@ -301,8 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         code = _dispatch(args)
-    except (DeviceUnavailableError, DeviceMemoryError) as exc:
-        # Configuration the machine cannot honour: a usage error, as argparse's are.
+    except (DeviceUnavailableError, DeviceMemoryError, WeakSecretError) as exc:
+        # Configuration the machine cannot honour, or a secret that is none: a usage error, as argparse's are.
         code = _fail(str(exc), code=2)
     except (PlatformError, AdapterError, EngineError, ValueError) as exc:
         code = _fail(getattr(exc, "reason", None) or str(exc))
@@ -364,6 +373,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "adapter" and args.action == "add":
             return commands.adapter_add(settings, db, args.name, args.path, public=args.public, grants=args.grant,
                                         owner=args.owner, replace=args.replace)
+        if args.command == "adapter" and args.action == "gc":
+            return commands.adapter_gc(settings, db, args.grace, args.adapter_store)
         return commands.adapter_list(db)
     finally:
         db.dispose()

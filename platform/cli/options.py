@@ -91,6 +91,11 @@ def server_options(p: argparse.ArgumentParser) -> None:
                         "are always served)")
     g.add_argument("--auth-failure-rate", type=float, default=Settings.auth_failure_rate, metavar="PER_S",
                    help="failed authentications per second an address earns back after its burst")
+    g.add_argument("--secure-cookies", action="store_true",
+                   help="mark the admin session cookie Secure on every request (behind a TLS-terminating proxy)")
+    g.add_argument("--usage-drain-timeout", type=float, default=Settings.usage_drain_seconds, metavar="S",
+                   help="at shutdown, seconds to keep writing the usage journal's events to the database "
+                        "(what is left stays in the journal; default 10)")
     g.add_argument("--header-timeout", type=float, default=d.header_timeout, metavar="S",
                    help="seconds to send a request's headers")
     g.add_argument("--body-timeout", type=float, default=d.body_timeout, metavar="S",
@@ -116,4 +121,5 @@ def server_settings(args: argparse.Namespace) -> dict:
                           max_body_bytes=args.max_body_size)
     return {"limits": limits, "metrics_host": args.metrics_host, "metrics_port": args.metrics_port or None,
             "forwarded_allow_ips": args.forwarded_allow_ips, "admin_max_upload_bytes": args.max_upload_size,
-            "auth_failure_burst": args.auth_failure_burst, "auth_failure_rate": args.auth_failure_rate}
+            "auth_failure_burst": args.auth_failure_burst, "auth_failure_rate": args.auth_failure_rate,
+            "secure_cookies": args.secure_cookies, "usage_drain_seconds": args.usage_drain_timeout}

@@ -1,12 +1,10 @@
 """The gateway's one config dataclass for talking to the engine workers."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from loraplex.platform.routing import RouterConfig
-
-INTERNAL_TOKEN_ENV = "LORAPLEX_INTERNAL_TOKEN"
+from loraplex.platform.worker_wire import internal_token
 
 
 @dataclass(frozen=True)
@@ -16,7 +14,8 @@ class FleetConfig:
 
     workers: str | None = None
     workers_dns: str | None = None
-    # The shared secret of the internal API; None: $LORAPLEX_INTERNAL_TOKEN (unset: none sent).
+    # The shared secret of the internal API; None: $LORAPLEX_INTERNAL_TOKEN or the file
+    # $LORAPLEX_INTERNAL_TOKEN_FILE names (neither: none sent).
     internal_token: str | None = None
     router: RouterConfig = field(default_factory=RouterConfig)
     connect_timeout_s: float = 2.0
@@ -29,7 +28,7 @@ class FleetConfig:
 
     @property
     def token(self) -> str | None:
-        return self.internal_token or os.environ.get(INTERNAL_TOKEN_ENV) or None
+        return internal_token(self.internal_token)
 
     def headers(self) -> dict[str, str]:
         token = self.token

@@ -86,7 +86,7 @@ class UsageHooks:
         self.journal = Journal(self.journal_config.directory, self.holder, self.journal_config.max_segment_bytes)
         self.writer = UsageWriter(self.writer_engine, batch_size=settings.usage_batch_size,
                                   flush_interval=settings.usage_flush_seconds, max_buffer=settings.usage_max_buffer,
-                                  journal=self.journal)
+                                  close_timeout=settings.usage_drain_seconds, journal=self.journal)
         self.ledger = Ledger(self.journal, self.writer, self.store.settle, self.journal_config)
         self._open: dict[str, RequestContext] = {}  # admitted, not finished
         self._maintenance: asyncio.Task | None = None
@@ -304,3 +304,8 @@ class _UsageCollector:
         yield CounterMetricFamily("loraplex:usage_events_recovered",
                                   "Usage events recovered from the journals of stopped processes.",
                                   value=h.ledger.recovered)
+        yield CounterMetricFamily("loraplex:usage_journal_skipped_bytes",
+                                  "Damaged usage journal bytes skipped at recovery (the records around them kept).",
+                                  value=h.ledger.skipped_bytes)
+        yield CounterMetricFamily("loraplex:usage_journal_skipped_records",
+                                  "Usage journal records lost to damage at recovery.", value=h.ledger.skipped_records)

@@ -2,8 +2,10 @@
 
 A record is durable once `durable(lsn)` returns: it was written and fsync'd. Records are
 framed `<length u32><crc32 u32><payload>`, so a torn tail (a crash mid-write) fails its
-length or checksum and is dropped at replay with everything after it; nothing before it
-is lost. Appends from any thread go to one buffer; a committer thread writes the whole
+length or checksum and is dropped at replay; nothing before it is lost. A damaged frame
+in the middle (a bad sector, a flipped bit) loses only itself: the reader scans on to the
+next frame whose length and checksum hold and keeps everything from there, counting the
+bytes and records it skipped. Appends from any thread go to one buffer; a committer thread writes the whole
 buffer and fsyncs once (group commit): a burst of N records costs one fsync, not N.
 
 The journal is a series of segment files `usage-<owner>-<seq>.journal` beside a lock
@@ -46,25 +48,84 @@ def frame(record: dict) -> bytes:
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
-def read_records(path: Path) -> tuple[list[dict], bool]:
-    """The records of one segment, and whether it ended cleanly (False: a torn or damaged
-    tail was dropped)."""
-    data = path.read_bytes()
-    out: list[dict] = []
+@dataclass
+class SegmentRead:
+    """What one segment held: its records, what was skipped between them (damaged
+    frames, each a stretch of `skipped_bytes`) and the torn tail dropped at the end."""
+
+    records: list[dict] = field(default_factory=list)
+    skipped_bytes: int = 0
+    skipped_records: int = 0  # exact when the damaged frames' lengths survived, else one per stretch
+    torn_bytes: int = 0
+
+    @property
+    def clean(self) -> bool:
+        return not (self.skipped_bytes or self.torn_bytes)
+
+
+def _frame_at(data: memoryview, pos: int) -> tuple[dict, int] | None:
+    """The record framed at `pos` and the offset after it, or None if no valid frame
+    starts there."""
+    if pos + _FRAME.size > len(data):
+        return None
+    n, crc = _FRAME.unpack_from(data, pos)
+    end = pos + _FRAME.size + n
+    if n > MAX_RECORD or end > len(data):
+        return None
+    body = data[pos + _FRAME.size:end]
+    if zlib.crc32(body) != crc:
+        return None
+    try:
+        rec = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return (rec, end) if isinstance(rec, dict) else None
+
+
+def _next_frame(data: memoryview, raw: bytes, pos: int) -> int | None:
+    """The first offset after `pos` where a valid frame starts. Every payload is a JSON
+    object, so only the bytes before a `{` are candidates (a cheap scan); a client's
+    strings cannot forge a frame inside a payload, since JSON escapes the control bytes
+    a small length field is made of."""
+    at = raw.find(b"{", pos + 1 + _FRAME.size)
+    while at != -1:
+        if _frame_at(data, at - _FRAME.size) is not None:
+            return at - _FRAME.size
+        at = raw.find(b"{", at + 1)
+    return None
+
+
+def _frames_between(data: memoryview, start: int, end: int) -> int:
+    """How many frames the damaged stretch [start, end) held: the length fields, followed
+    from `start`, land exactly on `end` when only payload bytes were damaged."""
+    pos, count = start, 0
+    while pos < end and pos + _FRAME.size <= end:
+        pos += _FRAME.size + _FRAME.unpack_from(data, pos)[0]
+        count += 1
+    return count if pos == end else 1
+
+
+def read_records(path: Path) -> SegmentRead:
+    """The records of one segment: a damaged frame is skipped up to the next valid one,
+    a torn or damaged tail (no valid frame after it) dropped."""
+    raw = path.read_bytes()
+    data = memoryview(raw)
+    out = SegmentRead()
     pos = 0
     while pos < len(data):
-        if pos + _FRAME.size > len(data):
-            return out, False
-        n, crc = _FRAME.unpack_from(data, pos)
-        body = data[pos + _FRAME.size: pos + _FRAME.size + n]
-        if n > MAX_RECORD or len(body) < n or zlib.crc32(body) != crc:
-            return out, False
-        try:
-            out.append(orjson.loads(body))
-        except orjson.JSONDecodeError:
-            return out, False
-        pos += _FRAME.size + n
-    return out, True
+        got = _frame_at(data, pos)
+        if got is not None:
+            out.records.append(got[0])
+            pos = got[1]
+            continue
+        nxt = _next_frame(data, raw, pos)
+        if nxt is None:
+            out.torn_bytes = len(data) - pos
+            break
+        out.skipped_bytes += nxt - pos
+        out.skipped_records += _frames_between(data, pos, nxt)
+        pos = nxt
+    return out
 
 
 @dataclass
@@ -84,12 +145,21 @@ class Orphan:
     _lock_fd: int | None = field(default=None, repr=False)
     _lock_path: Path | None = field(default=None, repr=False)
 
+    skipped_bytes: int = 0
+    skipped_records: int = 0
+
     def records(self) -> Iterator[dict]:
         for path in self.segments:
-            recs, clean = read_records(path)
-            if not clean:
-                log.warning("usage journal %s: dropped a torn or damaged tail after %d records", path, len(recs))
-            yield from recs
+            seg = read_records(path)
+            if seg.skipped_bytes:
+                self.skipped_bytes += seg.skipped_bytes
+                self.skipped_records += seg.skipped_records
+                log.error("usage journal %s: skipped %d damaged bytes (%d records) and kept the %d valid records "
+                          "around them", path, seg.skipped_bytes, seg.skipped_records, len(seg.records))
+            if seg.torn_bytes:
+                log.warning("usage journal %s: dropped a torn or damaged tail of %d bytes after %d records",
+                            path, seg.torn_bytes, len(seg.records))
+            yield from seg.records
 
     def release(self, delete: bool) -> None:
         """Delete the segments (their records are safe elsewhere now) or just unlock."""

@@ -82,6 +82,8 @@ class Ledger:
         self._open: dict[str, _Progress] = {}
         self.checkpoints = 0
         self.recovered = 0
+        self.skipped_bytes = 0  # damaged journal bytes skipped at recovery
+        self.skipped_records = 0
 
     # -- running requests ---------------------------------------------------------------
     def due(self, request_id: str, delivered: int, now: float) -> bool:
@@ -144,6 +146,8 @@ class Ledger:
                 orphan.release(delete=False)
                 continue
             orphan.release(delete=True)
+            self.skipped_bytes += orphan.skipped_bytes
+            self.skipped_records += orphan.skipped_records
             for event, charges, seg in queued:
                 self.writer.submit(event, seg)
                 if charges:

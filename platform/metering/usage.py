@@ -283,9 +283,24 @@ def aggregate_cloudevent(granularity: str, row: UsageRow, source: str = DEFAULT_
             "datacontenttype": "application/json", "data": row.as_dict()}
 
 
+# A spreadsheet opening the export runs a cell that starts with one of these as a formula
+# (OWASP's CSV injection rule); names and request ids come from clients.
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value):
+    """`value` as a CSV cell a spreadsheet shows as text: a string that would start a
+    formula gets a leading apostrophe; numbers stay numbers and None is empty."""
+    if value is None:
+        return ""
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value
+
+
 def _csv_line(values) -> bytes:
     buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerow(["" if v is None else v for v in values])
+    csv.writer(buf, lineterminator="\n").writerow([csv_cell(v) for v in values])
     return buf.getvalue().encode()
 
 

@@ -21,6 +21,7 @@ from loraplex.platform.db.database import Database
 from loraplex.platform.errors import BadRequestError, ConflictError, NotFoundError
 from loraplex.platform.db.base import utcnow
 from loraplex.platform.db.tables import Adapter, AdapterGrant
+from loraplex.platform.tenancy.blob_gc import ensure_published
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy.tenants import get_tenant
 
@@ -111,7 +112,10 @@ def add_adapter(db: Database, store: AdapterStore, name: str, path: str | Path, 
                 s.add(AdapterGrant(adapter_id=row.id, tenant_id=t.id))
         s.flush()
         s.refresh(row)
-        return _info(row)
+        info = _info(row)
+    if blobs is not None:
+        ensure_published(blobs, record.digest, store.blob_files(record.digest))
+    return info
 
 
 def _in_store(store: AdapterStore, name: str) -> bool:

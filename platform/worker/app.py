@@ -17,7 +17,7 @@ from loraplex.adapters.sources import BlobAdapterSource
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.errors import EngineError
 
-from loraplex.platform.errors import PlatformError
+from loraplex.platform.errors import PlatformError, RateLimitedError, api_error
 from loraplex.platform.observability.request_id import RequestIdMiddleware
 from loraplex.platform.observability.tracing import TraceContextMiddleware
 from loraplex.platform.worker_wire import error_status
@@ -33,7 +33,10 @@ async def _error(request: Request, exc: Exception) -> Response:
     """Every error leaves as WIRE.md's body; an unexpected one (which Starlette then logs
     with its traceback) says nothing of internals."""
     status, body = error_status(exc)
-    return json_response(body, status)
+    response = json_response(body, status)
+    if isinstance(exc, RateLimitedError):
+        response.headers.update(api_error(exc).headers)  # Retry-After
+    return response
 
 
 def create_worker_app(state: WorkerState, *, loader: Loader | None = None,

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import ipaddress
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.platform.errors import ConfigError
 from loraplex.platform.settings import DEFAULT_ADAPTER_CACHE_BYTES
-from loraplex.platform.worker_wire import TOKEN_ENV
+from loraplex.platform.worker_wire import TOKEN_ENV, internal_token
 
 
 @dataclass(frozen=True)
@@ -19,7 +18,8 @@ class WorkerConfig:
     fetched blobs are cached under `cache_dir`, at most `cache_max_bytes` of them (None:
     unbounded; the least recently used go first). `cache_dir` is this worker's alone: the
     cache assumes one process per folder. `internal_token`: None reads
-    $LORAPLEX_INTERNAL_TOKEN; without one the worker listens on loopback only.
+    $LORAPLEX_INTERNAL_TOKEN (or the file $LORAPLEX_INTERNAL_TOKEN_FILE names); without
+    one the worker listens on loopback only.
     """
 
     adapter_store: str
@@ -34,11 +34,10 @@ class WorkerConfig:
 
     @property
     def token(self) -> str | None:
-        token = self.internal_token if self.internal_token is not None else os.environ.get(TOKEN_ENV, "")
-        return token.strip() or None
+        return internal_token(self.internal_token)
 
     def check(self) -> None:
-        """Refuse to listen beyond loopback without the shared secret."""
+        """Refuse a token too short to be a secret, and to listen beyond loopback without one."""
         if self.token is None and not is_loopback(self.host):
             raise ConfigError(f"refusing to listen on {self.host} without ${TOKEN_ENV}: set the shared secret "
                               "(the gateways send it), or listen on 127.0.0.1")

@@ -1,4 +1,5 @@
-"""The worker's HTTP routes (WIRE.md): /internal/v1/* behind the shared secret, probes open."""
+"""The worker's HTTP routes (WIRE.md): /internal/v1/* and /metrics behind the shared
+secret, probes open."""
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +15,9 @@ from starlette.routing import Route
 
 from loraplex.engine.errors import InvalidRequestError
 
-from loraplex.platform.errors import AuthenticationError
+from loraplex.platform.errors import AuthenticationError, RateLimitedError
 from loraplex.platform.serving.metrics import CONTENT_TYPE
+from loraplex.platform.tenancy.throttle import client_address
 from loraplex.platform.worker_wire import STATS_HEADER, GenerateRequest, adapter_from_json
 from loraplex.platform.worker.state import WorkerState
 from loraplex.platform.worker.stream import ClientGone, NdjsonResponse, Relay, unless_gone, wait_disconnect
@@ -38,16 +40,31 @@ def _state(request: Request) -> WorkerState:
     return request.app.state.worker
 
 
+def _authorize(request: Request) -> None:
+    """Only callers holding the shared secret (constant-time compare); none set: loopback.
+    A wrong token spends its address's allowance: past the burst it is answered 429 with
+    Retry-After, not 401. The right token is never refused, whatever its address sent."""
+    state = _state(request)
+    if state.token is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), state.token.encode()):
+        return
+    client = client_address(request)
+    if client is not None:
+        wait = state.auth_throttle.retry_after(client)
+        state.auth_throttle.failed(client)
+        if wait > 0:
+            raise RateLimitedError("too many wrong internal tokens from this address", wait)
+    raise AuthenticationError("missing or wrong internal token")
+
+
 def internal(handler: Handler) -> Handler:
-    """Only callers holding the shared secret (constant-time compare); none set: loopback."""
+    """`handler` behind the shared secret (`_authorize`)."""
 
     @functools.wraps(handler)
     async def checked(request: Request) -> Response:
-        expected = _state(request).token
-        if expected is not None:
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
-                raise AuthenticationError("missing or wrong internal token")
+        _authorize(request)
         return await handler(request)
 
     return checked
@@ -148,6 +165,7 @@ async def ready(request: Request) -> Response:
     return json_response({"status": "not ready", "problems": [why]}, 503)
 
 
+@internal  # the series name adapters: Prometheus sends the token (the chart's ServiceMonitor does)
 async def metrics(request: Request) -> Response:
     m = _state(request).metrics
     return Response(m.render() if m is not None else b"", media_type=CONTENT_TYPE)

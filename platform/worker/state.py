@@ -16,6 +16,7 @@ from loraplex.platform.errors import ShuttingDownError
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
 from loraplex.platform.routing.view import WorkerStats
 from loraplex.platform.serving.metrics import Metrics
+from loraplex.platform.tenancy.throttle import FailureThrottle
 from loraplex.platform.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ class WorkerState:
         self.config = config
         self.tracing = tracing or Tracing(TracingConfig())  # off: one shared no-op span per request
         self.token = config.token  # the shared secret, read once
+        self.auth_throttle = FailureThrottle()  # wrong tokens, per caller address
         self.model_name = model_name
         self.engine: AsyncEngine | None = None
         self.source: BlobAdapterSource | None = None

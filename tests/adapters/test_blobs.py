@@ -497,3 +497,24 @@ def test_store_chosen_from_the_url(tmp_path: Path) -> None:
         open_blob_store(BlobStoreConfig("ftp://host/x", cache))
     with pytest.raises(BlobStoreError, match="give it a local cache folder"):
         open_blob_store(BlobStoreConfig("s3://bucket/p"))
+
+
+@parametrized
+def test_digests_and_gc_marks(open_store: Callable[..., BlobStore], validated: AdapterStore) -> None:
+    """Every replica lists the same blobs and sees the same garbage-collection marks,
+    which are not blobs and do not disturb fetching."""
+    store, other = open_store(), open_store("replica-2")
+    (d1, f1), (d2, f2) = blob(validated, "v1"), blob(validated, "v2")
+    assert store.digests() == set() and store.marks() == {}
+    store.put(d1, f1)
+    store.put(d2, f2)
+    assert other.digests() == {d1, d2}
+    store.mark(d1, 1234.5)
+    store.mark(d1, 1234.5)  # idempotent
+    assert other.marks() == {d1: 1234.5} and other.digests() == {d1, d2}
+    assert load_peft_adapter(other.get(d1), validated.base).digest == d1  # a marked blob still loads
+    other.unmark(d1)
+    other.unmark(d2)  # not marked: no error
+    assert store.marks() == {}
+    store.delete(d1)
+    assert other.digests() == {d2}

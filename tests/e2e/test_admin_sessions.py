@@ -47,3 +47,23 @@ def test_sign_out_ends_the_session(admin_live):  # noqa: F811
         assert browser.delete("/session", headers={"x-csrf-token": csrf}).status_code == 204
     replay = httpx.get(f"{admin_live.url}/admin/api/session", cookies={"lpx_admin_session": cookie}, timeout=60)
     assert replay.status_code == 401 and "signed out" in replay.json()["error"]["message"]
+
+
+def test_secure_cookies_marks_the_cookie_secure_behind_a_proxy_it_does_not_trust(
+        tmp_path, base_settings, tiny_engine):
+    """`--secure-cookies` (what the chart sets behind its TLS Ingress): Secure without any
+    X-Forwarded-Proto, since the Ingress controller is not a trusted proxy."""
+    import dataclasses
+
+    from loraplex.platform.app import create_app
+    from loraplex.platform.db.database import migrate
+    from tests.e2e.conftest import LiveServer
+
+    url = f"sqlite:///{tmp_path / 'secure.db'}"
+    migrate(url)
+    settings = dataclasses.replace(base_settings, database_url=url, admin_token=ADMIN_TOKEN, secure_cookies=True,
+                                   forwarded_allow_ips="")
+    with LiveServer(create_app(settings, tiny_engine)) as server:
+        r = _sign_in(server.url, ADMIN_TOKEN)
+    cookies = r.headers.get_list("set-cookie")
+    assert r.status_code == 201 and len(cookies) == 2 and all("secure" in c.lower() for c in cookies)

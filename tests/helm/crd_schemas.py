@@ -85,6 +85,9 @@ SERVICE_MONITOR = _obj({
             "path": {"type": "string", "pattern": "^/"}, "scheme": {"enum": ["http", "https"]},
             "interval": _DURATION, "scrapeTimeout": _DURATION,
             "honorLabels": {"type": "boolean"}, "bearerTokenSecret": {"type": "object"},
+            "authorization": _obj({"type": {"type": "string"}, "credentials": _obj(
+                {"name": _NAME, "key": {"type": "string", "minLength": 1}, "optional": {"type": "boolean"}},
+                ["key"])}),
         })},
     }, ["selector", "endpoints"]),
 }, ["apiVersion", "kind", "metadata", "spec"])

@@ -34,8 +34,9 @@ def test_lint_is_clean():
 def test_defaults(render):
     out = render()
     assert out.kinds() == sorted([
-        "Deployment", "Job", "PodDisruptionBudget", "PodDisruptionBudget", "Secret", "Secret", "Service",
-        "Service", "Service", "ServiceAccount", "StatefulSet", "StatefulSet"])
+        "Deployment", "Job", "NetworkPolicy", "NetworkPolicy", "NetworkPolicy", "PodDisruptionBudget",
+        "PodDisruptionBudget", "Secret", "Secret", "Service", "Service", "Service", "ServiceAccount", "StatefulSet",
+        "StatefulSet"])
     gateway = out.one("Deployment", "gateway")
     assert gateway["spec"]["replicas"] == 2
     worker = out.one("StatefulSet", "worker")
@@ -166,6 +167,13 @@ def test_ingress_service_monitor_and_operator_knobs(render):
     assert set(monitors) == {"gateway", "worker"}
     assert monitors["gateway"]["spec"]["endpoints"][0]["port"] == "metrics"
     assert monitors["worker"]["spec"]["endpoints"][0]["port"] == "http"
+    # A worker's /metrics is behind the internal token: the scrape sends it from the Secret.
+    auth = monitors["worker"]["spec"]["endpoints"][0]["authorization"]
+    secret = out.named("Secret", auth["credentials"]["name"])
+    assert auth["type"] == "Bearer" and auth["credentials"]["key"] == "internal-token" in secret["data"]
+    assert "authorization" not in monitors["gateway"]["spec"]["endpoints"][0]
+    # Behind the TLS Ingress the admin cookie is Secure (the controller is no trusted proxy).
+    assert "--secure-cookies" in gw["args"]
     assert all(m["metadata"]["labels"]["release"] == "prometheus" for m in monitors.values())
 
 
@@ -185,6 +193,83 @@ def test_the_gateway_trusts_the_ingress_for_client_addresses(render, chart):
                                                      .one("Deployment", "gateway"))["args"]
     with pytest.raises(Exception, match="forwardedAllowIps"):
         chart.validate_schema({"gateway": {"forwardedAllowIps": ["ingress pods"]}})
+
+
+def test_no_secret_on_a_command_line(render):
+    """The database URL (with its password) reaches every role as an env var from the
+    Secret, never as an argument (`ps`, /proc/PID/cmdline)."""
+    for values in ({}, {"postgresql": {"enabled": False}, "database": {"url": "postgresql://u:pw@db/x"}},
+                   {"adapterStore": {"type": "s3", "s3": {"bucket": "b"}}}):
+        out = render(values)
+        for doc in (out.one("Deployment", "gateway"), out.one("StatefulSet", "worker"), out.one("Job")):
+            c = _container(doc)
+            assert "--database-url" not in c["args"] and not any("$(" in a or "pw@" in a for a in c["args"])
+            assert "secretKeyRef" in _env(c)["LORAPLEX_DATABASE_URL"]["valueFrom"]
+
+
+def test_metrics_are_off_the_tenant_port_by_default(render):
+    out = render({"metrics": {"serviceMonitor": {"enabled": True}}})
+    gw = _container(out.one("Deployment", "gateway"))
+    ports = {p["name"]: p["containerPort"] for p in gw["ports"]}
+    assert _flag(gw["args"], "--metrics-port") == str(ports["metrics"]) != str(ports["http"])
+    monitor = next(m for m in out.all("ServiceMonitor") if m["metadata"]["labels"]["app.kubernetes.io/component"]
+                   == "gateway")
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    assert "--secure-cookies" not in gw["args"]  # no TLS Ingress: the cookie follows the request's scheme
+
+
+def _policy(out, component: str) -> dict:
+    return next(p for p in out.all("NetworkPolicy") if p["metadata"]["labels"]["app.kubernetes.io/component"]
+                == component)
+
+
+def test_network_policies(render):
+    out = render()
+    labels = {c: doc["spec"]["template"]["metadata"]["labels"] for c, doc in (
+        ("gateway", out.one("Deployment", "gateway")), ("worker", out.one("StatefulSet", "worker")),
+        ("migrate", out.one("Job")), ("postgresql", out.one("StatefulSet", "postgresql")))}
+
+    def selects(peer: dict, component: str) -> bool:
+        return "podSelector" in peer and peer["podSelector"]["matchLabels"].items() <= labels[component].items()
+
+    for component in ("gateway", "worker", "postgresql"):
+        policy = _policy(out, component)
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels[component].items()
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+    gateway_rules = {r["ports"][0]["port"]: r for r in _policy(out, "gateway")["spec"]["ingress"]}
+    assert "from" not in gateway_rules["http"]  # the public API
+    assert gateway_rules["metrics"]["from"] == [{"namespaceSelector": {}}]  # in-cluster only
+    (worker_rule,) = _policy(out, "worker")["spec"]["ingress"]
+    assert worker_rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert selects(worker_rule["from"][0], "gateway") and not selects(worker_rule["from"][0], "worker")
+    (pg_rule,) = _policy(out, "postgresql")["spec"]["ingress"]
+    assert pg_rule["ports"] == [{"port": "postgresql", "protocol": "TCP"}]
+    for component in ("gateway", "worker", "migrate"):
+        assert any(selects(p, component) for p in pg_rule["from"])
+    assert not any(selects(p, "postgresql") for p in pg_rule["from"])
+    # Narrowed by values; the external-database release has no PostgreSQL policy.
+    ingress_ns = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}
+    out = render({"networkPolicy": {"gatewayFrom": [ingress_ns]}, "postgresql": {"enabled": False},
+                  "database": {"url": "postgresql://db/x"}})
+    rules = {r["ports"][0]["port"]: r for r in _policy(out, "gateway")["spec"]["ingress"]}
+    assert rules["http"]["from"] == [ingress_ns]
+    assert len(out.all("NetworkPolicy")) == 2
+    assert render({"networkPolicy": {"enabled": False}}).all("NetworkPolicy") == []
+
+
+def test_a_stopping_gateway_drains_its_usage_journal(render, chart):
+    out = render()
+    gw = out.one("Deployment", "gateway")
+    assert _flag(_container(gw)["args"], "--usage-drain-timeout") == "240"
+    assert gw["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 240 + 30
+    with pytest.raises(helm.HelmError, match="must exceed 30 s of request draining plus gateway.usageDrainSeconds"):
+        chart.render({"gateway": {"terminationGracePeriodSeconds": 120}}, name=RELEASE, namespace=NAMESPACE)
+    # Or a shared ReadWriteMany claim for the journals: any gateway replays a stopped one's.
+    gw = render({"gateway": {"journal": {"existingClaim": "lpx-journals"}}}).one("Deployment", "gateway")
+    mounts = {m["name"]: m["mountPath"] for m in _container(gw)["volumeMounts"]}
+    volumes = {v["name"]: v for v in gw["spec"]["template"]["spec"]["volumes"]}
+    assert mounts["journal"] == "/var/lib/loraplex/usage-journal"
+    assert volumes["journal"]["persistentVolumeClaim"] == {"claimName": "lpx-journals"}
 
 
 def test_the_adapter_cache_is_bounded_below_the_cache_volume(render, chart):

@@ -172,3 +172,19 @@ def test_the_gaie_crd_schema_refuses_what_the_api_server_would(render):
     kind_elsewhere = bad(lambda s: s["endpointPickerRef"].update(kind="Backend", group="example.com"))
     kind_elsewhere["spec"]["endpointPickerRef"].pop("port")
     validate_crd(kind_elsewhere)  # the port rule binds Services only
+
+
+def test_pool_network_policies_admit_the_inference_gateway_and_reach_postgresql(render):
+    out = render(POOL)
+    policies = {p["metadata"]["labels"]["app.kubernetes.io/component"]: p for p in out.all("NetworkPolicy")}
+    assert set(policies) == {"pool", "postgresql"}
+    members = out.one("Deployment", "pool")["spec"]["template"]["metadata"]["labels"]
+    assert policies["pool"]["spec"]["podSelector"]["matchLabels"].items() <= members.items()
+    (rule,) = policies["pool"]["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}] and "from" not in rule  # gatewayFrom: anyone
+    (pg_rule,) = policies["postgresql"]["spec"]["ingress"]
+    assert any(p["podSelector"]["matchLabels"].items() <= members.items() for p in pg_rule["from"])
+    gateway_ns = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "inference-gateway"}}}
+    (rule,) = {p["metadata"]["labels"]["app.kubernetes.io/component"]: p for p in render(
+        {**POOL, "networkPolicy": {"gatewayFrom": [gateway_ns]}}).all("NetworkPolicy")}["pool"]["spec"]["ingress"]
+    assert rule["from"][0] == gateway_ns and {"namespaceSelector": {}} in rule["from"]  # and the scrapers

@@ -49,6 +49,8 @@ def test_a_typo_in_a_value_name_is_rejected(chart, values, named):
     {"observability": {"otlpEndpoint": "otel:4318"}},                         # no scheme: not a URL
     {"worker": {"adapterCacheSize": "lots"}},
     {"worker": {"adapterCacheSize": "16GiB"}},                                # not a Kubernetes quantity
+    {"secrets": {"internalToken": "short"}},                                  # loraplex refuses < 16 characters
+    {"secrets": {"adminToken": "also-too-short"}},
 ])
 def test_a_wrong_value_is_rejected(chart, values):
     with pytest.raises(helm.HelmValuesError):

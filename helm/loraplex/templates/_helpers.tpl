@@ -224,6 +224,13 @@ pre-install,pre-upgrade
 - --adapter-store
 - {{ include "loraplex.adapterStoreUrl" . }}
 {{- end }}
+{{- /* Browsers reach the admin UI over the Ingress's TLS; the controller is not a proxy the
+      gateway trusts for X-Forwarded-Proto, so the cookie is marked Secure outright. */}}
+{{- if and .Values.gateway.ingress.enabled .Values.gateway.ingress.tls }}
+- --secure-cookies
+{{- end }}
+- --usage-drain-timeout
+- {{ .Values.gateway.usageDrainSeconds | quote }}
 {{- include "loraplex.observabilityArgs" . }}
 {{- range .Values.gateway.extraArgs }}
 - {{ . | quote }}
@@ -288,12 +295,11 @@ pre-install,pre-upgrade
 - {{ .Values.model.path | quote }}
 - --device
 - {{ include "loraplex.workerDevice" . }}
+{{- /* The database URL (and its password) reaches the worker as $LORAPLEX_DATABASE_URL only:
+      an argument would show in `ps` and /proc/PID/cmdline. */}}
 {{- if eq .Values.adapterStore.type "s3" }}
 - --adapter-store
 - {{ include "loraplex.adapterStoreUrl" . }}
-{{- else }}
-- --database-url
-- $({{ $c.env.databaseUrl }})
 {{- end }}
 - --adapter-cache-size
 - {{ include "loraplex.workerAdapterCacheSize" . | quote }}

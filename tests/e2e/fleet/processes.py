@@ -94,7 +94,8 @@ class Proc:
             return "(no log)"
 
     def metrics(self) -> str:
-        return httpx.get(self.url + "/metrics", timeout=10).text
+        # A worker's /metrics needs the internal token (its series name adapters); a gateway's ignores it.
+        return httpx.get(self.url + "/metrics", headers={"authorization": f"Bearer {INTERNAL_TOKEN}"}, timeout=10).text
 
 
 def worker(model_dir: Path, database_url: str, logs: Path, name: str, *extra: str) -> Proc:

@@ -51,3 +51,16 @@ def test_worker_refusals_name_the_problem(capsys, monkeypatch):
                         (["--host", "0.0.0.0"], "LORAPLEX_INTERNAL_TOKEN")):
         code, _, err = run_cli(capsys, "worker", "--model", "/nowhere", *argv)
         assert code == 1 and words in err and "Traceback" not in err
+
+
+def test_the_worker_reads_the_database_url_from_the_environment(monkeypatch):
+    """What the chart does: the URL (and its password) in $LORAPLEX_DATABASE_URL, not in
+    the worker's command line, where `ps` and /proc/PID/cmdline would show it."""
+    from loraplex.platform.cli.roles import worker_config
+
+    url = "postgresql+psycopg://loraplex:s3cret@db:5432/loraplex"
+    monkeypatch.setenv("LORAPLEX_DATABASE_URL", url)
+    args = build_parser().parse_args(["worker", "--model", "/m", "--cache-dir", "/c"])
+    assert worker_config(settings_from_args(args), args).adapter_store == url
+    s3 = build_parser().parse_args(["worker", "--model", "/m", "--cache-dir", "/c", "--adapter-store", "s3://b/p"])
+    assert worker_config(settings_from_args(s3), s3).adapter_store == "s3://b/p"  # the env URL is no conflict

@@ -218,3 +218,14 @@ def test_rejections_release_nothing_they_did_not_take(db, hooks_factory):
     asyncio.run(main())
     st = quota_status(db, "acme")
     assert (st.in_flight, st.budget_used) == (0, 17)
+
+
+def test_the_shutdown_drain_is_the_writers_close_timeout(hooks_factory):
+    """`--usage-drain-timeout`: how long closing keeps writing the journal to the database."""
+    import asyncio
+
+    hooks = hooks_factory(usage_drain_seconds=240.0)
+    assert hooks.writer.close_timeout == 240.0
+    asyncio.run(hooks.close())
+    with pytest.raises(ValueError, match="usage_drain_seconds"):
+        Settings(usage_drain_seconds=-1)

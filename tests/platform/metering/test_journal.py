@@ -9,6 +9,9 @@ import subprocess
 import sys
 import textwrap
 
+import orjson
+import pytest
+
 from loraplex.platform.db.database import make_db_engine
 from loraplex.platform.db.usage_tables import QuotaLease, UsageEvent
 from loraplex.platform.metering.journal import Journal, read_records
@@ -28,23 +31,64 @@ def _count(engine, table) -> int:
         return conn.execute(select(func.count()).select_from(table)).scalar()
 
 
-def test_torn_and_damaged_tails_are_dropped(tmp_path):
+def _segment(tmp_path, n: int = 5):
+    """A journal segment of `n` records {"i": 0..n-1}, its path, its bytes and the offset
+    of each record's frame."""
     j = Journal(tmp_path, "a")
-    for i in range(5):
-        lsn, _seg = j.append({"i": i}, pins=1)
+    for i in range(n):
+        lsn, _seg = j.append({"i": i, "pad": "x" * 30}, pins=1)
     assert j.wait_durable(lsn)
     (path,) = tmp_path.glob("usage-a-*.journal")
     good = path.read_bytes()
-    assert read_records(path) == ([{"i": i} for i in range(5)], True)
+    size = len(good) // n
+    return j, path, good, [k * size for k in range(n)]
+
+
+def _ids(seg) -> list[int]:
+    return [r["i"] for r in seg.records]
+
+
+def test_a_torn_tail_is_dropped(tmp_path):
+    j, path, good, _at = _segment(tmp_path)
+    seg = read_records(path)
+    assert _ids(seg) == list(range(5)) and seg.clean
     path.write_bytes(good[:-3])  # a crash mid-write: the last record is cut short
-    assert read_records(path) == ([{"i": i} for i in range(4)], False)
+    seg = read_records(path)
+    assert _ids(seg) == [0, 1, 2, 3] and seg.torn_bytes == len(good) // 5 - 3 and seg.skipped_bytes == 0
     damaged = bytearray(good)
-    damaged[len(good) // 2] ^= 0xFF  # a flipped bit in the middle fails its checksum
+    damaged[-5] ^= 0xFF  # damage in the last record: no valid frame after it either
     path.write_bytes(bytes(damaged))
-    recs, clean = read_records(path)
-    assert not clean and recs == [{"i": i} for i in range(len(recs))] and len(recs) < 5
+    assert _ids(read_records(path)) == [0, 1, 2, 3]
     j.close()
     assert path.exists(), "pinned records are never deleted"
+
+
+@pytest.mark.parametrize("where", ["payload", "length", "checksum"])
+def test_a_damaged_frame_mid_segment_loses_only_itself(tmp_path, where):
+    """One corrupted byte in record 1 (its payload, length or checksum field): the reader
+    finds the next valid frame and keeps every record after it, counting the loss."""
+    j, path, good, at = _segment(tmp_path)
+    size = len(good) // 5
+    damaged = bytearray(good)
+    damaged[at[1] + {"payload": 20, "length": 1, "checksum": 5}[where]] ^= 0x5A
+    path.write_bytes(bytes(damaged))
+    seg = read_records(path)
+    assert _ids(seg) == [0, 2, 3, 4] and not seg.clean
+    assert seg.skipped_bytes == size and seg.skipped_records == 1 and seg.torn_bytes == 0
+    j.close()
+
+
+def test_several_damaged_stretches_and_a_torn_tail(tmp_path):
+    j, path, good, at = _segment(tmp_path, 9)
+    size = len(good) // 9
+    damaged = bytearray(good[:-2])
+    for k in (2, 3, 6):  # two neighbours: one stretch of two records
+        damaged[at[k] + 15] ^= 0x01
+    path.write_bytes(bytes(damaged))
+    seg = read_records(path)
+    assert _ids(seg) == [0, 1, 4, 5, 7]
+    assert seg.skipped_bytes == 3 * size and seg.skipped_records == 3 and seg.torn_bytes == size - 2
+    j.close()
 
 
 def test_group_commit_and_segment_deletion(tmp_path):
@@ -182,8 +226,7 @@ def test_a_full_disk_fails_loudly_and_acknowledges_nothing_more(tmp_path):
     acked = int(first.split()[1])
     assert 0 < acked and "cannot be written" in first and second == "refused after the failure"
     (path,) = tmp_path.glob("usage-full-*.journal")
-    recs, _clean = read_records(path)
-    assert len(recs) >= acked, "every acknowledged record is on disk"
+    assert len(read_records(path).records) >= acked, "every acknowledged record is on disk"
 
 
 def test_live_journals_are_never_claimed_and_empty_dead_ones_are_swept(tmp_path):
@@ -198,3 +241,47 @@ def test_live_journals_are_never_claimed_and_empty_dead_ones_are_swept(tmp_path)
     assert b.orphans() == [], "claimed by one process at a time"
     orphan.release(delete=True)
     assert b.close() and not list(tmp_path.iterdir())
+
+
+def test_recovery_keeps_the_records_after_a_damaged_one_and_reports_the_loss(db, tmp_path):
+    """A stopped process's journal with one corrupted byte in its second event: a restart
+    bills every other event and says what it skipped (log line and /metrics series)."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from loraplex.platform.metering.hooks import UsageHooks
+    from loraplex.platform.settings import Settings
+
+    t = create_tenant(db, "acme")
+    folder = tmp_path / "usage-journal"
+    dead = Journal(folder, "dead")
+    for i in range(5):
+        lsn, _seg = dead.append(record("e", ev(i, t.id, T0 + i), None), pins=1)
+    assert dead.wait_durable(lsn) and not dead.close()
+    (path,) = folder.glob("usage-dead-*.journal")
+    first = read_records(path)
+    damaged = bytearray(path.read_bytes())
+    damaged[len(orjson.dumps(first.records[0])) + 8 + 30] ^= 0x20  # inside the second record's payload
+    path.write_bytes(bytes(damaged))
+
+    async def main() -> bytes:
+        hooks = UsageHooks(Settings(database_url=db.url, data_dir=tmp_path, usage_flush_seconds=0.01))
+        registry = CollectorRegistry()
+        hooks.register_metrics(registry)
+        await hooks.start()
+        assert await asyncio.to_thread(hooks.writer.flush, 20)
+        text = generate_latest(registry)
+        await hooks.close()
+        return text
+
+    metrics = asyncio.run(asyncio.wait_for(main(), 60)).decode()
+    engine = make_db_engine(db.url, pre_ping=False)
+    try:
+        with engine.connect() as conn:
+            billed = set(conn.execute(select(UsageEvent.request_id)).scalars())
+    finally:
+        engine.dispose()
+    assert billed == {f"cmpl-{i:08d}" for i in (0, 2, 3, 4)}
+    assert "loraplex:usage_journal_skipped_records_total 1.0" in metrics
+    assert f"loraplex:usage_journal_skipped_bytes_total {len(orjson.dumps(first.records[1])) + 8}.0" in metrics

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.platform.errors import ConfigError
+from loraplex.platform.errors import ConfigError, WeakSecretError
 from loraplex.platform.settings import DEFAULT_ADAPTER_CACHE_BYTES
 from loraplex.platform.worker.config import WorkerConfig, is_loopback
 
@@ -24,9 +24,15 @@ def test_a_non_loopback_worker_needs_the_token(monkeypatch, tmp_path):
     monkeypatch.setenv("LORAPLEX_INTERNAL_TOKEN", "  ")  # blank is no token
     with pytest.raises(ConfigError):
         WorkerConfig("sqlite://", tmp_path, host="0.0.0.0").check()
-    monkeypatch.setenv("LORAPLEX_INTERNAL_TOKEN", "s3cret")
+    monkeypatch.setenv("LORAPLEX_INTERNAL_TOKEN", "s3cret-of-20-chars!\n")
     WorkerConfig("sqlite://", tmp_path, host="0.0.0.0").check()
-    assert WorkerConfig("sqlite://", tmp_path, host="0.0.0.0").token == "s3cret"
+    assert WorkerConfig("sqlite://", tmp_path, host="0.0.0.0").token == "s3cret-of-20-chars!"
+
+
+def test_a_short_token_is_refused_even_on_loopback(monkeypatch, tmp_path):
+    monkeypatch.setenv("LORAPLEX_INTERNAL_TOKEN", "s3cret")
+    with pytest.raises(WeakSecretError, match=r"too short \(6 characters\).*at least 16"):
+        WorkerConfig("sqlite://", tmp_path).check()
 
 
 def _worker_config(*argv: str) -> WorkerConfig:
