@@ -405,7 +405,7 @@ def test_metrics_tell_an_endpoint_picker_where_adapters_sit(tmp_path, tiny_llama
     w = Worker(tmp_path, "--model", str(tiny_llama_dir), "--database-url", url, *ENGINE_ARGS, "--max-loras", "1")
 
     def scrape() -> dict:
-        families = {f.name: f for f in text_string_to_metric_families(w.http.get("/metrics").text)}
+        families = {f.name: f for f in text_string_to_metric_families(w.http.get("/metrics", headers=AUTH).text)}
         loaded = {s.labels["adapter_name"]: s.labels for s in families["vllm:lora_adapter_loaded"].samples}
         assert all(set(ls) == {"adapter_name", "level", "pinned"} and ls["pinned"] == "false" for ls in loaded.values())
         counts = {lvl: families[f"vllm:num_{lvl}_loaded_lora_adapters"].samples[0].value for lvl in ("gpu", "cpu")}
