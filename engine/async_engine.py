@@ -167,6 +167,10 @@ class AsyncEngine:
                 loaded.result()
             else:
                 await asyncio.wrap_future(loaded)
+        grammar = None
+        if sampling is not None and sampling.structured_output is not None:
+            # Compiled here, in the tenant-fair pool, so the engine thread gets it ready-made.
+            grammar = await self.engine.grammar_pool.compile(sampling.structured_output, tenant)
         if rid in self._streams:
             # Checked before registering: replacing the entry would hand the other stream's
             # outputs to this one (and its error, or our abort, to the other request).
@@ -178,7 +182,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(prompt, sampling, request_id=rid, lane=lane, adapter=adapter,
                                         cache_salt=cache_salt, tenant=tenant, tenant_weight=tenant_weight,
-                                        timeout=timeout)
+                                        timeout=timeout, grammar=grammar)
             except Exception as exc:  # a bad request fails alone, not the loop
                 self._deliver(rid, exc)
 
@@ -233,3 +237,4 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.grammar_pool.close()

@@ -30,6 +30,7 @@ from loraplex.engine.errors import (
     UnknownAdapterError,
 )
 from loraplex.engine.fairness import TenantShareExceededError
+from loraplex.engine.structured.compile_pool import GrammarQueueFullError, GrammarTimeoutError
 from loraplex.platform.observability.request_id import current_request_id
 
 
@@ -174,6 +175,8 @@ ERRORS: dict[type[BaseException], Callable[[BaseException], ApiError]] = {
     TenantShareExceededError: _simple(429, "rate_limit_error", TenantShareExceededError.reason,
                                       headers={"Retry-After": "1"}),
     EngineOverloadedError: _simple(503, "server_error", "overloaded", headers={"Retry-After": "1"}),
+    GrammarTimeoutError: _simple(400, "invalid_request_error", GrammarTimeoutError.code),
+    GrammarQueueFullError: _simple(429, "rate_limit_error", "grammar_compile_queue_full", headers={"Retry-After": "1"}),
     MeteringUnavailableError: _simple(503, "server_error", "metering_unavailable", headers={"Retry-After": "5"}),
     EngineDeadError: _simple(503, "server_error", "unavailable"),
     ShuttingDownError: _simple(503, "server_error", "unavailable"),
