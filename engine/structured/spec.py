@@ -107,8 +107,9 @@ class StructuredOutput:
 
     @classmethod
     def json_schema(cls, schema: Any, strict: bool = False) -> "StructuredOutput":
+        spec = _capped(_canonical(schema))  # the size first: it bounds the walk below
         check_schema(schema)
-        return cls("json_schema", _capped(_canonical(schema)), bool(strict))
+        return cls("json_schema", spec, bool(strict))
 
     @classmethod
     def tool_call(cls, tools: Any, tool_choice: Any = "required", parallel_tool_calls: bool = True

@@ -1,0 +1,80 @@
+"""What one request may make the server do is capped, and over a cap the answer is a 400
+naming it (the official openai client against a live server over the tiny Llama):
+schema size and shape, tool lists, logit_bias entries, n x max_tokens (x top_logprobs)."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from loraplex.engine.request import MAX_LOGIT_BIAS
+from loraplex.engine.structured import spec as caps
+
+MSG = [{"role": "user", "content": "x"}]
+
+
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+def _refused(call) -> dict:
+    with pytest.raises(openai.BadRequestError) as e:
+        call()
+    return e.value.response.json()["error"]
+
+
+def _wide(n: int, description: str = "") -> dict:
+    prop = {"type": "string", **({"description": description} if description else {})}
+    return {"type": "object", "properties": {f"p{i}": prop for i in range(n)}}
+
+
+@pytest.mark.parametrize("schema, cap", [
+    (_wide(30_000, 'd' * 40), "max_schema_bytes"),  # about 2 MiB, as a tenant once sent
+    (_wide(caps.MAX_SCHEMA_PROPERTIES + 1), "max_schema_properties"),
+    ({"type": "object", "properties": {"e": {"enum": list(range(caps.MAX_SCHEMA_ENUM_VALUES + 1))}}},
+     "max_schema_enum_values"),
+])
+def test_schemas_over_a_cap_are_400_naming_it(oa, schema, cap):
+    err = _refused(lambda: oa.client().chat.completions.create(
+        model=oa.model, messages=MSG, max_tokens=4, response_format=_schema_format(schema)))
+    assert cap in err["message"] and err["param"] == "response_format"
+
+
+def test_tool_schemas_share_the_caps(oa):
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": _wide(caps.MAX_SCHEMA_PROPERTIES // 4)}}
+             for i in range(5)]
+    err = _refused(lambda: oa.client().chat.completions.create(
+        model=oa.model, messages=MSG, max_tokens=4, tools=tools, tool_choice="required"))
+    assert "max_schema_properties" in err["message"] and err["param"] == "tools"
+
+
+@pytest.mark.parametrize("extra, cap", [
+    ({"logit_bias": {str(t): 1 for t in range(MAX_LOGIT_BIAS + 1)}}, "max_logit_bias_entries"),
+    ({"n": 64, "max_tokens": 8000}, "max_request_output_tokens"),
+    ({"max_tokens": 8000, "logprobs": True, "top_logprobs": 20}, "max_request_logprob_entries"),
+])
+def test_what_one_request_may_produce_is_capped(oa, extra, cap):
+    err = _refused(lambda: oa.client().chat.completions.create(model=oa.model, messages=MSG, extra_body=extra))
+    assert cap in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_refused_schemas_leave_other_tenants_served(oa):
+    """Many oversized schemas from one tenant at once; another tenant's json_object request
+    is answered alongside them and every oversized one is a 400, none a 5xx."""
+    big = _schema_format(_wide(30_000, 'd' * 40))
+
+    def flood(_: int) -> int:
+        try:
+            oa.client("acme").chat.completions.create(model=oa.model, messages=MSG, max_tokens=4,
+                                                      response_format=big)
+        except openai.APIStatusError as exc:
+            return exc.status_code
+        return 200
+
+    with ThreadPoolExecutor(6) as pool:
+        refused = pool.map(flood, range(6))
+        other = oa.client("beta").chat.completions.create(model=oa.model, messages=MSG, max_tokens=8, temperature=0,
+                                                          response_format={"type": "json_object"})
+        assert set(refused) == {400}
+    assert other.choices[0].message.content.lstrip().startswith("{")
