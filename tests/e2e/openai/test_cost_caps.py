@@ -78,3 +78,13 @@ def test_refused_schemas_leave_other_tenants_served(oa):
                                                           response_format={"type": "json_object"})
         assert set(refused) == {400}
     assert other.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_tool_definitions_too_long_for_the_context_are_413_before_parsing(oa):
+    """About 3.5 MiB of tools (a chat template would render them all into the prompt)."""
+    tools = [{"type": "function", "function": {"name": f"f{i}", "description": "d" * 3500}} for i in range(1000)]
+    with pytest.raises(openai.APIStatusError) as e:
+        oa.client().chat.completions.create(model=oa.model, messages=MSG, max_tokens=2, tools=tools)
+    assert e.value.status_code == 413
+    err = e.value.response.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "tool definitions" in err["message"]
