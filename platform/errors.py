@@ -27,6 +27,7 @@ from loraplex.engine.errors import (
     EngineOverloadedError,
     InvalidRequestError,
     PromptTooLongError,
+    StreamStalledError,
     UnknownAdapterError,
 )
 from loraplex.engine.fairness import TenantShareExceededError
@@ -175,6 +176,8 @@ ERRORS: dict[type[BaseException], Callable[[BaseException], ApiError]] = {
     TenantShareExceededError: _simple(429, "rate_limit_error", TenantShareExceededError.reason,
                                       headers={"Retry-After": "1"}),
     EngineOverloadedError: _simple(503, "server_error", "overloaded", headers={"Retry-After": "1"}),
+    # The client stopped reading a stream (reported in the stream, whose request was aborted).
+    StreamStalledError: _simple(408, "invalid_request_error", "stream_stalled"),
     GrammarTimeoutError: _simple(400, "invalid_request_error", GrammarTimeoutError.code),
     GrammarQueueFullError: _simple(429, "rate_limit_error", "grammar_compile_queue_full", headers={"Retry-After": "1"}),
     MeteringUnavailableError: _simple(503, "server_error", "metering_unavailable", headers={"Retry-After": "5"}),

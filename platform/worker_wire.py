@@ -30,6 +30,7 @@ from loraplex.engine.errors import (
     InvalidRequestError,
     ModelLoadError,
     PromptTooLongError,
+    StreamStalledError,
     UnknownAdapterError,
 )
 from loraplex.engine.fairness import TenantShareExceededError
@@ -53,7 +54,7 @@ class WorkerError(EngineError):
 WIRE_ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (
     InvalidRequestError, PromptTooLongError, UnknownAdapterError, EngineOverloadedError, EngineDeadError,
     ModelLoadError, ShuttingDownError, AuthenticationError, AdapterNotFoundError, AdapterValidationError,
-    AdapterCorruptedError, BlobStoreError, WorkerError, TenantShareExceededError)}
+    AdapterCorruptedError, BlobStoreError, WorkerError, TenantShareExceededError, StreamStalledError)}
 
 
 # -- errors ------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from loraplex.engine.client import EngineClient
 from loraplex.engine.engine import RequestOutput
-from loraplex.engine.errors import EngineDeadError
+from loraplex.engine.errors import EngineDeadError, StreamStalledError
 from loraplex.engine.request import AdapterRef, Lane
 
 from loraplex.platform.serving.auth import Authenticator, Principal, parse_lane
@@ -199,6 +199,9 @@ class Gateway:
                     if out.finished:
                         ctx.finish_reason = out.finish_reason
                     yield out
+        except StreamStalledError:
+            ctx.finish_reason = "abort"  # the client stopped reading: billed for what it was sent
+            raise
         except Exception:
             ctx.finish_reason = ctx.finish_reason or "error"
             raise
