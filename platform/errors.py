@@ -98,6 +98,11 @@ class CsrfError(PermissionDeniedError):
     """Admin API: a change made with a session cookie lacks the session's CSRF token."""
 
 
+class RegistryUnavailableError(PlatformError):
+    """An adapter name could not be resolved in time (the registry's database is slow or
+    locked): retry shortly."""
+
+
 class PayloadTooLargeError(PlatformError):
     """A request body (an adapter upload) is over its size limit."""
 
@@ -181,6 +186,8 @@ ERRORS: dict[type[BaseException], Callable[[BaseException], ApiError]] = {
     GrammarTimeoutError: _simple(400, "invalid_request_error", GrammarTimeoutError.code),
     GrammarQueueFullError: _simple(429, "rate_limit_error", "grammar_compile_queue_full", headers={"Retry-After": "1"}),
     MeteringUnavailableError: _simple(503, "server_error", "metering_unavailable", headers={"Retry-After": "5"}),
+    RegistryUnavailableError: _simple(503, "server_error", "adapter_registry_unavailable",
+                                      headers={"Retry-After": "5"}),
     EngineDeadError: _simple(503, "server_error", "unavailable"),
     ShuttingDownError: _simple(503, "server_error", "unavailable"),
     # The database is unreachable (the message would name its host): retry later.
