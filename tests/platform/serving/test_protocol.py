@@ -11,6 +11,8 @@ from loraplex.engine.errors import (
     PromptTooLongError,
     UnknownAdapterError,
 )
+from loraplex.engine.errors import StreamStalledError
+from loraplex.engine.structured.compile_pool import GrammarPoolBusyError, GrammarQueueFullError, GrammarTimeoutError
 from loraplex.engine.request import MAX_LOGIT_BIAS, MAX_REQUEST_LOGPROB_ENTRIES, MAX_REQUEST_OUTPUT_TOKENS
 from loraplex.platform.errors import (
     AuthenticationError,
@@ -18,6 +20,7 @@ from loraplex.platform.errors import (
     ModelNotFoundError,
     PermissionDeniedError,
     RateLimitedError,
+    RegistryUnavailableError,
     ShuttingDownError,
     api_error,
 )
@@ -128,6 +131,11 @@ def test_prompt_filling_the_context_is_413():
     (EngineDeadError("x"), 503, "unavailable"),
     (ShuttingDownError("x"), 503, "unavailable"),
     (RuntimeError("secret internals"), 500, "internal_error"),
+    (GrammarTimeoutError("x"), 400, "grammar_compile_timeout"),
+    (GrammarQueueFullError("x"), 429, "grammar_compile_queue_full"),
+    (GrammarPoolBusyError("x"), 503, "overloaded"),
+    (StreamStalledError("x"), 408, "stream_stalled"),
+    (RegistryUnavailableError("x"), 503, "adapter_registry_unavailable"),
 ])
 def test_error_mapping(exc, status, code):
     err = api_error(exc)
@@ -135,7 +143,7 @@ def test_error_mapping(exc, status, code):
     body = err.body()["error"]
     assert set(body) == {"message", "type", "param", "code"}
     assert "secret" not in body["message"]
-    if status == 429:
+    if code == "rate_limit_exceeded":
         assert err.headers["Retry-After"] == "7"
     if code == "overloaded":
         assert "Retry-After" in err.headers
