@@ -246,4 +246,3 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
-        self.engine.grammar_pool.close()
