@@ -193,6 +193,7 @@ def test_the_engine_thread_never_compiles_and_a_slow_compile_stalls_no_one(engin
     finally:
         gate.set()
         aengine.shutdown()
+        engine.grammar_pool.close()
         engine.grammar_pool = saved
     assert events == ["B", "plain", "A"]
     jsonschema.validate(json.loads(text), SCHEMAS["enum"])
