@@ -16,17 +16,21 @@ from typing import Any, AsyncIterator, Callable
 
 from .client import AdapterResidency, EngineStats
 from .engine import LLMEngine, RequestOutput
-from .errors import EngineDeadError, InvalidRequestError, UnknownAdapterError
+from .errors import EngineDeadError, InvalidRequestError, StreamStalledError, UnknownAdapterError
 from .request import AdapterRef, Lane, SamplingParams
 
 log = logging.getLogger(__name__)
+# Outputs one request may have waiting for its reader; past it the request is aborted (a
+# reader that stops reading would otherwise grow its queue for its whole max_tokens).
+MAX_STREAM_BACKLOG = 1024
 
 
 class AsyncEngine:
     """The in-process `EngineClient`: an `LLMEngine` stepped on its own thread."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, max_stream_backlog: int = MAX_STREAM_BACKLOG) -> None:
         self.engine = engine
+        self.max_stream_backlog = max_stream_backlog
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -124,6 +128,11 @@ class AsyncEngine:
         if entry is None:
             return
         loop, q = entry
+        if not isinstance(item, BaseException) and not item.finished and q.qsize() >= self.max_stream_backlog:
+            # The outputs already queued are still read (and billed); then the stream ends.
+            self.engine.abort_request(request_id)
+            item = StreamStalledError(f"the reader of request {request_id} fell more than "
+                                      f"{self.max_stream_backlog} outputs behind; the request was aborted")
         if isinstance(item, BaseException) or item.finished:
             self._streams.pop(request_id, None)
         try:
@@ -173,6 +182,10 @@ class AsyncEngine:
                 loaded.result()
             else:
                 await asyncio.wrap_future(loaded)
+        grammar = None
+        if sampling is not None and sampling.structured_output is not None:
+            # Compiled here, in the tenant-fair pool, so the engine thread gets it ready-made.
+            grammar = await self.engine.grammar_pool.compile(sampling.structured_output, tenant)
         if rid in self._streams:
             # Checked before registering: replacing the entry would hand the other stream's
             # outputs to this one (and its error, or our abort, to the other request).
@@ -184,7 +197,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(prompt, sampling, request_id=rid, lane=lane, adapter=adapter,
                                         cache_salt=cache_salt, tenant=tenant, tenant_weight=tenant_weight,
-                                        timeout=timeout)
+                                        timeout=timeout, grammar=grammar)
             except Exception as exc:  # a bad request fails alone, not the loop
                 self._deliver(rid, exc)
 

@@ -21,7 +21,8 @@ from .request import AdapterRef, Lane, Request, RequestStatus, SamplingParams
 from .output import RequestOutput
 from .sampler import Logprobs
 from .scheduler import Scheduler
-from .structured.grammar import GrammarCache
+from .structured.compile_pool import CompilePool
+from .structured.grammar import GrammarCompiler, RequestGrammar, StructuredConfig
 from .tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,12 @@ class LLMEngine:
         self.adapter_evictions: Counter[str] = Counter()
         self.recent_adapter_loads: deque[AdapterLoad] = deque(maxlen=256)
         self._slot_refs: dict[int, AdapterRef] = {}
-        self.grammars = GrammarCache(self.tokenizer, self.arch.vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
+        sc: StructuredConfig = self.grammars.config
+        # Used by the async layer before a request is queued; the engine thread never compiles.
+        self.grammar_pool = CompilePool(self.grammars.compile, threads=sc.compile_threads,
+                                        deadline=sc.compile_deadline, max_per_tenant=sc.max_compiles_per_tenant,
+                                        cache_size=sc.cache_size)
         # Emit token-less outputs for prefill chunks (metering bills an abort mid-prefill).
         self.report_prefill = False
 
@@ -88,9 +94,11 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
                     request_id: str | None = None, lane: Lane | str = Lane.STANDARD,
                     adapter: str | AdapterRef | None = None, cache_salt: str = "", tenant: str = "",
-                    tenant_weight: float = 1.0, timeout: float | None = None) -> str:
+                    tenant_weight: float = 1.0, timeout: float | None = None, grammar: object = None) -> str:
         """Queue a request. `tenant` and `tenant_weight` place it in tenant-fair order;
-        after `timeout` seconds (None: never) it finishes with reason "timeout"."""
+        after `timeout` seconds (None: never) it finishes with reason "timeout".
+        `grammar`: the compiled grammar of `sampling.structured_output` (from
+        `grammar_pool`); without it the grammar is compiled here, blocking the caller."""
         sampling = sampling or SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
@@ -106,19 +114,22 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.arch.vocab_size})")
         sampling.check_vocab(self.arch.vocab_size)
         _check_tenant(tenant, tenant_weight, timeout)
+        if sampling.structured_output is not None and grammar is None:
+            grammar = self.grammar_pool.compile_now(sampling.structured_output, tenant)
         tenancy = _Tenancy(tenant, float(tenant_weight),
                            None if timeout is None else self.scheduler.clock() + timeout)
         ref = self._adapter_ref(adapter)
         rid = request_id or f"req-{next(self._ids)}"
         if sampling.n == 1:
-            self._add(rid, ids, sampling, Lane.parse(lane), ref, cache_salt, tenancy)
+            self._add(rid, ids, sampling, Lane.parse(lane), ref, cache_salt, tenancy, grammar)
             return rid
         self._check_free(rid)
         group = _Group(rid, [f"{rid}#{i}" for i in range(sampling.n)], set())
         leader = None
         try:
             for i, cid in enumerate(group.child_ids):
-                req = self._add(cid, ids, _choice_params(sampling, i), Lane.parse(lane), ref, cache_salt, tenancy)
+                req = self._add(cid, ids, _choice_params(sampling, i), Lane.parse(lane), ref, cache_salt, tenancy,
+                                grammar)
                 if leader is not None and self.kv.enable_prefix_caching:
                     req.prefill_leader = leader
                 leader = leader or req
@@ -138,12 +149,12 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
 
     def _add(self, rid: str, ids: list[int], sampling: SamplingParams, lane: Lane, ref: AdapterRef | None,
-             cache_salt: str, tenant: _Tenancy) -> Request:
+             cache_salt: str, tenant: _Tenancy, grammar: object = None) -> Request:
         self._check_free(rid)
         req = Request(rid, ids, sampling, lane, ref, cache_salt, eos_token_ids=tuple(self.tokenizer.eos_token_ids),
                       tenant=tenant.tenant, tenant_weight=tenant.weight, deadline=tenant.deadline)
         if sampling.structured_output is not None:
-            req.grammar = self.grammars.request(sampling.structured_output)
+            req.grammar = RequestGrammar(grammar, self.grammars.stop_token_ids)
         self.scheduler.add_request(req)
         if ref is not None:
             self.lora.retain(ref)

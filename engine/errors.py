@@ -28,3 +28,7 @@ class EngineDeadError(EngineError):
 
 class ModelLoadError(EngineError):
     """A model folder is missing, unsupported or inconsistent."""
+
+
+class StreamStalledError(EngineError):
+    """The request's reader fell too far behind its output; the request was aborted."""

@@ -30,6 +30,11 @@ class Lane(enum.IntEnum):
 
 
 MAX_N = 64  # choices per request
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's cap)
+# What one request may make the engine produce: tokens over all its choices
+# (n x max_tokens), and those tokens' logprob entries (x (1 + top logprobs)).
+MAX_REQUEST_OUTPUT_TOKENS = 32_768
+MAX_REQUEST_LOGPROB_ENTRIES = 131_072
 
 
 @dataclass(frozen=True)
@@ -75,11 +80,25 @@ class SamplingParams:
             raise InvalidRequestError("prompt_logprobs must be between 0 and 20")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise InvalidRequestError(f"n must be an integer between 1 and {MAX_N}")
+        self._check_production()
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         self._check_logit_processors()
+
+    def _check_production(self) -> None:
+        total = self.n * self.max_tokens
+        if total > MAX_REQUEST_OUTPUT_TOKENS:
+            raise InvalidRequestError(
+                f"max_tokens x n ({self.max_tokens} x {self.n} = {total}) is over the cap of "
+                f"{MAX_REQUEST_OUTPUT_TOKENS} output tokens per request (max_request_output_tokens)")
+        entries = total * (1 + self.logprobs) if self.logprobs is not None else 0
+        if entries > MAX_REQUEST_LOGPROB_ENTRIES:
+            raise InvalidRequestError(
+                f"max_tokens x n x (1 + top_logprobs) ({self.max_tokens} x {self.n} x {1 + self.logprobs} = "
+                f"{entries}) is over the cap of {MAX_REQUEST_LOGPROB_ENTRIES} logprob entries per request "
+                "(max_request_logprob_entries)")
 
     def _check_logit_processors(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -109,6 +128,10 @@ class SamplingParams:
 
 
 def _normalize_logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    size = len(bias) if hasattr(bias, "__len__") else 0
+    if size > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"logit_bias has {size} entries, over the cap of {MAX_LOGIT_BIAS} "
+                                  "(max_logit_bias_entries)")
     try:
         items = list(bias.items() if hasattr(bias, "items") else bias)
         pairs = [(tok, value) for tok, value in items]

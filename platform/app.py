@@ -118,6 +118,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
             except Exception:  # noqa: BLE001 - a DB hiccup at exit must not block shutdown
                 log.exception("final last_used flush failed")
             app.state.parse_pool.close()
+            gw.close()
             if engine is None:
                 await asyncio.to_thread(eng.shutdown)
             if hasattr(eng, "aclose"):

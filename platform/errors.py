@@ -27,9 +27,11 @@ from loraplex.engine.errors import (
     EngineOverloadedError,
     InvalidRequestError,
     PromptTooLongError,
+    StreamStalledError,
     UnknownAdapterError,
 )
 from loraplex.engine.fairness import TenantShareExceededError
+from loraplex.engine.structured.compile_pool import GrammarQueueFullError, GrammarTimeoutError
 from loraplex.platform.observability.request_id import current_request_id
 
 
@@ -98,6 +100,11 @@ class AdminAuthenticationError(AuthenticationError):
 
 class CsrfError(PermissionDeniedError):
     """Admin API: a change made with a session cookie lacks the session's CSRF token."""
+
+
+class RegistryUnavailableError(PlatformError):
+    """An adapter name could not be resolved in time (the registry's database is slow or
+    locked): retry shortly."""
 
 
 class PayloadTooLargeError(PlatformError):
@@ -178,7 +185,13 @@ ERRORS: dict[type[BaseException], Callable[[BaseException], ApiError]] = {
     TenantShareExceededError: _simple(429, "rate_limit_error", TenantShareExceededError.reason,
                                       headers={"Retry-After": "1"}),
     EngineOverloadedError: _simple(503, "server_error", "overloaded", headers={"Retry-After": "1"}),
+    # The client stopped reading a stream (reported in the stream, whose request was aborted).
+    StreamStalledError: _simple(408, "invalid_request_error", "stream_stalled"),
+    GrammarTimeoutError: _simple(400, "invalid_request_error", GrammarTimeoutError.code),
+    GrammarQueueFullError: _simple(429, "rate_limit_error", "grammar_compile_queue_full", headers={"Retry-After": "1"}),
     MeteringUnavailableError: _simple(503, "server_error", "metering_unavailable", headers={"Retry-After": "5"}),
+    RegistryUnavailableError: _simple(503, "server_error", "adapter_registry_unavailable",
+                                      headers={"Retry-After": "5"}),
     EngineDeadError: _simple(503, "server_error", "unavailable"),
     ShuttingDownError: _simple(503, "server_error", "unavailable"),
     # The database is unreachable (the message would name its host): retry later.

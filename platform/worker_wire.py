@@ -32,6 +32,7 @@ from loraplex.engine.errors import (
     InvalidRequestError,
     ModelLoadError,
     PromptTooLongError,
+    StreamStalledError,
     UnknownAdapterError,
 )
 from loraplex.engine.fairness import TenantShareExceededError
@@ -89,7 +90,8 @@ class WorkerError(EngineError):
 WIRE_ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (
     InvalidRequestError, PromptTooLongError, UnknownAdapterError, EngineOverloadedError, EngineDeadError,
     ModelLoadError, ShuttingDownError, AuthenticationError, AdapterNotFoundError, AdapterValidationError,
-    AdapterCorruptedError, BlobStoreError, WorkerError, TenantShareExceededError, RateLimitedError)}
+    AdapterCorruptedError, BlobStoreError, WorkerError, TenantShareExceededError, RateLimitedError,
+    StreamStalledError)}
 
 
 # -- errors ------------------------------------------------------------------------------

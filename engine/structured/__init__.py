@@ -2,6 +2,6 @@
 
 `spec` is plain data (no grammar library import); `grammar` compiles with xgrammar.
 """
-from .spec import StructuredOutput, UnsupportedSchemaError, check_schema
+from .spec import SchemaTooLargeError, StructuredOutput, UnsupportedSchemaError, check_schema
 
-__all__ = ["StructuredOutput", "UnsupportedSchemaError", "check_schema"]
+__all__ = ["SchemaTooLargeError", "StructuredOutput", "UnsupportedSchemaError", "check_schema"]

@@ -1,12 +1,10 @@
-"""Grammar compilation (xgrammar) off the engine thread, an LRU cache of compiled
-grammars keyed by spec, and the per-request matcher the sampler masks logits with."""
+"""Grammar building and compilation (xgrammar), and the per-request matcher the sampler
+masks logits with. Compiles run in `compile_pool.CompilePool`, before a request is queued."""
 from __future__ import annotations
 
 import json
 import logging
 import threading
-from collections import OrderedDict
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,80 +27,69 @@ _CALL_END = "}\n</tool_call>"
 
 @dataclass(frozen=True)
 class StructuredConfig:
-    cache_size: int = 256  # compiled grammars kept (LRU)
-    compile_threads: int = 1
+    cache_size: int = 256  # compiled grammars kept (LRU, by spec hash)
+    compile_threads: int = 2
+    # Seconds a request waits for its grammar; a compile still running then is refused
+    # (GrammarTimeoutError, 400) and finishes in the background, into the cache.
+    compile_deadline: float = 10.0
+    # Compiles one tenant may have queued or running; more are refused (429).
+    max_compiles_per_tenant: int = 4
     # False: compact JSON, so a model cannot spend its whole budget on whitespace.
     any_whitespace: bool = False
 
 
 class RequestGrammar:
-    """One request's constraint: ready once compiled; then accepts the request's tokens
-    and fills its row of the step's token bitmask."""
+    """One request's constraint, from a grammar compiled before the request was queued:
+    accepts the request's tokens and fills its row of the step's token bitmask."""
 
-    def __init__(self, future: Future, stop_token_ids: tuple[int, ...]) -> None:
-        self.future = future
-        self._matcher: xgr.GrammarMatcher | None = None
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: tuple[int, ...]) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
         self._stop_ids = list(stop_token_ids)
-        self.error: BaseException | None = None
 
     def ready(self) -> bool:
-        return self.future.done()
-
-    def _get(self) -> xgr.GrammarMatcher | None:
-        if self._matcher is None and self.error is None:
-            try:
-                compiled = self.future.result()
-            except Exception as exc:  # grammar building was checked up front; log, don't crash the step
-                log.error("grammar compilation failed: %s", exc)
-                self.error = exc
-                return None
-            self._matcher = xgr.GrammarMatcher(compiled)
-        return self._matcher
+        return True  # compiled before the engine saw the request
 
     @property
     def terminated(self) -> bool:
-        m = self._get()
-        return m is None or m.is_terminated()
+        return self._matcher.is_terminated()
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        m = self._get()
-        if m is not None and not m.is_terminated():
+        m = self._matcher
+        if not m.is_terminated():
             m.fill_next_token_bitmask(bitmask, row)
             return
-        # Finished (or failed): only a stop token may follow, e.g. under ignore_eos.
+        # Finished: only a stop token may follow, e.g. under ignore_eos.
         bitmask[row] = 0
         for t in self._stop_ids:
             bit = 1 << (t % 32)
             bitmask[row, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
 
     def accept(self, token: int) -> None:
-        m = self._get()
-        if m is not None and not m.is_terminated():
+        m = self._matcher
+        if not m.is_terminated():
             if not m.accept_token(token):
                 log.error("grammar rejected token %d that its own mask allowed", token)
 
 
-class GrammarCache:
-    """Builds each spec's xgrammar `Grammar` on the caller's thread (cheap, and where a
-    bad schema must raise), compiles it against the tokenizer on a worker thread, and
-    keeps the compiled grammars of the last `cache_size` specs."""
+class GrammarCompiler:
+    """Builds a spec's xgrammar `Grammar` and compiles it against the tokenizer, on the
+    calling thread: a compile pool's worker (compile_pool.py), never the engine thread."""
 
-    def __init__(self, tokenizer: "Tokenizer", vocab_size: int, config: StructuredConfig | None = None,
-                 executor: Executor | None = None) -> None:
+    def __init__(self, tokenizer: "Tokenizer", vocab_size: int, config: StructuredConfig | None = None) -> None:
         self.config = config or StructuredConfig()
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._compiler: xgr.GrammarCompiler | None = None
-        self._pool = executor or ThreadPoolExecutor(self.config.compile_threads, thread_name_prefix="grammar")
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
-        self._lock = threading.Lock()
         self._init_lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
 
-    def _compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
-        # The tokenizer's token table is built on first use, on a worker thread too:
-        # engines that never see a constraint never pay for it, and no step waits for it.
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return tuple(self._tokenizer.eos_token_ids)
+
+    def compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
+        """Raises UnsupportedSchemaError for a spec the grammar builder refuses."""
+        grammar = self._grammar(spec)
+        # The token table is built on first use: engines that never see a constraint never pay for it.
         with self._init_lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(
@@ -110,35 +97,6 @@ class GrammarCache:
                     stop_token_ids=list(self._tokenizer.eos_token_ids))
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler.compile_grammar(grammar)
-
-    def request(self, spec: StructuredOutput) -> RequestGrammar:
-        """A fresh matcher for one request; raises UnsupportedSchemaError for a bad spec."""
-        return RequestGrammar(self.compiled(spec), self._tokenizer.eos_token_ids)
-
-    def compiled(self, spec: StructuredOutput) -> Future:
-        with self._lock:
-            fut = self._cache.get(spec.key)
-            if fut is not None:
-                self._cache.move_to_end(spec.key)
-                self.hits += 1
-                return fut
-        grammar = self._grammar(spec)
-        with self._lock:
-            fut = self._cache.get(spec.key)
-            if fut is None:  # not compiled by a racing caller meanwhile
-                self.misses += 1
-                fut = self._pool.submit(self._compile, grammar)
-                fut.add_done_callback(lambda f, key=spec.key: self._forget_failed(key, f))
-                self._cache[spec.key] = fut
-                while len(self._cache) > self.config.cache_size:
-                    self._cache.popitem(last=False)
-            return fut
-
-    def _forget_failed(self, key: tuple, fut: Future) -> None:
-        if fut.exception() is not None:
-            with self._lock:
-                if self._cache.get(key) is fut:
-                    del self._cache[key]
 
     def _grammar(self, spec: StructuredOutput) -> xgr.Grammar:
         return _no_control_characters(self._build(spec))
@@ -164,9 +122,6 @@ class GrammarCache:
                 for f in resolved["functions"]]
         return StructuralTag(format=TagsWithSeparatorFormat(
             tags=tags, separator="\n", at_least_one=True, stop_after_first=not resolved["parallel"]))
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 # xgrammar writes the characters of length-bounded strings as the first class below, which

@@ -11,6 +11,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.platform.errors import ConfigError
 
+# Seconds to open a PostgreSQL connection: an unreachable server fails a request (503)
+# instead of holding it, and a pool thread, for the OS's TCP timeout.
+PG_CONNECT_TIMEOUT = 5
+
 
 def normalize_url(url: str) -> str:
     """postgres:// and postgresql:// use psycopg 3 (the driver loraplex ships with)."""
@@ -39,7 +43,8 @@ def make_db_engine(url: str, *, pre_ping: bool = True, pool_size: int = 5, max_o
         if sqlite_synchronous:
             event.listen(engine, "connect", lambda c, _r: c.execute(f"PRAGMA synchronous={sqlite_synchronous}"))
         return engine
-    return create_engine(u, pool_pre_ping=pre_ping, pool_size=pool_size, max_overflow=max_overflow)
+    return create_engine(u, pool_pre_ping=pre_ping, pool_size=pool_size, max_overflow=max_overflow,
+                         connect_args={"connect_timeout": PG_CONNECT_TIMEOUT})
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:

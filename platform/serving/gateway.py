@@ -3,20 +3,22 @@ admission hooks, metrics, and the engine call.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from loraplex.engine.client import EngineClient
 from loraplex.engine.engine import RequestOutput
-from loraplex.engine.errors import EngineDeadError
+from loraplex.engine.errors import EngineDeadError, StreamStalledError
 from loraplex.engine.request import AdapterRef, Lane
 
 from loraplex.platform.serving.auth import Authenticator, Principal, parse_lane
-from loraplex.platform.errors import ModelNotFoundError, ShuttingDownError
+from loraplex.platform.errors import ModelNotFoundError, RegistryUnavailableError, ShuttingDownError
 from loraplex.platform.lanes import lane_name
 from loraplex.platform.observability.request_id import current_request_id
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
@@ -27,6 +29,10 @@ from loraplex.platform.settings import Settings
 
 LANE_HEADER = "x-loraplex-lane"
 ADAPTER_REF_TTL = 1.0  # seconds an adapter name -> version (digest) lookup is reused
+# Name lookups may query the shared registry: on threads of their own (one in flight per
+# name), never the event loop, and a request waits at most this long for one (then 503).
+ADAPTER_LOOKUP_THREADS = 2
+ADAPTER_LOOKUP_TIMEOUT = 5.0
 
 
 @dataclass
@@ -95,6 +101,8 @@ class Gateway:
         self.draining = False
         self.started_at = int(time.time())
         self._adapter_refs: dict[str, tuple[AdapterRef, float]] = {}
+        self._lookups: dict[str, asyncio.Future] = {}
+        self._lookup_pool = ThreadPoolExecutor(ADAPTER_LOOKUP_THREADS, thread_name_prefix="loraplex-adapter-lookup")
 
     # -- resolution -----------------------------------------------------------------
     def resolve_model(self, principal: Principal, model: object, path_adapter: str | None) -> str | None:
@@ -124,13 +132,15 @@ class Gateway:
 
     # -- the engine call -------------------------------------------------------------
     def start(self, principal: Principal, req: GenRequest, adapter: str | None, lane: Lane,
-              prefix: str) -> tuple[RequestContext, AsyncIterator[RequestOutput]]:
+              prefix: str, ref: AdapterRef | None = None) -> tuple[RequestContext, AsyncIterator[RequestOutput]]:
         """The request's context and output stream. Nothing happens until the stream is
-        first awaited: admission runs then, so a stream never started was never admitted."""
+        first awaited: admission runs then, so a stream never started was never admitted.
+        `ref`: the adapter's version from `resolve_adapter_ref` (else looked up here)."""
         self.check_serving()
         ctx = RequestContext(f"{prefix}-{uuid.uuid4().hex}", principal, adapter or self.model_name, adapter,
                              lane, len(req.prompt), req.sampling.max_tokens * req.sampling.n)
-        ref = self.adapter_ref(adapter) if adapter is not None else None
+        if ref is None and adapter is not None:
+            ref = self.adapter_ref(adapter)
         if ref is not None:
             ctx.adapter_digest = ref.digest
         return ctx, self._run(ctx, req, ref)
@@ -141,18 +151,41 @@ class Gateway:
 
     def adapter_ref(self, name: str) -> AdapterRef | None:
         """The adapter's current version, resolved here (not on the engine thread) so the
-        version metered is the version run; reused for ADAPTER_REF_TTL seconds."""
-        now = time.monotonic()
+        version metered is the version run; reused for ADAPTER_REF_TTL seconds. Blocking:
+        the event loop calls `resolve_adapter_ref` instead."""
         hit = self._adapter_refs.get(name)
-        if hit is not None and hit[1] > now:
+        if hit is not None and hit[1] > time.monotonic():
             return hit[0]
         ref = self.engine.resolve_adapter(name)  # UnknownAdapterError (404) for a name it does not know
         if ref is None:
             return None  # an engine without adapters refuses the request itself
         if len(self._adapter_refs) > 10_000:
             self._adapter_refs.clear()
-        self._adapter_refs[name] = (ref, now + ADAPTER_REF_TTL)
+        self._adapter_refs[name] = (ref, time.monotonic() + ADAPTER_REF_TTL)
         return ref
+
+    async def resolve_adapter_ref(self, name: str | None) -> AdapterRef | None:
+        """`adapter_ref` off the event loop: on the lookup threads, one lookup per name in
+        flight, RegistryUnavailableError (503) past ADAPTER_LOOKUP_TIMEOUT."""
+        if name is None:
+            return None
+        hit = self._adapter_refs.get(name)
+        if hit is not None and hit[1] > time.monotonic():
+            return hit[0]
+        lookup = self._lookups.get(name)
+        if lookup is None:
+            lookup = asyncio.get_running_loop().run_in_executor(self._lookup_pool, self.adapter_ref, name)
+            self._lookups[name] = lookup
+            lookup.add_done_callback(lambda f, n=name: self._lookups.pop(n, None) if self._lookups.get(n) is f
+                                     else None)
+        try:
+            return await asyncio.wait_for(asyncio.shield(lookup), ADAPTER_LOOKUP_TIMEOUT)
+        except asyncio.TimeoutError:
+            raise RegistryUnavailableError(f"the adapter {name!r} could not be resolved within "
+                                           f"{ADAPTER_LOOKUP_TIMEOUT:g} s; retry shortly") from None
+
+    def close(self) -> None:
+        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _run(self, ctx: RequestContext, req: GenRequest, ref: AdapterRef | None = None
                    ) -> AsyncIterator[RequestOutput]:
@@ -199,6 +232,9 @@ class Gateway:
                     if out.finished:
                         ctx.finish_reason = out.finish_reason
                     yield out
+        except StreamStalledError:
+            ctx.finish_reason = "abort"  # the client stopped reading: billed for what it was sent
+            raise
         except Exception:
             ctx.finish_reason = ctx.finish_reason or "error"
             raise

@@ -101,7 +101,8 @@ async def _generate(request: Request, gw: Gateway, chat: bool) -> Response:
     parse = parse_chat if chat else parse_completion
     req = await request.app.state.parse_pool.run(parse, body, gw.tokenizer, gw.max_model_len)
     # admit and run: the gateway's stream admits (quotas) before the engine sees the request
-    ctx, stream = gw.start(principal, req, adapter, lane, "chatcmpl" if chat else "cmpl")
+    ref = await gw.resolve_adapter_ref(adapter)  # may query the registry: off the event loop
+    ctx, stream = gw.start(principal, req, adapter, lane, "chatcmpl" if chat else "cmpl", ref)
     head = {"id": ctx.request_id, "created": int(ctx.received_at), "model": ctx.model}
     # render
     if req.stream:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex.engine.errors import InvalidRequestError, PromptTooLongError
-from loraplex.engine.request import SamplingParams
+from loraplex.engine.request import MAX_REQUEST_LOGPROB_ENTRIES, MAX_REQUEST_OUTPUT_TOKENS, SamplingParams
 from loraplex.engine.structured import StructuredOutput
 from loraplex.engine.tokenizer import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
@@ -136,7 +136,7 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None, n: int = 1,
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], prompt_len: int, max_model_len: int,
-                default: int | None) -> int:
+                default: int | None, n: int = 1, logprobs: int | None = None) -> int:
     room = max_model_len - prompt_len
     if room <= 0:
         raise PromptTooLongError(
@@ -145,6 +145,11 @@ def _max_tokens(body: dict, names: tuple[str, ...], prompt_len: int, max_model_l
         v = _get_int(body, name, None, 1)
         if v is not None:
             return v  # too long for the context: the engine refuses it with the full story
+    # Unasked, as much as fits both the context and what one request may produce.
+    per_choice = MAX_REQUEST_OUTPUT_TOKENS // n
+    if logprobs is not None:
+        per_choice = min(per_choice, MAX_REQUEST_LOGPROB_ENTRIES // (n * (1 + logprobs)))
+    room = min(room, max(1, per_choice))
     return room if default is None else min(default, room)
 
 
@@ -168,7 +173,8 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> GenRequest:
         logprobs = _get_int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
     elif body.get("top_logprobs") is not None:
         raise BadRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
-    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(prompt), max_model_len, None)
+    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(prompt), max_model_len, None,
+                             n, logprobs)
     sampling = _sampling(body, max_tokens, logprobs, n, structured or constraint)
     return GenRequest(True, body.get("model"), prompt, sampling, _get_bool(body, "stream"), _include_usage(body),
                       logprobs, body.get("priority"), n, tools=tools)
@@ -196,9 +202,10 @@ def parse_completion(body: dict, tokenizer, max_model_len: int) -> GenRequest:
     if not prompt:
         raise BadRequestError("the prompt is empty", "prompt")
     logprobs = _get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
-    max_tokens = _max_tokens(body, ("max_tokens",), len(prompt), max_model_len, COMPLETION_DEFAULT_MAX_TOKENS)
     # best_of ranks choices by their tokens' logprobs, so the engine reports them.
     engine_logprobs = logprobs if best_of == n or logprobs is not None else 0
+    max_tokens = _max_tokens(body, ("max_tokens",), len(prompt), max_model_len, COMPLETION_DEFAULT_MAX_TOKENS,
+                             best_of, engine_logprobs)
     sampling = _sampling(body, max_tokens, engine_logprobs, best_of, response_format(body),
                          logprobs if echo else None)
     echo_text = None

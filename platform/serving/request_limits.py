@@ -4,7 +4,8 @@
   pass `ServerLimits.max_body_bytes` (the rest is never read; the connection closes).
 - Its JSON: nesting depth, number of messages and of content parts, each a 400 naming
   the field.
-- The prompt: text whose length in characters cannot fit `max_model_len` tokens (each
+- The prompt (with a chat's tool definitions, which the template renders into it): text
+  whose length in characters cannot fit `max_model_len` tokens (each
   token spells at most `Tokenizer.max_token_chars` characters, with a margin for
   normalizers that merge characters) is refused with 413 before it is tokenized.
 - Tokenizing and the chat template run on a small pool of threads of their own
@@ -96,14 +97,17 @@ def check_chat_shape(body: dict, limits: ServerLimits) -> None:
                                   f"got {len(content)}", f"messages[{i}].content")
 
 
-def _text_chars(value: Any) -> int:
-    """Characters of text in a prompt or in messages (strings anywhere inside)."""
+def _text_chars(value: Any, keys: bool = False) -> int:
+    """Characters of text in a prompt or in messages (strings anywhere inside; with
+    `keys`, object keys too: tool definitions are rendered into the prompt whole)."""
     total, stack = 0, [value]
     while stack:
         v = stack.pop()
         if isinstance(v, str):
             total += len(v)
         elif isinstance(v, dict):
+            if keys:
+                total += sum(len(k) for k in v if isinstance(k, str))
             stack.extend(v.values())
         elif isinstance(v, list):
             stack.extend(v)
@@ -111,12 +115,14 @@ def _text_chars(value: Any) -> int:
 
 
 def check_prompt_chars(body: dict, chat: bool, max_model_len: int, max_token_chars: int) -> None:
-    """413 for text that cannot fit the context whatever it tokenizes to."""
-    text = body.get("messages") if chat else body.get("prompt")
-    chars = _text_chars(text)
+    """413 for text that cannot fit the context whatever it tokenizes to: the prompt, or
+    the messages and the tool definitions the template renders with them."""
+    chars = _text_chars(body.get("messages")) + _text_chars(body.get("tools"), keys=True) if chat \
+        else _text_chars(body.get("prompt"))
     bound = max_model_len * max(1, max_token_chars) * _NORMALIZER_MARGIN
     if chars > bound:
-        raise PromptTooLongError(f"the prompt has {chars} characters: more than this model's context of "
+        what = "prompt with its tool definitions" if chat and body.get("tools") else "prompt"
+        raise PromptTooLongError(f"the {what} has {chars} characters: more than this model's context of "
                                  f"{max_model_len} tokens can hold")
 
 

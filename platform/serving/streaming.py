@@ -4,6 +4,11 @@ Starlette's StreamingResponse notices a disconnect only when a write fails (ASGI
 servers), which for a queued request or a slow model can be long after the client left.
 Here every wait on the engine races the connection's `http.disconnect`, so a client that
 goes away aborts its engine request at once (the engine iterator's `finally` aborts it).
+
+A client that stays connected but stops reading makes the server's writes wait (flow
+control): a write that waits longer than `STREAM_WRITE_TIMEOUT` ends the response as if
+the client had left, so the request is aborted and billed for what was sent, and the
+engine's queue for it (bounded too: async_engine.MAX_STREAM_BACKLOG) stops growing.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from typing import TypeVar
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
+STREAM_WRITE_TIMEOUT = 30.0  # seconds one write to a client that stopped reading may wait
 
 
 class ClientDisconnected(Exception):
@@ -72,9 +78,10 @@ class SSEResponse:
     status_code = 200
 
     def __init__(self, chunks: AsyncIterator[bytes], extra_headers: list[tuple[bytes, bytes]] = (),
-                 source: AsyncIterator | None = None) -> None:
+                 source: AsyncIterator | None = None, write_timeout: float = STREAM_WRITE_TIMEOUT) -> None:
         self.chunks = chunks
         self.source = source
+        self.write_timeout = write_timeout
         self.headers = SSE_HEADERS + list(extra_headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -97,4 +104,8 @@ class SSEResponse:
 
     async def _pump(self, send: Send) -> None:
         async for chunk in self.chunks:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            try:
+                await asyncio.wait_for(send({"type": "http.response.body", "body": chunk, "more_body": True}),
+                                       self.write_timeout)
+            except asyncio.TimeoutError:
+                raise ClientDisconnected("the client stopped reading the stream") from None

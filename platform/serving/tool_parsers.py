@@ -91,71 +91,109 @@ _HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"argu
 class HermesParser(ToolParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen2, SmolLM2,
     Hermes), anywhere in the output. A call starts as soon as its name is known; its
-    arguments stream up to (not including) the last `}` seen, which may close the call."""
+    arguments stream up to (not including) the last `}` seen, which may close the call.
+
+    Linear in the output: each delta is scanned once, with at most a marker's length held
+    back from the previous one; a call's head is matched within `HEAD_MAX` characters (a
+    longer one is parsed whole at its end), and unsent arguments are kept as a list of
+    pieces, joined when a `}` lets some of them go."""
 
     START, END = "<tool_call>", "</tool_call>"
+    HEAD_MAX = 1024  # characters before a call's arguments: `{"name": "...", "arguments": `
 
     def __init__(self, parallel: bool = True) -> None:
         super().__init__(parallel)
-        self.buf = ""
-        self.cursor = 0  # text before this was handled
+        self.held = ""  # text that may be the start of a marker (START outside a call, END inside)
         self.in_call = False
-        self.args_at: int | None = None  # where the current call's arguments start
-        self.args_sent = 0
-        self.skipping = False  # inside a call dropped because parallel is False
+        self._open(skipping=False)
+        self.in_call = False
+
+    def _open(self, skipping: bool) -> None:
+        self.in_call, self.skipping = True, skipping  # skipping: a call dropped as parallel is False
+        self.head = ""  # the call's text until its arguments begin (at most HEAD_MAX)
+        self.whole: list[str] | None = None  # a call whose head did not match: kept to parse at its end
+        self.args_open = False
+        self.pending: list[str] = []  # arguments not sent yet
+        self.pending_len = 0
+        self.brace = -1  # offset in the pending text of its last `}` (-1: none since the arguments began)
 
     def feed(self, delta: str) -> list[Event]:
-        self.buf += delta
         events: list[Event] = []
-        while True:
-            step = self._call_step() if self.in_call else self._content_step()
-            if step is None:
-                return events
-            events += step
+        while delta:
+            delta = self._call_feed(delta, events) if self.in_call else self._content_feed(delta, events)
+        return events
 
-    def _content_step(self) -> list[Event] | None:
-        rest = self.buf[self.cursor:]
-        at = rest.find(self.START)
+    def _content_feed(self, delta: str, events: list[Event]) -> str:
+        text, self.held = self.held + delta, ""
+        at = text.find(self.START)
         if at < 0:
-            keep = _partial_suffix(rest, self.START)
-            text = rest[:len(rest) - keep]
-            self.cursor += len(text)
-            return self._content(text) or None
-        self.cursor += at + len(self.START)
-        self.in_call, self.args_at, self.args_sent = True, None, 0
-        self.skipping = not self.accepts_calls
-        return self._content(rest[:at])
+            keep = _partial_suffix(text, self.START)
+            self.held = text[len(text) - keep:]
+            events += self._content(text[:len(text) - keep])
+            return ""
+        events += self._content(text[:at])
+        self._open(skipping=not self.accepts_calls)
+        return text[at + len(self.START):]
 
     def _content(self, text: str) -> list[Event]:
         # Whitespace after a call only separates it from the next one.
         return [Content(text)] if text and (text.strip() or not self.num_calls) else []
 
-    def _call_step(self) -> list[Event] | None:
-        body = self.buf[self.cursor:]
-        end = body.find(self.END)
-        events: list[Event] = []
-        if self.args_at is None and not self.skipping:
-            m = _HERMES_HEAD.match(body)
+    def _call_feed(self, delta: str, events: list[Event]) -> str:
+        text, self.held = self.held + delta, ""
+        at = text.find(self.END)
+        if at < 0:
+            keep = _partial_suffix(text, self.END)
+            self.held = text[len(text) - keep:]
+            self._body(text[:len(text) - keep], events)
+            return ""
+        self._body(text[:at], events)
+        events += self._close()
+        return text[at + len(self.END):]
+
+    def _body(self, part: str, events: list[Event]) -> None:
+        if self.skipping or not part:
+            return
+        if self.whole is not None:
+            self.whole.append(part)
+        elif not self.args_open:
+            self.head += part
+            m = _HERMES_HEAD.match(self.head)
             if m is not None:
                 events.append(self._start(json.loads(f'"{m.group(1)}"')))
-                self.args_at = m.end()
-            elif end >= 0:
-                return self._whole_call(body[:end], end)
-        if self.args_at is not None:
-            limit = end if end >= 0 else len(body) - _partial_suffix(body, self.END)
-            upto = body.rfind("}", self.args_at, limit)
-            upto = limit if upto < 0 else upto  # no brace yet: nothing can close the call
-            if upto > self.args_at + self.args_sent:
-                events.append(CallArgs(self.num_calls - 1, body[self.args_at + self.args_sent:upto]))
-                self.args_sent = upto - self.args_at
-        if end >= 0:
-            self._close(end)
-            return events
-        return events or None
+                rest, self.head, self.args_open = self.head[m.end():], "", True
+                self._args(rest, events)
+            elif len(self.head) > self.HEAD_MAX:
+                self.whole, self.head = [self.head], ""
+        else:
+            self._args(part, events)
 
-    def _whole_call(self, body: str, end: int) -> list[Event]:
+    def _args(self, part: str, events: list[Event]) -> None:
+        brace = part.rfind("}")
+        if brace >= 0:
+            self.brace = self.pending_len + brace
+        if part:
+            self.pending.append(part)
+            self.pending_len += len(part)
+        upto = self.brace if self.brace >= 0 else self.pending_len  # no brace yet: nothing can close the call
+        if upto > 0:
+            text = "".join(self.pending)
+            events.append(CallArgs(self.num_calls - 1, text[:upto]))
+            rest = text[upto:]
+            self.pending, self.pending_len = ([rest] if rest else []), len(rest)
+            self.brace = 0 if self.brace >= 0 else -1
+
+    def _close(self) -> list[Event]:
+        """At the call's END: its arguments were sent up to their closing brace; a call
+        whose head never matched is parsed whole."""
+        whole = self.whole if self.whole is not None else (None if self.args_open or self.skipping else [self.head])
+        self.in_call = False
+        if whole is None:
+            return []
+        return self._whole_call("".join(whole))
+
+    def _whole_call(self, body: str) -> list[Event]:
         """A call whose name did not come first: parsed once complete."""
-        self._close(end)
         try:
             obj = json.loads(body)
             name, args = obj["name"], obj.get("arguments", obj.get("parameters", {}))
@@ -165,21 +203,18 @@ class HermesParser(ToolParser):
         start = self._start(name)
         return [start, CallArgs(start.index, json.dumps(args, ensure_ascii=False))]
 
-    def _close(self, end: int) -> None:
-        self.cursor += end + len(self.END)
-        self.in_call, self.skipping = False, False
-
     def finish(self) -> list[Event]:
+        held, self.held = self.held, ""
         if not self.in_call:
-            rest = self.buf[self.cursor:]
-            self.cursor = len(self.buf)
-            return self._content(rest)
-        body = self.buf[self.cursor:]
-        self.cursor, self.in_call = len(self.buf), False
-        if self.args_at is None:
-            return [] if self.skipping else [Content(self.START + body)]
+            return self._content(held)
+        self.in_call = False
+        if self.skipping:
+            return []
+        if not self.args_open:
+            body = "".join(self.whole) if self.whole is not None else self.head
+            return [Content(self.START + body + held)]
         # Cut short (length): the arguments so far, without the call's own closing brace.
-        tail = body[self.args_at + self.args_sent:]
+        tail = "".join(self.pending) + held
         return [CallArgs(self.num_calls - 1, tail)] if tail else []
 
 

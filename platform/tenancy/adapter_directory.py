@@ -16,6 +16,10 @@ from loraplex.engine.request import AdapterRef
 from loraplex.platform.db.database import Database
 from loraplex.platform.db.tables import Adapter
 
+# A name lookup is one indexed row: longer means a lock or an overloaded server, and the
+# request is better refused (503, retry) than left holding a connection.
+LOOKUP_STATEMENT_TIMEOUT_MS = 2000
+
 
 @dataclass(frozen=True)
 class RegistryVersion:
@@ -34,6 +38,8 @@ class AdapterDirectory:
     def version(self, name: str) -> RegistryVersion:
         """The adapter's current version; UnknownAdapterError when the registry lacks it."""
         with self.db.engine.connect() as conn:
+            if conn.dialect.name == "postgresql":  # for this transaction only
+                conn.exec_driver_sql(f"SET LOCAL statement_timeout = {LOOKUP_STATEMENT_TIMEOUT_MS}")
             row = conn.execute(select(Adapter.digest, Adapter.rank).where(Adapter.name == name)).one_or_none()
         if row is None:
             raise UnknownAdapterError(f"no adapter named {name!r}")

@@ -4,7 +4,10 @@ The relay pumps the engine's outputs into a buffer; the writer sends whatever th
 holds (one line per run of a choice when n > 1), so a client that reads slower than the
 engine steps gets several steps coalesced into a line (never a step split across lines), and the engine never
 waits for the network. The client closing the connection cancels the relay, which
-aborts the request in the engine at once.
+aborts the request in the engine at once. A client that stays connected but stops
+reading is bounded too: past `MAX_STREAM_BACKLOG` buffered outputs the request is
+aborted (the stream ends with a StreamStalledError line), and a write that waits longer
+than `STREAM_WRITE_TIMEOUT` ends the response as if the client had left.
 """
 from __future__ import annotations
 
@@ -15,10 +18,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.async_engine import MAX_STREAM_BACKLOG, AsyncEngine
 from loraplex.engine.engine import RequestOutput
+from loraplex.engine.errors import StreamStalledError
 
 from loraplex.platform.lanes import lane_name
+from loraplex.platform.serving.streaming import STREAM_WRITE_TIMEOUT
 from loraplex.platform.worker_wire import (
     NDJSON,
     GenerateRequest,
@@ -106,9 +111,14 @@ class Relay:
                     self.last = out
                     self._buf.append(out)
                     self._ready.set()
+                    if len(self._buf) > MAX_STREAM_BACKLOG:
+                        raise StreamStalledError(f"the reader of request {self.req.request_id} fell more than "
+                                                 f"{MAX_STREAM_BACKLOG} outputs behind; the request was aborted")
         except asyncio.CancelledError:
             reason = "abort"
             raise
+        except StreamStalledError as exc:
+            reason, self.error = "abort", exc
         except Exception as exc:  # noqa: BLE001 - the engine refused or failed this request
             reason, self.error = "error", exc
         finally:
@@ -165,7 +175,7 @@ class NdjsonResponse:
                 writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
             failed = None if writer.cancelled() else writer.exception()
-            if failed is not None and not isinstance(failed, OSError):  # OSError: the client left
+            if failed is not None and not isinstance(failed, (OSError, ClientGone)):  # the client left
                 log.error("streaming %s failed", self.relay.req.request_id, exc_info=failed)
         finally:
             self.watcher.cancel()
@@ -173,7 +183,13 @@ class NdjsonResponse:
             self.state.relays.pop(self.relay.req.request_id, None)
             self.state.end()
 
-    async def _write(self, send) -> None:
+    async def _write(self, raw_send) -> None:
+        async def send(message: dict) -> None:
+            try:
+                await asyncio.wait_for(raw_send(message), STREAM_WRITE_TIMEOUT)
+            except asyncio.TimeoutError:
+                raise ClientGone from None  # it stopped reading: treated as gone
+
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
         relay, items = self.relay, self.first
         while True:

@@ -129,7 +129,7 @@ def test_invalid_request_fails_alone(aengine):
             await _collect(aengine, [5] * 2040, _greedy(20))
         # The loop survives: the next request works, also beside a concurrent bad one.
         return await asyncio.gather(_collect(aengine, [5, 6], _greedy(4)),
-                                    _collect(aengine, [7, 8], _greedy(10 ** 6)),
+                                    _collect(aengine, [7, 8], _greedy(30_000)),
                                     return_exceptions=True)
 
     good, bad = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
@@ -320,3 +320,32 @@ def test_adapters_through_the_client(tiny_llama_dir, tmp_path):
             ae.resolve_adapter("x")
     finally:
         ae.shutdown()
+
+
+def test_a_reader_that_stops_reading_has_its_request_aborted(tiny_llama_dir):
+    """The queue between the engine and a reader that stopped is bounded: past the backlog
+    the request is aborted in the engine; what was queued is still read, then the error."""
+    from loraplex.engine.errors import StreamStalledError
+
+    ae = AsyncEngine(_engine(tiny_llama_dir), max_stream_backlog=4)
+
+    async def main() -> tuple[list, BaseException | None, tuple]:
+        stream = ae.generate([5, 6, 7], _greedy(200))
+        got = [await anext(stream)]  # then the reader stops reading
+        idle = await _wait_idle(ae)  # only an abort ends the request before its 200 tokens
+        error = None
+        try:
+            async for out in stream:
+                got.append(out)
+        except StreamStalledError as exc:
+            error = exc
+        return got, error, idle
+
+    try:
+        got, error, (left, free, total) = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+    finally:
+        ae.shutdown()
+    assert isinstance(error, StreamStalledError)
+    assert left == 0 and free == total
+    assert not any(o.finished for o in got)
+    assert sum(len(o.new_token_ids) for o in got) < 200

@@ -1,10 +1,8 @@
-"""Specs, the unsupported-feature check, the compiled-grammar cache and compilation off
-the engine thread."""
+"""Specs, the unsupported-feature check, the schema caps, the compiled-grammar cache and
+the per-request matcher."""
 from __future__ import annotations
 
 import json
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
@@ -13,8 +11,10 @@ import torch
 from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.request import SamplingParams
 from loraplex.engine.sampler import Sampler, SampleRow
-from loraplex.engine.structured import StructuredOutput, UnsupportedSchemaError
-from loraplex.engine.structured.grammar import GrammarCache, StructuredConfig
+from loraplex.engine.structured import SchemaTooLargeError, StructuredOutput, UnsupportedSchemaError
+from loraplex.engine.structured import spec as caps
+from loraplex.engine.structured.compile_pool import CompilePool
+from loraplex.engine.structured.grammar import GrammarCompiler, RequestGrammar
 from loraplex.engine.tokenizer import Tokenizer
 
 OBJ = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}
@@ -70,37 +70,66 @@ def tokenizer(tiny_llama_dir) -> Tokenizer:
     return Tokenizer(tiny_llama_dir)
 
 
-def test_cache_is_keyed_by_spec_and_bounded(tokenizer):
-    cache = GrammarCache(tokenizer, tokenizer.vocab_size, StructuredConfig(cache_size=2))
+def test_cache_is_keyed_by_spec_hash_and_bounded(tokenizer):
+    pool = CompilePool(GrammarCompiler(tokenizer, tokenizer.vocab_size).compile, cache_size=2, max_per_tenant=8)
     specs = [StructuredOutput.json_schema({**OBJ, "title": str(i)}) for i in range(3)]
-    first = cache.compiled(specs[0])
-    assert cache.compiled(StructuredOutput.json_schema({**OBJ, "title": "0"})) is first
-    assert cache.compiled(StructuredOutput.json_schema({**OBJ, "title": "0"}, strict=True)) is not first
-    assert (cache.hits, cache.misses) == (1, 2)
-    cache.compiled(specs[1])
-    cache.compiled(specs[2])  # three distinct specs since specs[0]: it was evicted
-    assert cache.compiled(specs[0]) is not first
-    assert (cache.hits, cache.misses) == (1, 5)
-    cache.close()
+    first = pool.submit(specs[0])
+    assert pool.submit(StructuredOutput.json_schema({**OBJ, "title": "0"})) is first
+    assert pool.submit(StructuredOutput.json_schema({**OBJ, "title": "0"}, strict=True)) is not first
+    assert (pool.hits, pool.misses) == (1, 2)
+    pool.submit(specs[1])
+    pool.submit(specs[2])  # three distinct specs since specs[0]: it was evicted
+    assert pool.submit(specs[0]) is not first
+    assert (pool.hits, pool.misses) == (1, 5)
+    pool.close()
 
 
-def test_compilation_runs_off_the_caller_thread(tokenizer):
-    pool = ThreadPoolExecutor(1)
-    gate = threading.Event()
-    pool.submit(gate.wait)  # the only worker is busy: compilation must queue, not block us
-    cache = GrammarCache(tokenizer, tokenizer.vocab_size, executor=pool)
-    grammar = cache.request(StructuredOutput.json_schema(OBJ))
-    assert not grammar.ready() and not grammar.future.done()
-    gate.set()
-    grammar.future.result(timeout=60)
-    assert grammar.ready()
-    pool.shutdown()
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth - 1):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("schema,cap", [
+    ({"type": "object", "properties": {"a": {"type": "string", "description": "x" * caps.MAX_SCHEMA_BYTES}}},
+     "max_schema_bytes"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(caps.MAX_SCHEMA_PROPERTIES + 1)}},
+     "max_schema_properties"),
+    (_nested(caps.MAX_SCHEMA_DEPTH + 1), "max_schema_depth"),
+    ({"anyOf": [{"enum": list(range(600))}, {"enum": list(range(401))}]}, "max_schema_enum_values"),
+    ({"type": "string", "pattern": "a{3000}"}, "max_schema_pattern_repeat"),
+    ({"type": "string", "pattern": "a" * (caps.MAX_SCHEMA_PATTERN_CHARS + 1)}, "max_schema_pattern_chars"),
+])
+def test_schemas_over_a_cap_are_refused_naming_it(schema, cap):
+    with pytest.raises(SchemaTooLargeError, match=cap) as err:
+        StructuredOutput.json_schema(schema)
+    assert err.value.cap_name == cap and str(err.value.cap) in str(err.value)
+    assert isinstance(err.value, InvalidRequestError)  # the API answers 400
+
+
+def test_schemas_at_the_caps_are_accepted():
+    StructuredOutput.json_schema(_nested(caps.MAX_SCHEMA_DEPTH))
+    StructuredOutput.json_schema({"type": "string", "pattern": "a{%d}" % caps.MAX_PATTERN_REPEAT})
+    StructuredOutput.json_schema({"type": "object", "properties": {
+        f"p{i}": {"type": "integer"} for i in range(caps.MAX_SCHEMA_PROPERTIES)}})
+
+
+def test_tool_caps_count_every_function_together():
+    def tool(i: int, props: int) -> dict:
+        return {"type": "function", "function": {"name": f"f{i}", "parameters": {
+            "type": "object", "properties": {f"p{j}": {"type": "integer"} for j in range(props)}}}}
+    half = caps.MAX_SCHEMA_PROPERTIES // 2 + 1
+    with pytest.raises(SchemaTooLargeError, match="max_schema_properties"):
+        StructuredOutput.tool_call([tool(0, half), tool(1, half)])
+    with pytest.raises(SchemaTooLargeError, match="max_tools"):
+        StructuredOutput.tool_call([tool(i, 0) for i in range(caps.MAX_TOOLS + 1)])
 
 
 def test_bitmask_rows_only_for_rows_with_a_grammar(tokenizer):
-    cache = GrammarCache(tokenizer, tokenizer.vocab_size)
-    grammar = cache.request(StructuredOutput.json_schema(OBJ, strict=True))
-    grammar.future.result(timeout=60)
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+    grammar = RequestGrammar(compiler.compile(StructuredOutput.json_schema(OBJ, strict=True)),
+                             compiler.stop_token_ids)
     vocab = tokenizer.vocab_size
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
     rows = [SampleRow(SamplingParams(temperature=0), 0), SampleRow(SamplingParams(temperature=0), 0, grammar=grammar),
@@ -123,18 +152,3 @@ def test_bitmask_rows_only_for_rows_with_a_grammar(tokenizer):
     grammar.fill_bitmask(bitmask, 0)
     allowed = [t for t in range(vocab) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
     assert allowed == sorted(tokenizer.eos_token_ids)
-    cache.close()
-
-
-def test_a_failed_compilation_ends_the_request_instead_of_the_step(tokenizer):
-    from concurrent.futures import Future
-
-    from loraplex.engine.structured.grammar import RequestGrammar
-
-    fut: Future = Future()
-    fut.set_exception(MemoryError("out of memory while compiling"))
-    grammar = RequestGrammar(fut, tokenizer.eos_token_ids)
-    assert grammar.ready() and grammar.terminated
-    row = SampleRow(SamplingParams(temperature=0.7, seed=1), 0, grammar=grammar)
-    tokens, _ = Sampler().sample(torch.randn(1, tokenizer.vocab_size), [row])
-    assert tokens[0] in tokenizer.eos_token_ids and isinstance(grammar.error, MemoryError)

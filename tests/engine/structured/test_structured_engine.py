@@ -1,19 +1,20 @@
 """Constrained generation through the whole engine on the tiny llama (SmolLM2's tokenizer)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
 
 from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.request import SamplingParams
 from loraplex.engine.structured import StructuredOutput, UnsupportedSchemaError
-from loraplex.engine.structured.grammar import GrammarCache
+from loraplex.engine.structured.compile_pool import CompilePool
 
 # Bounded strings, numbers and arrays: a random model's greedy output still ends.
 SCHEMAS = {
@@ -144,34 +145,56 @@ def test_logit_bias_outside_the_vocabulary_is_refused(engine):
 
 
 def test_grammars_are_compiled_once_per_schema(engine):
-    cache = engine.grammars
+    pool = engine.grammar_pool
     schema = {"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"]}
-    misses, hits = cache.misses, cache.hits
+    misses, hits = pool.misses, pool.hits
     engine.generate(_prompts(3, seed=5), _json(schema, max_tokens=20))
-    assert (cache.misses - misses, cache.hits - hits) == (1, 2)
+    assert (pool.misses - misses, pool.hits - hits) == (1, 2)
     engine.generate(_prompts(1, seed=6), _json(schema, max_tokens=20))
-    assert (cache.misses - misses, cache.hits - hits) == (1, 3)
+    assert (pool.misses - misses, pool.hits - hits) == (1, 3)
 
 
-def test_a_request_waits_for_its_grammar_without_stalling_others(engine):
-    pool = ThreadPoolExecutor(1)
-    gate = threading.Event()
-    pool.submit(gate.wait)
-    saved, engine.grammars = engine.grammars, GrammarCache(engine.tokenizer, engine.arch.vocab_size, executor=pool)
-    try:
-        slow = engine.add_request(_prompts(1, seed=7)[0], _json(SCHEMAS["enum"]))
-        fast = engine.add_request(_prompts(1, seed=8)[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
-        outs = []
-        while fast in engine.scheduler.requests:
-            outs += engine.step()
-        assert {o.request_id for o in outs} == {fast}
-        assert engine.scheduler.requests[slow].num_computed_tokens == 0
+def test_the_engine_thread_never_compiles_and_a_slow_compile_stalls_no_one(engine):
+    """Tenant A's schema compiles for as long as the test holds it; tenant B's json_object
+    request (and a plain one) are served meanwhile, and A's runs once its grammar is ready."""
+    gate, started, threads = threading.Event(), threading.Event(), []
+    slow_spec = StructuredOutput.json_schema(SCHEMAS["enum"], strict=True)
+
+    def compile_fn(spec: StructuredOutput):
+        threads.append(threading.current_thread().name)
+        if spec == slow_spec:
+            started.set()
+            gate.wait()
+        return engine.grammars.compile(spec)
+
+    saved = engine.grammar_pool
+    engine.grammar_pool = CompilePool(compile_fn, threads=2, deadline=600)
+    aengine = AsyncEngine(engine)
+    events: list[str] = []
+
+    async def run(name: str, sampling: SamplingParams, tenant: str) -> str:
+        text = "".join([o.new_text async for o in aengine.generate(_prompts(1, seed=len(name))[0], sampling,
+                                                                   tenant=tenant)])
+        events.append(name)
+        return text
+
+    async def main() -> str:
+        slow = asyncio.ensure_future(run("A", _json(SCHEMAS["enum"], max_tokens=40), "a"))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait)
+        await run("B", SamplingParams(max_tokens=30, temperature=0, structured_output=StructuredOutput.json_object()),
+                  "b")
+        await run("plain", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), "b")
+        assert not slow.done()
         gate.set()
-        text = ""
-        while engine.has_unfinished_requests():
-            text += "".join(o.new_text for o in engine.step() if o.request_id == slow)
-        jsonschema.validate(json.loads(text), SCHEMAS["enum"])
+        return await slow
+
+    try:
+        text = asyncio.run(asyncio.wait_for(main(), 600))
     finally:
         gate.set()
-        engine.grammars = saved
-        pool.shutdown()
+        aengine.shutdown()
+        engine.grammar_pool.close()
+        engine.grammar_pool = saved
+    assert events == ["B", "plain", "A"]
+    jsonschema.validate(json.loads(text), SCHEMAS["enum"])
+    assert threads and all(t.startswith("loraplex-grammar") for t in threads)

@@ -11,12 +11,16 @@ from loraplex.engine.errors import (
     PromptTooLongError,
     UnknownAdapterError,
 )
+from loraplex.engine.errors import StreamStalledError
+from loraplex.engine.structured.compile_pool import GrammarPoolBusyError, GrammarQueueFullError, GrammarTimeoutError
+from loraplex.engine.request import MAX_LOGIT_BIAS, MAX_REQUEST_LOGPROB_ENTRIES, MAX_REQUEST_OUTPUT_TOKENS
 from loraplex.platform.errors import (
     AuthenticationError,
     BadRequestError,
     ModelNotFoundError,
     PermissionDeniedError,
     RateLimitedError,
+    RegistryUnavailableError,
     ShuttingDownError,
     api_error,
 )
@@ -127,6 +131,11 @@ def test_prompt_filling_the_context_is_413():
     (EngineDeadError("x"), 503, "unavailable"),
     (ShuttingDownError("x"), 503, "unavailable"),
     (RuntimeError("secret internals"), 500, "internal_error"),
+    (GrammarTimeoutError("x"), 400, "grammar_compile_timeout"),
+    (GrammarQueueFullError("x"), 429, "grammar_compile_queue_full"),
+    (GrammarPoolBusyError("x"), 503, "overloaded"),
+    (StreamStalledError("x"), 408, "stream_stalled"),
+    (RegistryUnavailableError("x"), 503, "adapter_registry_unavailable"),
 ])
 def test_error_mapping(exc, status, code):
     err = api_error(exc)
@@ -134,7 +143,7 @@ def test_error_mapping(exc, status, code):
     body = err.body()["error"]
     assert set(body) == {"message", "type", "param", "code"}
     assert "secret" not in body["message"]
-    if status == 429:
+    if code == "rate_limit_exceeded":
         assert err.headers["Retry-After"] == "7"
     if code == "overloaded":
         assert "Retry-After" in err.headers
@@ -153,3 +162,26 @@ def test_malformed_lanes_name_their_field(bad):
         with pytest.raises(BadRequestError) as e:
             Gateway.requested_lane(bad, None)
         assert e.value.param == "x-loraplex-lane"
+
+
+@pytest.mark.parametrize("extra,param,cap", [
+    ({"logit_bias": {str(t): 1 for t in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias", "max_logit_bias_entries"),
+    ({"n": 64, "max_tokens": 8000}, "max_tokens", "max_request_output_tokens"),
+    ({"max_tokens": 8000, "logprobs": True, "top_logprobs": 20}, "max_tokens", "max_request_logprob_entries"),
+])
+def test_what_one_request_may_cost_is_capped_naming_the_cap(extra, param, cap):
+    with pytest.raises(BadRequestError, match=cap) as err:
+        parse_chat({"messages": [{"role": "user", "content": "hi"}], **extra}, TOK, 100_000)
+    assert err.value.param == param
+
+
+def test_caps_allow_what_fits_and_bound_the_default_max_tokens():
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    r = parse_chat({**body, "logit_bias": {str(t): 1 for t in range(MAX_LOGIT_BIAS)}}, TOK, 100_000)
+    assert len(r.sampling.logit_bias) == MAX_LOGIT_BIAS
+    r = parse_chat({**body, "n": 64}, TOK, 100_000)  # no max_tokens: the default fits the cap
+    assert r.sampling.max_tokens * 64 <= MAX_REQUEST_OUTPUT_TOKENS
+    r = parse_chat({**body, "n": 2, "logprobs": True, "top_logprobs": 20}, TOK, 100_000)
+    assert r.sampling.max_tokens * 2 * 21 <= MAX_REQUEST_LOGPROB_ENTRIES
+    r = parse_completion({"prompt": "x", "best_of": 4, "max_tokens": MAX_REQUEST_OUTPUT_TOKENS // 4}, TOK, 100_000)
+    assert r.sampling.n == 4

@@ -56,3 +56,15 @@ def test_prompts_that_cannot_fit_are_refused_by_their_length():
     with pytest.raises(PromptTooLongError):
         check_prompt_chars(chat, True, 256, 10)
     check_prompt_chars({"prompt": [1, 2, 3]}, False, 256, 10)  # token ids: counted by the parser
+
+
+def test_tool_definitions_count_toward_the_prompt_bound():
+    messages = [{"role": "user", "content": "hi"}]
+    # Keys count too: a tool list of long property names and no string values is still text.
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"p" * 100 + str(i): {} for i in range(110)}}}}]
+    with pytest.raises(PromptTooLongError, match="tool definitions"):
+        check_prompt_chars({"messages": messages, "tools": tools}, True, 256, 10)
+    check_prompt_chars({"messages": messages, "tools": tools[:0]}, True, 256, 10)
+    check_prompt_chars({"messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]},
+                       True, 256, 10)

@@ -27,6 +27,9 @@ HERMES_CASES = [
     ('<tool_call>{"arguments": {"q": 1}, "name": "late_name"}</tool_call>', "", [("late_name", {"q": 1})]),
     ("no calls here, just a < sign and <tool", "no calls here, just a < sign and <tool", []),
     ("<tool_call>not json</tool_call> after", "<tool_call>not json</tool_call> after", []),
+    # A head longer than HEAD_MAX: parsed whole at the call's end.
+    ('<tool_call>{"name": "' + "n" * 1500 + '", "arguments": {"a": "}"}}</tool_call>x', "x",
+     [("n" * 1500, {"a": "}"})]),
 ]
 
 
@@ -104,3 +107,21 @@ def test_family_is_told_by_the_chat_template():
     assert parser_family("{{'<|im_start|>'}}{% if tools %}<tool_call>{% endif %}") == "hermes"
     assert parser_family("{{'<|start_header_id|>'}}...<|eot_id|>{% if tools %}<|python_tag|>{% endif %}") \
         == "llama3_json"
+
+
+def test_hermes_holds_bounded_state_per_delta():
+    """What the parser rescans on each delta stays bounded however long a call runs (the
+    8,000 deltas of one unterminated name that once cost seconds of event-loop time)."""
+    p = HermesParser()
+    text = '<tool_call>{"name": "'
+    p.feed(text)
+    for _ in range(8000):
+        p.feed("abcd")
+        text += "abcd"
+        assert len(p.head) <= HermesParser.HEAD_MAX and len(p.held) < len(HermesParser.END)
+    assert [e.text for e in p.finish() if isinstance(e, Content)] == [text]  # cut short: shown as it was
+    p = HermesParser()
+    p.feed('<tool_call>{"name": "f", "arguments": {"a": "')
+    for _ in range(8000):
+        p.feed("ab}c")  # every delta lets the text before its brace go
+        assert p.pending_len <= len("}c")

@@ -57,3 +57,50 @@ def test_outputs_a_slow_client_missed_are_coalesced(blob_engine, tmp_path):
     assert len(outputs) == 2 and lines[-1]["type"] == "stats"
     assert len(outputs[0]["new_token_ids"]) < 20 and outputs[1]["finished"]
     assert [t for o in outputs for t in o["new_token_ids"]] == whole
+
+
+def test_a_client_that_stops_reading_has_its_request_aborted(blob_engine, tmp_path, monkeypatch):
+    """The relay's buffer is bounded: past the backlog the request is aborted in the engine
+    and the stream ends with a StreamStalledError line once the client reads again."""
+    from loraplex.platform.worker import stream as stream_module
+
+    monkeypatch.setattr(stream_module, "MAX_STREAM_BACKLOG", 4)
+    engine = AsyncEngine(blob_engine[0])
+    sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    async def run() -> list[dict]:
+        state = WorkerState(WorkerConfig("sqlite://", tmp_path), "tiny")
+        state.attach(engine, None)
+        relay = Relay(state, GenerateRequest("stalled", [1, 2, 3, 4], sampling))
+        state.begin()
+        relay.start(engine)
+        first = await relay.take()
+        reading, chunks = asyncio.Event(), []
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                chunks.append(message["body"])
+                if len(chunks) == 1:
+                    await reading.wait()  # the client stops reading
+
+        stays: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def receive() -> dict:
+            return await stays
+
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
+        task = asyncio.ensure_future(NdjsonResponse(state, relay, first, watcher, {})({}, receive, send))
+        while not relay.done:  # only the backlog ends it before its 40 tokens
+            await asyncio.sleep(0.01)
+        reading.set()
+        await task
+        return [orjson.loads(line) for line in b"".join(chunks).splitlines()]
+
+    try:
+        lines = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert lines[-1]["type"] == "error" and lines[-1]["error"]["type"] == "StreamStalledError"
+    outputs = [line for line in lines if line["type"] == "output"]
+    assert not any(o["finished"] for o in outputs)
+    assert sum(len(o["new_token_ids"]) for o in outputs) < 40

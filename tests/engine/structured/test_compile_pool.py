@@ -1,0 +1,146 @@
+"""The grammar compile pool: round-robin between tenants, one running compile per tenant,
+a per-tenant cap, the deadline, and real xgrammar compiles through it."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from loraplex.engine.structured import StructuredOutput
+from loraplex.engine.structured.compile_pool import (
+    CompilePool,
+    GrammarPoolBusyError,
+    GrammarQueueFullError,
+    GrammarTimeoutError,
+)
+from loraplex.engine.structured.grammar import GrammarCompiler
+from loraplex.engine.tokenizer import Tokenizer
+
+
+def _spec(tag: str) -> StructuredOutput:
+    return StructuredOutput.json_schema({"type": "object", "title": tag,
+                                         "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+
+
+class Recorder:
+    """Real compiles, in the order the pool ran them; a spec in `held` waits for its gate."""
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self.order: list[str] = []
+        self.held: dict[str, threading.Event] = {}
+        self.started: dict[str, threading.Event] = {}
+
+    def hold(self, tag: str) -> threading.Event:
+        self.started[tag] = threading.Event()
+        self.held[tag] = threading.Event()
+        return self.held[tag]
+
+    def __call__(self, spec: StructuredOutput):
+        tag = spec_tag(spec)
+        self.order.append(tag)
+        if tag in self.held:
+            self.started[tag].set()
+            self.held[tag].wait()
+        return self.compiler.compile(spec)
+
+
+def spec_tag(spec: StructuredOutput) -> str:
+    import json
+    return json.loads(spec.spec)["title"]
+
+
+@pytest.fixture(scope="module")
+def compiler(tiny_llama_dir) -> GrammarCompiler:
+    tok = Tokenizer(tiny_llama_dir)
+    return GrammarCompiler(tok, tok.vocab_size)
+
+
+def test_tenants_take_turns_however_many_one_queued(compiler):
+    rec = Recorder(compiler)
+    gate = rec.hold("a0")
+    pool = CompilePool(rec, threads=1, max_per_tenant=8)
+    try:
+        futures = [pool.submit(_spec("a0"), "a")]
+        rec.started["a0"].wait()
+        futures += [pool.submit(_spec(f"a{i}"), "a") for i in range(1, 5)]
+        futures += [pool.submit(_spec("b0"), "b"), pool.submit(_spec("c0"), "c"), pool.submit(_spec("b1"), "b")]
+        gate.set()
+        for f in futures:
+            f.result(timeout=120)
+        # After a0: b and c each get a turn before a's second compile, b's second after a1.
+        assert rec.order == ["a0", "b0", "c0", "a1", "b1", "a2", "a3", "a4"]
+    finally:
+        gate.set()
+        pool.close()
+
+
+def test_a_tenant_with_a_compile_running_never_takes_a_second_worker(compiler):
+    rec = Recorder(compiler)
+    gate = rec.hold("a0")
+    pool = CompilePool(rec, threads=2)
+    try:
+        a0 = pool.submit(_spec("a0"), "a")
+        rec.started["a0"].wait()
+        a1 = pool.submit(_spec("a1"), "a")
+        b0 = pool.submit(_spec("b0"), "b")
+        b0.result(timeout=120)  # the free worker served b, not a's second compile
+        assert not a0.done() and not a1.running() and not a1.done()
+        gate.set()
+        a1.result(timeout=120)
+        assert rec.order == ["a0", "b0", "a1"]
+    finally:
+        gate.set()
+        pool.close()
+
+
+def test_one_tenant_over_its_cap_is_refused_and_others_are_not(compiler):
+    rec = Recorder(compiler)
+    gate = rec.hold("a0")
+    pool = CompilePool(rec, threads=1, max_per_tenant=2)
+    try:
+        pool.submit(_spec("a0"), "a")
+        pool.submit(_spec("a1"), "a")
+        with pytest.raises(GrammarQueueFullError, match="max_compiles_per_tenant"):
+            pool.submit(_spec("a2"), "a")
+        assert pool.submit(_spec("a0"), "a") is not None  # a cached (in flight) spec queues nothing
+        b0 = pool.submit(_spec("b0"), "b")
+        gate.set()
+        b0.result(timeout=120)
+        pool.submit(_spec("a2"), "a").result(timeout=120)  # its slots came back
+    finally:
+        gate.set()
+        pool.close()
+
+
+def test_deadline_refuses_a_compile_still_running_and_one_never_started(compiler):
+    rec = Recorder(compiler)
+    gate = rec.hold("a0")
+    pool = CompilePool(rec, threads=1, deadline=0.05)
+    try:
+        with pytest.raises(GrammarTimeoutError, match="compile_deadline"):
+            asyncio.run(pool.compile(_spec("a0"), "a"))
+        with pytest.raises(GrammarPoolBusyError):
+            asyncio.run(pool.compile(_spec("b0"), "b"))
+        gate.set()
+        # The late compile finished into the cache: the same schema is served from it.
+        pool.submit(_spec("a0"), "a").result(timeout=120)
+        hits = pool.hits
+        asyncio.run(pool.compile(_spec("a0"), "a"))
+        assert pool.hits == hits + 1
+    finally:
+        gate.set()
+        pool.close()
+
+
+def test_a_failed_compile_is_not_cached(compiler):
+    pool = CompilePool(compiler.compile, threads=1)
+    bad = StructuredOutput.json_schema({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}})
+    try:
+        first = pool.submit(bad, "a")
+        with pytest.raises(Exception):
+            first.result(timeout=120)
+        assert pool.submit(bad, "a") is not first
+    finally:
+        pool.close()
