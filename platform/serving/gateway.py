@@ -21,6 +21,7 @@ from loraplex.platform.lanes import lane_name
 from loraplex.platform.observability.request_id import current_request_id
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
 from loraplex.platform.serving.metrics import Metrics
+from loraplex.platform.serving.prompt_batch import PromptTally, merge_prompt_streams
 from loraplex.platform.serving.protocol import GenRequest
 from loraplex.platform.serving.wire import TokenText
 from loraplex.platform.settings import Settings
@@ -129,7 +130,7 @@ class Gateway:
         first awaited: admission runs then, so a stream never started was never admitted."""
         self.check_serving()
         ctx = RequestContext(f"{prefix}-{uuid.uuid4().hex}", principal, adapter or self.model_name, adapter,
-                             lane, len(req.prompt), req.sampling.max_tokens * req.sampling.n)
+                             lane, sum(map(len, req.prompts)), req.sampling.max_tokens * req.num_sequences)
         ref = self.adapter_ref(adapter) if adapter is not None else None
         if ref is not None:
             ctx.adapter_digest = ref.digest
@@ -169,11 +170,8 @@ class Gateway:
         first, times, t_first = True, None, t0
         generated: dict[int, int] = {}  # per choice (n > 1): every choice's tokens are metered
         m.request_started(ctx.adapter, ctx.lane)
-        p = ctx.principal
-        stream = self.engine.generate(req.prompt, req.sampling, request_id=ctx.request_id, lane=ctx.lane,
-                                      adapter=ref or ctx.adapter, cache_salt=f"tenant-{p.tenant_id}",
-                                      tenant=str(p.tenant_id), tenant_weight=p.weight,
-                                      timeout=p.request_timeout or self.settings.request_timeout)
+        stream = self._engine_stream(ctx, req, ref, trace)
+        tally = PromptTally(list(map(len, req.prompts)), req.sampling.n)
         try:
             async with aclosing(stream):
                 # Each await carries the request's span: a remote engine's worker continues its trace.
@@ -183,11 +181,11 @@ class Gateway:
                     if not out.new_token_ids and not out.finished:
                         continue  # prefill progress: no token yet
                     now = time.perf_counter()
+                    tally.add(out)
+                    ctx.num_cached_tokens, ctx.num_prompt_tokens = tally.cached_tokens, tally.prompt_tokens
                     if first and out.new_token_ids:
                         first = False
                         ctx.first_token_at = time.time()
-                        ctx.num_cached_tokens = out.num_cached_tokens
-                        ctx.num_prompt_tokens = out.num_prompt_tokens or ctx.num_prompt_tokens
                         times, t_first = (out.queue_time, out.prefill_time), now
                         m.first_token(ctx.adapter, ctx.lane, now - t0, out.num_prompt_tokens, *times)
                     elif out.new_token_ids:
@@ -205,6 +203,8 @@ class Gateway:
         finally:
             ctx.finish_reason = ctx.finish_reason or "abort"  # cancelled or closed early
             ctx.finished_at = time.time()
+            if len(req.prompts) > 1:  # some prompts may not have run at all
+                ctx.num_prompt_tokens = tally.billed_prompt_tokens(ctx.num_processed_prompt_tokens)
             end = time.perf_counter()
             m.request_finished(ctx.adapter, ctx.lane, first, end - t0, ctx.finish_reason,
                                None if first else end - t_first, ctx.num_output_tokens)
@@ -214,4 +214,17 @@ class Gateway:
                     await self.hooks.finish(ctx)
             trace.end(finish_reason=ctx.finish_reason, prompt_tokens=ctx.num_prompt_tokens,
                       output_tokens=ctx.num_output_tokens)
+
+    def _engine_stream(self, ctx: RequestContext, req: GenRequest, ref: AdapterRef | None,
+                       trace) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for the request: one engine request per prompt, merged."""
+        p = ctx.principal
+        kwargs = dict(lane=ctx.lane, adapter=ref or ctx.adapter, cache_salt=f"tenant-{p.tenant_id}",
+                      tenant=str(p.tenant_id), tenant_weight=p.weight,
+                      timeout=p.request_timeout or self.settings.request_timeout)
+        if len(req.prompts) == 1:
+            return self.engine.generate(req.prompt, req.sampling, request_id=ctx.request_id, **kwargs)
+        streams = [self.engine.generate(prompt, req.sampling, request_id=f"{ctx.request_id}-{i}", **kwargs)
+                   for i, prompt in enumerate(req.prompts)]
+        return merge_prompt_streams(streams, req.sampling.n, ctx.request_id, trace.carried)
 

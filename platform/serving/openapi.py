@@ -59,10 +59,12 @@ def openai_openapi(limits: ServerLimits = ServerLimits()) -> dict[str, Any]:
         "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": {"type": "boolean"},
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}}
+    text = {"type": "string", "minLength": 1}
+    ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
     completion = {"type": "object", "required": ["prompt"], "properties": {
         **_sampling(limits),
-        "prompt": {"oneOf": [{"type": "string", "minLength": 1},
-                             {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]},
+        "prompt": {"oneOf": [text, ids, {"type": "array", "minItems": 1, "maxItems": limits.max_prompts,
+                                         "items": {"oneOf": [text, ids]}}]},
         "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}}
     body_note = f"JSON, at most {limits.max_body_bytes} bytes, nested at most {limits.max_json_depth} deep"
 

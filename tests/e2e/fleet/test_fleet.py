@@ -69,6 +69,31 @@ def test_greedy_outputs_match_serve(fleet):
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
 
 
+def test_prompt_lists_fan_out_across_workers_and_match_serve(fleet):
+    """A list of prompts with n: the gateway sends one request per prompt to the workers
+    and answers as `serve` does, streamed or not; one usage event for the request."""
+    name, key = _tenant(fleet)
+    prompts = ["The quick brown fox", [5, 6, 7, 8, 9], "Once upon a time, in a land"]
+    kw = dict(prompt=prompts, n=2, **GREEDY)
+    for model in (fleet.model, "ad1"):
+        want = fleet.serve_client().completions.create(model=model, **kw)
+        got = fleet.client(0, key).completions.create(model=model, **kw)
+        assert [(c.index, c.text) for c in got.choices] == [(c.index, c.text) for c in want.choices]
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens
+        assert got.usage.completion_tokens == want.usage.completion_tokens == 3 * 2 * 12
+        texts: dict[int, str] = {}
+        for chunk in fleet.client(1, key).completions.create(model=model, stream=True, **kw):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+        assert [texts[i] for i in range(6)] == [c.text for c in want.choices]
+    deadline = time.monotonic() + 30
+    while len(events := export_events(fleet.db, name)) < 4:
+        assert time.monotonic() < deadline, events
+        time.sleep(0.2)
+    assert len(events) == 4 and all(e["completion_tokens"] == 72 for e in events)
+    assert {e["prompt_tokens"] for e in events} == {want.usage.prompt_tokens}
+
+
 def test_an_adapter_lands_on_its_home_worker_and_spills_when_overloaded(fleet):
     digest = fleet.digests["ad2"]
     before = _counts(fleet, "ad2", digest)
