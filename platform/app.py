@@ -23,6 +23,7 @@ from loraplex.platform.serving.metrics import CONTENT_TYPE, Metrics
 from loraplex.platform.serving.openai_routes import openai_routes
 from loraplex.platform.serving.openapi import openai_openapi
 from loraplex.platform.serving.request_limits import ParsePool
+from loraplex.platform.serving.tokenize_routes import tokenize_routes
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy.throttle import ThrottleConfig
 from loraplex.platform.metering.hooks import UsageHooks
@@ -131,6 +132,8 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
         Route("/v1/openapi.json", openai_document, methods=["GET"]),
         Mount("/v1", routes=openai_routes()),
         Mount("/adapters/{adapter}/v1", routes=openai_routes()),
+        *tokenize_routes(),  # vLLM's /tokenize and /detokenize
+        Mount("/adapters/{adapter}", routes=tokenize_routes()),
         *admin_routes(),  # /admin/api/... (JSON) and /admin/ (the UI)
     ]
     # Every request gets an id (the client's x-request-id when sane): in the response

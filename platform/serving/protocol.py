@@ -165,15 +165,24 @@ def _max_tokens(body: dict, names: tuple[str, ...], prompt_len: int, max_model_l
     return room if default is None else min(default, room)
 
 
-def parse_chat(body: dict, tokenizer, max_model_len: int) -> GenRequest:
-    _check_common(body, chat=True)
-    if "messages" not in body:
-        raise BadRequestError("messages is required", "messages")
+def chat_prompt(body: dict, tokenizer, add_generation_prompt: bool = True) -> tuple[list[int], ToolRequest | None]:
+    """A chat's prompt as the model's chat template renders it (tools included), and its
+    tool request."""
     template = getattr(tokenizer, "chat_template", None)
     tools = parse_tools(body)
     tools = tools.for_template(template) if tools is not None else None
     messages, tool_defs = prepare_messages(body["messages"], tools, template_supports_tools(template))
-    prompt = tokenizer.apply_chat_template(messages, **({"tools": tool_defs} if tool_defs else {}))
+    extra = {"tools": tool_defs} if tool_defs else {}
+    if not add_generation_prompt:
+        extra["add_generation_prompt"] = False
+    return tokenizer.apply_chat_template(messages, **extra), tools
+
+
+def parse_chat(body: dict, tokenizer, max_model_len: int) -> GenRequest:
+    _check_common(body, chat=True)
+    if "messages" not in body:
+        raise BadRequestError("messages is required", "messages")
+    prompt, tools = chat_prompt(body, tokenizer)
     structured = response_format(body)
     constraint = tools.constraint() if tools is not None else None
     if structured is not None and constraint is not None:
