@@ -4,6 +4,7 @@ they parse with."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 from loraplex.platform.settings import DEFAULT_ADAPTER_CACHE_BYTES, ServerLimits, Settings
@@ -104,3 +105,49 @@ def server_settings(args: argparse.Namespace) -> dict:
                           max_body_bytes=args.max_body_size)
     return {"limits": limits, "metrics_host": args.metrics_host, "metrics_port": args.metrics_port or None,
             "forwarded_allow_ips": args.forwarded_allow_ips, "admin_max_upload_bytes": args.max_upload_size}
+
+
+def lora_module_arg(text: str) -> tuple[str, str, str | None]:
+    """One of vLLM's `--lora-modules`: NAME=PATH, or the JSON form
+    {"name": ..., "path": ..., "base_model_name": ...} -> (name, path, base model or None)."""
+    if text.lstrip().startswith("{"):
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--lora-modules: not valid JSON: {text!r}") from None
+        name, path, base = doc.get("name"), doc.get("path"), doc.get("base_model_name")
+        unknown = sorted(set(doc) - {"name", "path", "base_model_name"})
+        if unknown or not isinstance(name, str) or not name or not isinstance(path, str) or not path \
+                or not (base is None or isinstance(base, str)):
+            raise argparse.ArgumentTypeError(
+                '--lora-modules takes NAME=PATH or {"name": ..., "path": ..., "base_model_name": ...}, '
+                f"got {text!r}")
+        return name, path, base
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes NAME=PATH (or its JSON form), got {text!r}")
+    return name, path, None
+
+
+def lora_modules_option(p: argparse.ArgumentParser) -> None:
+    """vLLM's spelling of `--adapter`, so a vLLM launch line ports over."""
+    p.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module_arg, default=[],
+                   metavar="NAME=PATH|JSON",
+                   help="vLLM's form of --adapter: NAME=PATH or '{\"name\": ..., \"path\": ..., "
+                        "\"base_model_name\": ...}', several after one flag")
+
+
+def adapters_from_args(args: argparse.Namespace, model_names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """--adapter and --lora-modules together; a module for another base model, or a name
+    given twice, is a ValueError."""
+    out = list(getattr(args, "adapter", []) or [])
+    for name, path, base in getattr(args, "lora_modules", []) or []:
+        if base is not None and base not in model_names:
+            raise ValueError(f"--lora-modules {name}: base_model_name {base!r} is not the model served here "
+                             f"({', '.join(repr(n) for n in model_names)})")
+        out.append((name, path))
+    names = [n for n, _ in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"adapter {twice[0]!r} is given twice (--adapter / --lora-modules)")
+    return tuple(out)
