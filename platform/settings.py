@@ -123,6 +123,8 @@ class Settings:
     otlp_endpoint: str | None = None
     # The traces' service.name: tells `serve` from a `gateway` in the tracing backend.
     service_name: str = "loraplex"
+    # GAIE InferenceObjective names -> a lane name or a GAIE priority (serving/gaie.py).
+    inference_objectives: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())

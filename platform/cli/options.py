@@ -7,6 +7,7 @@ import argparse
 import json
 import re
 
+from loraplex.platform.serving.gaie import parse_objective
 from loraplex.platform.settings import DEFAULT_ADAPTER_CACHE_BYTES, ServerLimits, Settings
 
 # What clears a limit or a timeout on the command line.
@@ -97,6 +98,10 @@ def server_options(p: argparse.ArgumentParser) -> None:
                    help="request bodies of the OpenAI routes (default 4MiB)")
     g.add_argument("--max-upload-size", type=parse_size, default=Settings.admin_max_upload_bytes, metavar="SIZE",
                    help="adapter uploads through the admin API (default 1GiB)")
+    p.add_argument("--inference-objective", action="append", type=objective_arg, default=[],
+                   metavar="NAME=LANE|PRIORITY",
+                   help="a GAIE InferenceObjective (x-gateway-inference-objective) as a lane, or as its GAIE "
+                        "priority (>0 interactive, 0 standard, <0 batch); repeatable")
 
 
 def server_settings(args: argparse.Namespace) -> dict:
@@ -104,7 +109,19 @@ def server_settings(args: argparse.Namespace) -> dict:
                           keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
                           max_body_bytes=args.max_body_size)
     return {"limits": limits, "metrics_host": args.metrics_host, "metrics_port": args.metrics_port or None,
-            "forwarded_allow_ips": args.forwarded_allow_ips, "admin_max_upload_bytes": args.max_upload_size}
+            "forwarded_allow_ips": args.forwarded_allow_ips, "admin_max_upload_bytes": args.max_upload_size,
+            "inference_objectives": tuple(args.inference_objective)}
+
+
+def objective_arg(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise argparse.ArgumentTypeError(f"--inference-objective takes NAME=LANE|PRIORITY, got {text!r}")
+    try:
+        parse_objective(value.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--inference-objective: {exc}") from None
+    return name.strip(), value.strip()
 
 
 def lora_module_arg(text: str) -> tuple[str, str, str | None]:

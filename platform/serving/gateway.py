@@ -20,6 +20,7 @@ from loraplex.platform.errors import ModelNotFoundError, ShuttingDownError
 from loraplex.platform.lanes import lane_name
 from loraplex.platform.observability.request_id import current_request_id
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
+from loraplex.platform.serving.gaie import lower_lane, objective_lane, parse_objective
 from loraplex.platform.serving.metrics import Metrics
 from loraplex.platform.serving.prompt_batch import PromptTally, merge_prompt_streams
 from loraplex.platform.serving.protocol import GenRequest
@@ -96,6 +97,7 @@ class Gateway:
         self.draining = False
         self.started_at = int(time.time())
         self._adapter_refs: dict[str, tuple[AdapterRef, float]] = {}
+        self.objectives = {name: parse_objective(v) for name, v in settings.inference_objectives}
 
     # -- resolution -----------------------------------------------------------------
     def resolve_model(self, principal: Principal, model: object, path_adapter: str | None) -> str | None:
@@ -107,6 +109,12 @@ class Gateway:
         if not isinstance(name, str) or name not in principal.adapters:
             raise ModelNotFoundError(str(name))
         return name
+
+    def lane_for(self, principal: Principal, header: str | None, priority: object, objective: str | None) -> Lane:
+        """The request's lane: what its key allows (a 403 when asked for more), lowered by
+        a GAIE objective where the tenant may use the lower lane."""
+        lane = principal.lane_for(self.requested_lane(header, priority))
+        return lower_lane(lane, objective_lane(objective, self.objectives), principal.allowed_lanes)
 
     @staticmethod
     def requested_lane(header: str | None, priority: object) -> Lane | None:

@@ -30,6 +30,7 @@ from starlette.routing import Route
 from loraplex.engine.engine import RequestOutput
 
 from loraplex.platform.errors import api_error, error_response, mapping_of
+from loraplex.platform.serving.gaie import OBJECTIVE_HEADER
 from loraplex.platform.serving.gateway import LANE_HEADER, Gateway
 from loraplex.platform.serving.protocol import GenRequest, parse_chat, parse_completion
 from loraplex.platform.serving.request_limits import (
@@ -101,7 +102,8 @@ async def _generate(request: Request, gw: Gateway, chat: bool) -> Response:
     gw.check_serving()
     body = await _body(request, gw, chat)
     adapter = gw.resolve_model(principal, body.get("model"), request.path_params.get("adapter"))
-    lane = principal.lane_for(gw.requested_lane(request.headers.get(LANE_HEADER), body.get("priority")))
+    lane = gw.lane_for(principal, request.headers.get(LANE_HEADER), body.get("priority"),
+                       request.headers.get(OBJECTIVE_HEADER))
     parse = parse_chat if chat else parse_completion
     req = await request.app.state.parse_pool.run(parse, body, gw.tokenizer, gw.max_model_len)
     check_choices(req.num_sequences, gw.settings.limits)

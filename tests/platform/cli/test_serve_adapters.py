@@ -95,3 +95,16 @@ def test_vllms_lora_modules_spelling_beside_adapter(tmp_path, tiny_llama_dir):
     for bad in ("noequals", '{"name": "x"}', '{"name": "x", "path": "/p", "extra": 1}', "{not json"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--lora-modules", bad])
+
+
+def test_inference_objectives_from_the_command_line(tmp_path):
+    import pytest
+
+    from loraplex.platform.cli.main import build_parser, settings_from_args
+
+    args = build_parser().parse_args(["serve", "--data-dir", str(tmp_path), "--inference-objective", "premium=100",
+                                      "--inference-objective", "reports=batch"])
+    assert settings_from_args(args).inference_objectives == (("premium", "100"), ("reports", "batch"))
+    for bad in ("premium", "premium=urgent", "=batch"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--inference-objective", bad])
