@@ -12,6 +12,7 @@ included), so `count` is the `prompt_tokens` a completion of it reports.
   "return_token_strs": false, "tools": [...]}` -> `{"count", "max_model_len", "tokens",
   "token_strs"}`.
 - detokenize: `{"tokens": [int, ...]}` -> `{"prompt": str}`.
+- `GET /tokenizer_info`: the tokenizer's class, special tokens and chat template.
 
 The body, its JSON and the text are bounded as for a completion (request_limits.py), and
 tokenizing runs on the parse pool, never on the event loop.
@@ -123,5 +124,25 @@ async def detokenize(request: Request, gw: Gateway) -> Response:
                                                                  gw.max_model_len))
 
 
+def tokenizer_info_of(tokenizer, max_model_len: int) -> dict[str, Any]:
+    """What vLLM's /tokenizer_info tells (lm-evaluation-harness's remote tokenizer reads
+    it): the tokenizer's class, special tokens and chat template."""
+    hf = tokenizer.hf
+    info: dict[str, Any] = {"tokenizer_class": type(hf).__name__, "model_max_length": max_model_len,
+                            "chat_template": tokenizer.chat_template}
+    for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+        value = getattr(hf, name, None)
+        info[name] = value if isinstance(value, str) else None
+    return info
+
+
+@api_endpoint("tokenize")
+async def tokenizer_info(request: Request, gw: Gateway) -> Response:
+    principal = await gw.auth.authenticate(request.headers.get("authorization"), client_address(request))
+    gw.resolve_model(principal, None, request.path_params.get("adapter"))  # 404 unless allowed
+    return json_response(tokenizer_info_of(gw.tokenizer, gw.max_model_len))
+
+
 def tokenize_routes() -> list[Route]:
-    return [Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]
+    return [Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
+            Route("/tokenizer_info", tokenizer_info, methods=["GET"])]

@@ -82,3 +82,12 @@ def test_bad_input_is_a_400_naming_the_field(oa, path, body, param):
 def test_text_that_cannot_fit_is_refused_before_tokenizing(oa):
     r = _post(oa, "/tokenize", {"prompt": "x" * (oa.engine.max_model_len * oa.engine.tokenizer.max_token_chars * 5)})
     assert r.status_code == 413
+
+
+def test_tokenizer_info(oa):
+    r = httpx.get(f"{oa.url}/tokenizer_info", headers={"authorization": f"Bearer {oa.keys['acme']}"}, timeout=30)
+    assert r.status_code == 200
+    info, hf = r.json(), oa.engine.tokenizer.hf
+    assert (info["eos_token"], info["tokenizer_class"]) == (hf.eos_token, type(hf).__name__)
+    assert info["chat_template"] == oa.engine.tokenizer.chat_template
+    assert httpx.get(f"{oa.url}/tokenizer_info", timeout=30).status_code == 401
