@@ -94,6 +94,20 @@ def test_prompt_lists_fan_out_across_workers_and_match_serve(fleet):
     assert {e["prompt_tokens"] for e in events} == {want.usage.prompt_tokens}
 
 
+
+def test_a_gateway_tokenizes_as_serve_does(fleet):
+    """/tokenize and /detokenize on a gateway use the tokenizer a worker described."""
+    body = {"messages": [{"role": "user", "content": "Count the tokens"}], "return_token_strs": True}
+    want = httpx.post(fleet.serve.url + "/tokenize", json=body, timeout=60,
+                      headers={"authorization": f"Bearer {fleet.serve_key}"}).json()
+    got = httpx.post(fleet.gateways[1].url + "/adapters/ad1/tokenize", json=body, timeout=60,
+                     headers={"authorization": f"Bearer {fleet.key}"}).json()
+    assert got == want and got["count"] > 0
+    text = httpx.post(fleet.gateways[0].url + "/detokenize", json={"tokens": got["tokens"]}, timeout=60,
+                      headers={"authorization": f"Bearer {fleet.key}"}).json()["prompt"]
+    assert "Count the tokens" in text
+
+
 def test_an_adapter_lands_on_its_home_worker_and_spills_when_overloaded(fleet):
     digest = fleet.digests["ad2"]
     before = _counts(fleet, "ad2", digest)
