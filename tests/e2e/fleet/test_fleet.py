@@ -150,6 +150,29 @@ def test_an_adapter_uploaded_through_one_gateway_is_served_by_every_worker_throu
     assert all(n >= 1 for n in _counts(fleet, "ad3", digest)), _counts(fleet, "ad3", digest)
 
 
+def test_vllms_load_lora_adapter_through_a_gateway_reaches_every_worker(fleet, tiny_adapters):
+    """llm-d's adapter sidecar calls /v1/load_lora_adapter on a pool member: published to
+    the shared store, served through the other gateway by whichever worker gets it."""
+    admin = {"authorization": f"Bearer {P.ADMIN_TOKEN}"}
+    r = httpx.post(fleet.gateways[0].url + "/v1/load_lora_adapter", headers=admin, timeout=60,
+                   json={"lora_name": "side", "lora_path": str(tiny_adapters["ad3"])})
+    assert r.status_code == 200, r.text
+    want = fleet.serve_client().completions.create(model="ad3", prompt="Sidecar", **GREEDY).choices[0].text
+    via2 = fleet.client(1)
+    deadline = time.monotonic() + 15  # within gateway 2's auth cache TTL
+    while True:
+        try:
+            got = via2.completions.create(model="side", prompt="Sidecar", **GREEDY).choices[0].text
+            break
+        except openai.NotFoundError:
+            assert time.monotonic() < deadline, "gateway 2 never saw the adapter"
+            time.sleep(0.5)
+    assert got == want
+    r = httpx.post(fleet.gateways[1].url + "/v1/unload_lora_adapter", headers=admin, timeout=60,
+                   json={"lora_name": "side"})
+    assert r.status_code == 200, r.text
+
+
 def test_a_gateway_reports_the_fleet_on_its_metrics_port(fleet):
     fleet.client(0).completions.create(model="ad1", prompt="metrics", max_tokens=2)
     text = httpx.get(f"http://127.0.0.1:{fleet.metrics_port}/metrics", timeout=10).text
