@@ -37,6 +37,23 @@ MAX_REQUEST_OUTPUT_TOKENS = 32_768
 MAX_REQUEST_LOGPROB_ENTRIES = 131_072
 
 
+def check_production(sequences: int, max_tokens: int, logprobs: int | None) -> None:
+    """InvalidRequestError unless `sequences` x `max_tokens` (and x (1 + top logprobs))
+    is within what one request may produce; `sequences` counts every choice of every
+    prompt an API request carries."""
+    total = sequences * max_tokens
+    if total > MAX_REQUEST_OUTPUT_TOKENS:
+        raise InvalidRequestError(
+            f"max_tokens x n ({max_tokens} x {sequences} = {total}) is over the cap of "
+            f"{MAX_REQUEST_OUTPUT_TOKENS} output tokens per request (max_request_output_tokens)")
+    entries = total * (1 + logprobs) if logprobs is not None else 0
+    if entries > MAX_REQUEST_LOGPROB_ENTRIES:
+        raise InvalidRequestError(
+            f"max_tokens x n x (1 + top_logprobs) ({max_tokens} x {sequences} x {1 + logprobs} = "
+            f"{entries}) is over the cap of {MAX_REQUEST_LOGPROB_ENTRIES} logprob entries per request "
+            "(max_request_logprob_entries)")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -88,17 +105,7 @@ class SamplingParams:
         self._check_logit_processors()
 
     def _check_production(self) -> None:
-        total = self.n * self.max_tokens
-        if total > MAX_REQUEST_OUTPUT_TOKENS:
-            raise InvalidRequestError(
-                f"max_tokens x n ({self.max_tokens} x {self.n} = {total}) is over the cap of "
-                f"{MAX_REQUEST_OUTPUT_TOKENS} output tokens per request (max_request_output_tokens)")
-        entries = total * (1 + self.logprobs) if self.logprobs is not None else 0
-        if entries > MAX_REQUEST_LOGPROB_ENTRIES:
-            raise InvalidRequestError(
-                f"max_tokens x n x (1 + top_logprobs) ({self.max_tokens} x {self.n} x {1 + self.logprobs} = "
-                f"{entries}) is over the cap of {MAX_REQUEST_LOGPROB_ENTRIES} logprob entries per request "
-                "(max_request_logprob_entries)")
+        check_production(self.n, self.max_tokens, self.logprobs)
 
     def _check_logit_processors(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -14,6 +14,7 @@ from starlette.routing import Mount, Route
 from loraplex.engine.client import EngineClient
 
 from loraplex.platform.admin.routes import AdminState, admin_routes, openapi
+from loraplex.platform.admin.vllm_lora import vllm_lora_routes
 from loraplex.platform.serving.auth import Authenticator
 from loraplex.platform.db.database import Database
 from loraplex.platform.serving.engine_factory import build_engine
@@ -23,6 +24,7 @@ from loraplex.platform.serving.metrics import CONTENT_TYPE, Metrics
 from loraplex.platform.serving.openai_routes import openai_routes
 from loraplex.platform.serving.openapi import openai_openapi
 from loraplex.platform.serving.request_limits import ParsePool
+from loraplex.platform.serving.tokenize_routes import tokenize_routes
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy.throttle import ThrottleConfig
 from loraplex.platform.metering.hooks import UsageHooks
@@ -132,8 +134,11 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
         # With a metrics port of its own (listener.py), /metrics is not on the tenants' port.
         *([Route("/metrics", metrics, methods=["GET"])] if settings.metrics_port is None else []),
         Route("/v1/openapi.json", openai_document, methods=["GET"]),
+        *vllm_lora_routes(),  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter (admin token)
         Mount("/v1", routes=openai_routes()),
         Mount("/adapters/{adapter}/v1", routes=openai_routes()),
+        *tokenize_routes(),  # vLLM's /tokenize and /detokenize
+        Mount("/adapters/{adapter}", routes=tokenize_routes()),
         *admin_routes(),  # /admin/api/... (JSON) and /admin/ (the UI)
     ]
     # Every request gets an id (the client's x-request-id when sane): in the response

@@ -51,12 +51,16 @@ class ServerLimits:
     max_json_depth: int = 32
     max_messages: int = 1024
     max_content_parts: int = 256
+    # Prompts in one /v1/completions request, and sequences it may generate in all
+    # (prompts x n, or x best_of).
+    max_prompts: int = 128
+    max_choices: int = 256
 
     def __post_init__(self) -> None:
         for name in ("header_timeout", "body_timeout", "body_min_rate", "max_connections",
                      "max_connections_per_client", "max_header_bytes", "max_body_bytes",
                      "max_admin_body_bytes", "max_sign_in_body_bytes", "max_json_depth", "max_messages",
-                     "max_content_parts"):
+                     "max_content_parts", "max_prompts", "max_choices"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 
@@ -141,6 +145,8 @@ class Settings:
     otlp_endpoint: str | None = None
     # The traces' service.name: tells `serve` from a `gateway` in the tracing backend.
     service_name: str = "loraplex"
+    # GAIE InferenceObjective names -> a lane name or a GAIE priority (serving/gaie.py).
+    inference_objectives: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())

@@ -25,6 +25,8 @@ from loraplex.platform.cli import roles
 from loraplex.platform.cli.options import (
     CLEAR,
     adapter_cache_option,
+    adapters_from_args,
+    lora_modules_option,
     parse_size,
     seconds_arg,
     server_options,
@@ -171,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the base model's id in the API")
     serve.add_argument("--adapter", action="append", type=_adapter_arg, default=[], metavar="NAME=PATH",
                        help="register a PEFT adapter (public); repeatable")
+    lora_modules_option(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--no-demo", action="store_true", help="no demo tenant, no demo adapters")
@@ -297,8 +300,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         return Settings(database_url=args.database_url,
                         engine=EngineConfig(model=ModelConfig(model=getattr(args, "model", "default"))), **kw)
     engine = engine_config_from_args(args)
+    names = Settings(engine=engine, served_model_name=args.served_model_name).model_name, args.model
     return Settings(engine=engine, database_url=args.database_url, host=args.host, port=args.port,
-                    served_model_name=args.served_model_name, adapters=tuple(args.adapter),
+                    served_model_name=args.served_model_name, adapters=adapters_from_args(args, names),
                     create_demo_tenant=not args.no_demo, request_timeout=getattr(args, "request_timeout", 0) or None,
                     log_format=getattr(args, "log_format", "text"), otlp_endpoint=getattr(args, "otlp_endpoint", None),
                     **(server_settings(args) if args.command == "serve" else {}),

@@ -4,8 +4,10 @@ they parse with."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
+from loraplex.platform.serving.gaie import parse_objective
 from loraplex.platform.settings import DEFAULT_ADAPTER_CACHE_BYTES, ServerLimits, Settings
 
 # What clears a limit or a timeout on the command line.
@@ -111,6 +113,10 @@ def server_options(p: argparse.ArgumentParser) -> None:
                    help="request bodies of the OpenAI routes (default 4MiB)")
     g.add_argument("--max-upload-size", type=parse_size, default=Settings.admin_max_upload_bytes, metavar="SIZE",
                    help="adapter uploads through the admin API (default 1GiB)")
+    p.add_argument("--inference-objective", action="append", type=objective_arg, default=[],
+                   metavar="NAME=LANE|PRIORITY",
+                   help="a GAIE InferenceObjective (x-gateway-inference-objective) as a lane, or as its GAIE "
+                        "priority (>0 interactive, 0 standard, <0 batch); repeatable")
 
 
 def server_settings(args: argparse.Namespace) -> dict:
@@ -122,4 +128,62 @@ def server_settings(args: argparse.Namespace) -> dict:
     return {"limits": limits, "metrics_host": args.metrics_host, "metrics_port": args.metrics_port or None,
             "forwarded_allow_ips": args.forwarded_allow_ips, "admin_max_upload_bytes": args.max_upload_size,
             "auth_failure_burst": args.auth_failure_burst, "auth_failure_rate": args.auth_failure_rate,
-            "secure_cookies": args.secure_cookies, "usage_drain_seconds": args.usage_drain_timeout}
+            "secure_cookies": args.secure_cookies, "usage_drain_seconds": args.usage_drain_timeout,
+            "inference_objectives": tuple(args.inference_objective)}
+
+
+def objective_arg(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise argparse.ArgumentTypeError(f"--inference-objective takes NAME=LANE|PRIORITY, got {text!r}")
+    try:
+        parse_objective(value.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--inference-objective: {exc}") from None
+    return name.strip(), value.strip()
+
+
+def lora_module_arg(text: str) -> tuple[str, str, str | None]:
+    """One of vLLM's `--lora-modules`: NAME=PATH, or the JSON form
+    {"name": ..., "path": ..., "base_model_name": ...} -> (name, path, base model or None)."""
+    if text.lstrip().startswith("{"):
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--lora-modules: not valid JSON: {text!r}") from None
+        name, path, base = doc.get("name"), doc.get("path"), doc.get("base_model_name")
+        unknown = sorted(set(doc) - {"name", "path", "base_model_name"})
+        if unknown or not isinstance(name, str) or not name or not isinstance(path, str) or not path \
+                or not (base is None or isinstance(base, str)):
+            raise argparse.ArgumentTypeError(
+                '--lora-modules takes NAME=PATH or {"name": ..., "path": ..., "base_model_name": ...}, '
+                f"got {text!r}")
+        return name, path, base
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes NAME=PATH (or its JSON form), got {text!r}")
+    return name, path, None
+
+
+def lora_modules_option(p: argparse.ArgumentParser) -> None:
+    """vLLM's spelling of `--adapter`, so a vLLM launch line ports over."""
+    p.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module_arg, default=[],
+                   metavar="NAME=PATH|JSON",
+                   help="vLLM's form of --adapter: NAME=PATH or '{\"name\": ..., \"path\": ..., "
+                        "\"base_model_name\": ...}', several after one flag")
+
+
+def adapters_from_args(args: argparse.Namespace, model_names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """--adapter and --lora-modules together; a module for another base model, or a name
+    given twice, is a ValueError."""
+    out = list(getattr(args, "adapter", []) or [])
+    for name, path, base in getattr(args, "lora_modules", []) or []:
+        if base is not None and base not in model_names:
+            raise ValueError(f"--lora-modules {name}: base_model_name {base!r} is not the model served here "
+                             f"({', '.join(repr(n) for n in model_names)})")
+        out.append((name, path))
+    names = [n for n, _ in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"adapter {twice[0]!r} is given twice (--adapter / --lora-modules)")
+    return tuple(out)

@@ -22,7 +22,9 @@ from loraplex.platform.errors import ModelNotFoundError, RegistryUnavailableErro
 from loraplex.platform.lanes import lane_name
 from loraplex.platform.observability.request_id import current_request_id
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
+from loraplex.platform.serving.gaie import lower_lane, objective_lane, parse_objective
 from loraplex.platform.serving.metrics import Metrics
+from loraplex.platform.serving.prompt_batch import PromptTally, merge_prompt_streams
 from loraplex.platform.serving.protocol import GenRequest
 from loraplex.platform.serving.wire import TokenText
 from loraplex.platform.settings import Settings
@@ -103,6 +105,7 @@ class Gateway:
         self._adapter_refs: dict[str, tuple[AdapterRef, float]] = {}
         self._lookups: dict[str, asyncio.Future] = {}
         self._lookup_pool = ThreadPoolExecutor(ADAPTER_LOOKUP_THREADS, thread_name_prefix="loraplex-adapter-lookup")
+        self.objectives = {name: parse_objective(v) for name, v in settings.inference_objectives}
 
     # -- resolution -----------------------------------------------------------------
     def resolve_model(self, principal: Principal, model: object, path_adapter: str | None) -> str | None:
@@ -114,6 +117,12 @@ class Gateway:
         if not isinstance(name, str) or name not in principal.adapters:
             raise ModelNotFoundError(str(name))
         return name
+
+    def lane_for(self, principal: Principal, header: str | None, priority: object, objective: str | None) -> Lane:
+        """The request's lane: what its key allows (a 403 when asked for more), lowered by
+        a GAIE objective where the tenant may use the lower lane."""
+        lane = principal.lane_for(self.requested_lane(header, priority))
+        return lower_lane(lane, objective_lane(objective, self.objectives), principal.allowed_lanes)
 
     @staticmethod
     def requested_lane(header: str | None, priority: object) -> Lane | None:
@@ -138,7 +147,7 @@ class Gateway:
         `ref`: the adapter's version from `resolve_adapter_ref` (else looked up here)."""
         self.check_serving()
         ctx = RequestContext(f"{prefix}-{uuid.uuid4().hex}", principal, adapter or self.model_name, adapter,
-                             lane, len(req.prompt), req.sampling.max_tokens * req.sampling.n)
+                             lane, sum(map(len, req.prompts)), req.sampling.max_tokens * req.num_sequences)
         if ref is None and adapter is not None:
             ref = self.adapter_ref(adapter)
         if ref is not None:
@@ -202,11 +211,8 @@ class Gateway:
         first, times, t_first = True, None, t0
         generated: dict[int, int] = {}  # per choice (n > 1): every choice's tokens are metered
         m.request_started(ctx.adapter, ctx.lane, ref.digest if ref is not None else None)
-        p = ctx.principal
-        stream = self.engine.generate(req.prompt, req.sampling, request_id=ctx.request_id, lane=ctx.lane,
-                                      adapter=ref or ctx.adapter, cache_salt=f"tenant-{p.tenant_id}",
-                                      tenant=str(p.tenant_id), tenant_weight=p.weight,
-                                      timeout=p.request_timeout or self.settings.request_timeout)
+        stream = self._engine_stream(ctx, req, ref, trace)
+        tally = PromptTally(list(map(len, req.prompts)), req.sampling.n)
         try:
             async with aclosing(stream):
                 # Each await carries the request's span: a remote engine's worker continues its trace.
@@ -216,11 +222,11 @@ class Gateway:
                     if not out.new_token_ids and not out.finished:
                         continue  # prefill progress: no token yet
                     now = time.perf_counter()
+                    tally.add(out)
+                    ctx.num_cached_tokens, ctx.num_prompt_tokens = tally.cached_tokens, tally.prompt_tokens
                     if first and out.new_token_ids:
                         first = False
                         ctx.first_token_at = time.time()
-                        ctx.num_cached_tokens = out.num_cached_tokens
-                        ctx.num_prompt_tokens = out.num_prompt_tokens or ctx.num_prompt_tokens
                         times, t_first = (out.queue_time, out.prefill_time), now
                         m.first_token(ctx.adapter, ctx.lane, now - t0, out.num_prompt_tokens, *times)
                     elif out.new_token_ids:
@@ -241,6 +247,8 @@ class Gateway:
         finally:
             ctx.finish_reason = ctx.finish_reason or "abort"  # cancelled or closed early
             ctx.finished_at = time.time()
+            if len(req.prompts) > 1:  # some prompts may not have run at all
+                ctx.num_prompt_tokens = tally.billed_prompt_tokens(ctx.num_processed_prompt_tokens)
             end = time.perf_counter()
             m.request_finished(ctx.adapter, ctx.lane, first, end - t0, ctx.finish_reason,
                                None if first else end - t_first, ctx.num_output_tokens)
@@ -250,4 +258,17 @@ class Gateway:
                     await self.hooks.finish(ctx)
             trace.end(finish_reason=ctx.finish_reason, prompt_tokens=ctx.num_prompt_tokens,
                       output_tokens=ctx.num_output_tokens)
+
+    def _engine_stream(self, ctx: RequestContext, req: GenRequest, ref: AdapterRef | None,
+                       trace) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for the request: one engine request per prompt, merged."""
+        p = ctx.principal
+        kwargs = dict(lane=ctx.lane, adapter=ref or ctx.adapter, cache_salt=f"tenant-{p.tenant_id}",
+                      tenant=str(p.tenant_id), tenant_weight=p.weight,
+                      timeout=p.request_timeout or self.settings.request_timeout)
+        if len(req.prompts) == 1:
+            return self.engine.generate(req.prompt, req.sampling, request_id=ctx.request_id, **kwargs)
+        streams = [self.engine.generate(prompt, req.sampling, request_id=f"{ctx.request_id}-{i}", **kwargs)
+                   for i, prompt in enumerate(req.prompts)]
+        return merge_prompt_streams(streams, req.sampling.n, ctx.request_id, trace.carried)
 

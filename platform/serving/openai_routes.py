@@ -30,12 +30,15 @@ from starlette.routing import Route
 from loraplex.engine.engine import RequestOutput
 
 from loraplex.platform.errors import api_error, error_response, mapping_of
+from loraplex.platform.serving.gaie import OBJECTIVE_HEADER
 from loraplex.platform.serving.gateway import LANE_HEADER, Gateway
-from loraplex.platform.serving.protocol import parse_chat, parse_completion
+from loraplex.platform.serving.protocol import GenRequest, parse_chat, parse_completion
 from loraplex.platform.serving.request_limits import (
     check_chat_shape,
+    check_choices,
     check_content_length,
     check_prompt_chars,
+    check_prompt_count,
     parse_json_object,
     read_body,
 )
@@ -84,6 +87,8 @@ async def _body(request: Request, gw: Gateway, chat: bool) -> dict:
     body = parse_json_object(await read_body(request, limits.max_body_bytes), limits)
     if chat:
         check_chat_shape(body, limits)
+    else:
+        check_prompt_count(body, limits)
     check_prompt_chars(body, chat, gw.max_model_len, gw.tokenizer.max_token_chars)
     return body
 
@@ -97,9 +102,11 @@ async def _generate(request: Request, gw: Gateway, chat: bool) -> Response:
     gw.check_serving()
     body = await _body(request, gw, chat)
     adapter = gw.resolve_model(principal, body.get("model"), request.path_params.get("adapter"))
-    lane = principal.lane_for(gw.requested_lane(request.headers.get(LANE_HEADER), body.get("priority")))
+    lane = gw.lane_for(principal, request.headers.get(LANE_HEADER), body.get("priority"),
+                       request.headers.get(OBJECTIVE_HEADER))
     parse = parse_chat if chat else parse_completion
     req = await request.app.state.parse_pool.run(parse, body, gw.tokenizer, gw.max_model_len)
+    check_choices(req.num_sequences, gw.settings.limits)
     # admit and run: the gateway's stream admits (quotas) before the engine sees the request
     ref = await gw.resolve_adapter_ref(adapter)  # may query the registry: off the event loop
     ctx, stream = gw.start(principal, req, adapter, lane, "chatcmpl" if chat else "cmpl", ref)
@@ -109,12 +116,12 @@ async def _generate(request: Request, gw: Gateway, chat: bool) -> Response:
         first = await until_disconnected(request.receive, anext(stream))
         chunks = ChunkStream(req, head, gw.token_text)
         return SSEResponse(chunks.events(first, stream, ctx.request_id), source=stream)
-    got = await until_disconnected(request.receive, _collect(stream))
+    got = await until_disconnected(request.receive, _collect(stream, req))
     return json_response(render_response(req, head, got, gw.token_text))
 
 
-async def _collect(stream: AsyncIterator[RequestOutput]) -> Collected:
-    got = Collected()
+async def _collect(stream: AsyncIterator[RequestOutput], req: GenRequest) -> Collected:
+    got = Collected(req)
     async for out in stream:
         got.add(out)
     return got

@@ -46,6 +46,20 @@ def _sampling(limits: ServerLimits) -> dict[str, Any]:
     }
 
 
+def _tokenizer_schemas(message: dict, limits: ServerLimits) -> dict[str, Any]:
+    model = {"type": "string", "description": "the base model's id or an adapter's name"}
+    flag = {"type": "boolean"}
+    prompt = {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
+        "model": model, "prompt": {"type": "string"}, "add_special_tokens": flag, "return_token_strs": flag}}
+    chat = {"type": "object", "required": ["messages"], "properties": {
+        "model": model, "messages": {"type": "array", "minItems": 1, "maxItems": limits.max_messages,
+                                     "items": message},
+        "add_generation_prompt": flag, "return_token_strs": flag}}
+    return {"TokenizeRequest": {"oneOf": [prompt, chat]},
+            "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
+                "model": model, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}}
+
+
 def openai_openapi(limits: ServerLimits = ServerLimits()) -> dict[str, Any]:
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
@@ -59,10 +73,12 @@ def openai_openapi(limits: ServerLimits = ServerLimits()) -> dict[str, Any]:
         "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": {"type": "boolean"},
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}}
+    text = {"type": "string", "minLength": 1}
+    ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
     completion = {"type": "object", "required": ["prompt"], "properties": {
         **_sampling(limits),
-        "prompt": {"oneOf": [{"type": "string", "minLength": 1},
-                             {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]},
+        "prompt": {"oneOf": [text, ids, {"type": "array", "minItems": 1, "maxItems": limits.max_prompts,
+                                         "items": {"oneOf": [text, ids]}}]},
         "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}}}
     body_note = f"JSON, at most {limits.max_body_bytes} bytes, nested at most {limits.max_json_depth} deep"
 
@@ -89,10 +105,17 @@ def openai_openapi(limits: ServerLimits = ServerLimits()) -> dict[str, Any]:
             "/v1/completions": {"post": op("createCompletion", "Text completion", "CompletionRequest", gen)},
             "/v1/models": {"get": op("listModels", "The base model and the adapters this key may use", None,
                                      ("401", "429"))},
+            "/tokenize": {"post": op("tokenize", "vLLM's tokenize: a prompt's or a chat's token ids",
+                                     "TokenizeRequest", ("400", "401", "404", "413", "429"))},
+            "/detokenize": {"post": op("detokenize", "vLLM's detokenize: token ids' text", "DetokenizeRequest",
+                                       ("400", "401", "404", "413", "429"))},
+            "/tokenizer_info": {"get": op("tokenizerInfo", "vLLM's tokenizer_info: special tokens, chat template",
+                                          None, ("401", "429"))},
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": {"ChatRequest": chat, "CompletionRequest": completion, "Error": _ERROR},
+            "schemas": {"ChatRequest": chat, "CompletionRequest": completion, "Error": _ERROR,
+                        **_tokenizer_schemas(message, limits)},
             "responses": {"Error": {"description": "; ".join(f"{k}: {v}" for k, v in _ERRORS.items()),
                                     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}},
         },

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex.engine.errors import InvalidRequestError, PromptTooLongError
-from loraplex.engine.request import MAX_REQUEST_LOGPROB_ENTRIES, MAX_REQUEST_OUTPUT_TOKENS, SamplingParams
+from loraplex.engine.request import MAX_REQUEST_LOGPROB_ENTRIES, MAX_REQUEST_OUTPUT_TOKENS, SamplingParams, check_production
 from loraplex.engine.structured import StructuredOutput
 from loraplex.engine.tokenizer import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
@@ -41,14 +41,31 @@ class GenRequest:
     # Top-n logprobs to report per token (0: only the chosen token's); None: no logprobs.
     logprobs: int | None
     priority: Any = None  # the raw `priority` field; lanes are resolved by auth
-    n: int = 1  # choices returned; sampling.n choices are generated (more with best_of)
-    echo: str | None = None  # completions' echo: the prompt's text, put before each choice's
+    n: int = 1  # choices returned per prompt; sampling.n are generated (more with best_of)
+    # completions' echo: each prompt's text, put before each of its choices' text
+    echo: list[str] | None = None
     tools: ToolRequest | None = None
+    # Completions may carry several prompts (`prompt` is the first); None: `prompt` alone.
+    # Choices are numbered prompt-major as OpenAI does: prompt p's choice i is p * n + i.
+    prompts: list[list[int]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompts is None:
+            self.prompts = [self.prompt]
 
     @property
     def best_of(self) -> bool:
         """More choices are generated than returned: the best n are kept."""
         return self.sampling.n > self.n
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine generates for the whole request: prompts x n (or best_of)."""
+        return len(self.prompts) * self.sampling.n
+
+    def prompt_number(self, engine_index: int) -> int:
+        """The prompt an engine choice index (p * sampling.n + i) belongs to."""
+        return engine_index // self.sampling.n
 
 
 def _get_num(body: dict, name: str, default: float | None, lo: float, hi: float) -> float | None:
@@ -153,15 +170,24 @@ def _max_tokens(body: dict, names: tuple[str, ...], prompt_len: int, max_model_l
     return room if default is None else min(default, room)
 
 
-def parse_chat(body: dict, tokenizer, max_model_len: int) -> GenRequest:
-    _check_common(body, chat=True)
-    if "messages" not in body:
-        raise BadRequestError("messages is required", "messages")
+def chat_prompt(body: dict, tokenizer, add_generation_prompt: bool = True) -> tuple[list[int], ToolRequest | None]:
+    """A chat's prompt as the model's chat template renders it (tools included), and its
+    tool request."""
     template = getattr(tokenizer, "chat_template", None)
     tools = parse_tools(body)
     tools = tools.for_template(template) if tools is not None else None
     messages, tool_defs = prepare_messages(body["messages"], tools, template_supports_tools(template))
-    prompt = tokenizer.apply_chat_template(messages, **({"tools": tool_defs} if tool_defs else {}))
+    extra = {"tools": tool_defs} if tool_defs else {}
+    if not add_generation_prompt:
+        extra["add_generation_prompt"] = False
+    return tokenizer.apply_chat_template(messages, **extra), tools
+
+
+def parse_chat(body: dict, tokenizer, max_model_len: int) -> GenRequest:
+    _check_common(body, chat=True)
+    if "messages" not in body:
+        raise BadRequestError("messages is required", "messages")
+    prompt, tools = chat_prompt(body, tokenizer)
     structured = response_format(body)
     constraint = tools.constraint() if tools is not None else None
     if structured is not None and constraint is not None:
@@ -180,16 +206,32 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> GenRequest:
                       logprobs, body.get("priority"), n, tools=tools)
 
 
-def _prompt_ids(prompt: Any, tokenizer) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def split_prompts(prompt: Any) -> list[str | list[int]]:
+    """A completion's `prompt` as its prompts, in order: OpenAI and vLLM accept a string,
+    a list of strings, a list of token ids, or a list of token-id lists."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise BadRequestError("only one prompt per request is supported", "prompt")
-    raise BadRequestError("prompt must be a non-empty string or a list of token ids", "prompt")
+    raise BadRequestError("prompt must be a non-empty string, a list of strings, a list of token ids, "
+                          "or a list of token-id lists", "prompt")
+
+
+def _prompt_ids(prompt: str | list[int], tokenizer) -> list[int]:
+    """Token ids are the engine's to check against the model's vocabulary."""
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    if not ids:
+        raise BadRequestError("the prompt is empty", "prompt")
+    return ids
+
+
+def _echo_text(raw: str | list[int], ids: list[int], tokenizer) -> str:
+    return raw if isinstance(raw, str) else tokenizer.decode(ids)
 
 
 def parse_completion(body: dict, tokenizer, max_model_len: int) -> GenRequest:
@@ -198,20 +240,23 @@ def parse_completion(body: dict, tokenizer, max_model_len: int) -> GenRequest:
     n, best_of = choices(body, chat=False)
     if "prompt" not in body:
         raise BadRequestError("prompt is required", "prompt")
-    prompt = _prompt_ids(body["prompt"], tokenizer)
-    if not prompt:
-        raise BadRequestError("the prompt is empty", "prompt")
+    raw = split_prompts(body["prompt"])
+    prompts = [_prompt_ids(p, tokenizer) for p in raw]
     logprobs = _get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
     # best_of ranks choices by their tokens' logprobs, so the engine reports them.
     engine_logprobs = logprobs if best_of == n or logprobs is not None else 0
-    max_tokens = _max_tokens(body, ("max_tokens",), len(prompt), max_model_len, COMPLETION_DEFAULT_MAX_TOKENS,
-                             best_of, engine_logprobs)
+    # One max_tokens for every prompt: the longest prompt bounds it (and refuses a prompt
+    # that leaves no room), as each prompt alone would; what the request may produce
+    # counts every prompt's choices.
+    sequences = best_of * len(prompts)
+    max_tokens = _max_tokens(body, ("max_tokens",), max(map(len, prompts)), max_model_len,
+                             COMPLETION_DEFAULT_MAX_TOKENS, sequences, engine_logprobs)
+    try:
+        check_production(sequences, max_tokens, engine_logprobs)
+    except InvalidRequestError as exc:
+        raise sampling_error(exc, body) from None
     sampling = _sampling(body, max_tokens, engine_logprobs, best_of, response_format(body),
                          logprobs if echo else None)
-    echo_text = None
-    if echo:
-        raw = body["prompt"][0] if isinstance(body["prompt"], list) and len(body["prompt"]) == 1 else body["prompt"]
-        echo_text = raw if isinstance(raw, str) else tokenizer.decode(prompt)
-    return GenRequest(False, body.get("model"), prompt, sampling, _get_bool(body, "stream"), _include_usage(body),
-                      logprobs, body.get("priority"), n, echo_text)
-
+    echo_texts = [_echo_text(r, ids, tokenizer) for r, ids in zip(raw, prompts)] if echo else None
+    return GenRequest(False, body.get("model"), prompts[0], sampling, _get_bool(body, "stream"),
+                      _include_usage(body), logprobs, body.get("priority"), n, echo_texts, prompts=prompts)

@@ -115,15 +115,41 @@ def _text_chars(value: Any, keys: bool = False) -> int:
 
 
 def check_prompt_chars(body: dict, chat: bool, max_model_len: int, max_token_chars: int) -> None:
-    """413 for text that cannot fit the context whatever it tokenizes to: the prompt, or
-    the messages and the tool definitions the template renders with them."""
-    chars = _text_chars(body.get("messages")) + _text_chars(body.get("tools"), keys=True) if chat \
-        else _text_chars(body.get("prompt"))
+    """413 for text that cannot fit the context whatever it tokenizes to: each prompt of a
+    completion's list on its own, or a chat's messages with the tool definitions the
+    template renders with them."""
     bound = max_model_len * max(1, max_token_chars) * _NORMALIZER_MARGIN
-    if chars > bound:
-        what = "prompt with its tool definitions" if chat and body.get("tools") else "prompt"
-        raise PromptTooLongError(f"the {what} has {chars} characters: more than this model's context of "
-                                 f"{max_model_len} tokens can hold")
+    if chat:
+        chars = _text_chars(body.get("messages")) + _text_chars(body.get("tools"), keys=True)
+        if chars > bound:
+            what = "prompt with its tool definitions" if body.get("tools") else "prompt"
+            raise PromptTooLongError(f"the {what} has {chars} characters: more than this model's context of "
+                                     f"{max_model_len} tokens can hold")
+        return
+    text = body.get("prompt")
+    several = isinstance(text, list) and any(isinstance(p, (str, list)) for p in text)
+    for i, prompt in enumerate(text if several else [text]):
+        chars = _text_chars(prompt)
+        if chars > bound:
+            which = f"prompt {i}" if several else "the prompt"
+            raise PromptTooLongError(f"{which} has {chars} characters: more than this model's context of "
+                                     f"{max_model_len} tokens can hold")
+
+
+def check_prompt_count(body: dict, limits: ServerLimits) -> None:
+    """A completion's list of prompts is at most `max_prompts` long (checked before any
+    is tokenized)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) > limits.max_prompts:
+        raise BadRequestError(f"prompt: at most {limits.max_prompts} prompts per request, got {len(prompt)}",
+                              "prompt")
+
+
+def check_choices(num_sequences: int, limits: ServerLimits) -> None:
+    """Prompts x n (or best_of) is at most `max_choices`."""
+    if num_sequences > limits.max_choices:
+        raise BadRequestError(f"n: prompts x n (or best_of) is {num_sequences}, over the cap of "
+                              f"{limits.max_choices} sequences per request", "n")
 
 
 class ParsePool:

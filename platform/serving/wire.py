@@ -3,7 +3,8 @@ finish reasons and in-stream errors (error bodies outside a stream: errors.ApiEr
 
 `render_response` builds a non-streamed answer from the collected outputs; `ChunkStream`
 turns the engine's deltas into server-sent events. A request's choices (n > 1) arrive
-interleaved, each output tagged with its index; usage counts the prompt once.
+interleaved, each output tagged with its index (prompt-major with several prompts: prompt
+p's choice i is p * n + i); usage counts each prompt once.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import orjson
 
 from loraplex.engine.engine import RequestOutput
 from loraplex.platform.errors import PlatformError, api_error
+from loraplex.platform.serving.prompt_batch import PromptTally
 from loraplex.platform.serving.protocol import GenRequest
 from loraplex.platform.serving.tool_parsers import CallArgs, CallStart, Content, Event, ParsedOutput, ToolParser
 
@@ -96,41 +98,53 @@ class Choice:
         return sum(lp[0] for lp in self.logprobs)
 
 
-@dataclass
 class Collected:
-    """A whole (non-streamed) answer's outputs, joined per choice."""
+    """A whole (non-streamed) answer's outputs, joined per choice (by engine index)."""
 
-    choices: dict[int, Choice] = field(default_factory=dict)
-    last: RequestOutput | None = None
-    prompt_logprobs: list | None = None
-    num_cached_tokens: int = 0
+    def __init__(self, req: GenRequest) -> None:
+        self.choices: dict[int, Choice] = {}
+        self.last: RequestOutput | None = None
+        self.prompt_logprobs: dict[int, list] = {}  # per prompt
+        self.tally = PromptTally(list(map(len, req.prompts)), req.sampling.n)
+        self._per_prompt = req.sampling.n
 
     def add(self, out: RequestOutput) -> None:
-        if not self.choices:
-            self.num_cached_tokens = out.num_cached_tokens
+        self.tally.add(out)
         self.choices.setdefault(out.index, Choice()).add(out)
-        self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs
+        if out.prompt_logprobs:
+            self.prompt_logprobs[out.index // self._per_prompt] = out.prompt_logprobs
         self.last = out
 
     def usage(self) -> dict:
-        """The prompt once; every generated token (best_of's discarded choices too)."""
+        """Each prompt once; every generated token (best_of's discarded choices too)."""
         completion = sum(c.last.num_output_tokens for c in self.choices.values() if c.last is not None)
-        return usage(self.last.num_prompt_tokens, completion, self.num_cached_tokens)
+        return usage(self.tally.prompt_tokens, completion, self.tally.cached_tokens)
+
+
+def _picked(req: GenRequest, got: Collected) -> list[tuple[int, Choice]]:
+    """(prompt, choice) in answer order: prompt-major; with best_of, each prompt's n most
+    likely choices, most likely first."""
+    k, picked = req.sampling.n, []
+    for p in range(len(req.prompts)):
+        group = [got.choices[i] for i in range(p * k, (p + 1) * k) if i in got.choices]
+        if req.best_of:
+            group = sorted(group, key=lambda c: c.cumulative_logprob, reverse=True)[:req.n]
+        picked += [(p, c) for c in group]
+    return picked
 
 
 def render_response(req: GenRequest, head: dict, got: Collected, text: TokenText) -> dict:
     """The body of a non-streamed answer; `head` holds its id, created and model."""
     assert got.last is not None
-    picked = [got.choices[i] for i in sorted(got.choices)]
-    if req.best_of:  # the n most likely choices, most likely first
-        picked = sorted(picked, key=lambda c: c.cumulative_logprob, reverse=True)[:req.n]
-    render = _chat_choice if req.chat else _completion_choice
-    body = {**head, "object": "chat.completion" if req.chat else "text_completion",
-            "choices": [render(req, i, c, got, text) for i, c in enumerate(picked)], "usage": got.usage()}
-    return body
+    if req.chat:
+        choices = [_chat_choice(req, i, c, text) for i, (_, c) in enumerate(_picked(req, got))]
+    else:
+        choices = [_completion_choice(req, i, p, c, got, text) for i, (p, c) in enumerate(_picked(req, got))]
+    return {**head, "object": "chat.completion" if req.chat else "text_completion", "choices": choices,
+            "usage": got.usage()}
 
 
-def _chat_choice(req: GenRequest, index: int, c: Choice, got: Collected, text: TokenText) -> dict:
+def _chat_choice(req: GenRequest, index: int, c: Choice, text: TokenText) -> dict:
     reason = finish_reason(c.last)
     message: dict = {"role": "assistant", "content": "".join(c.parts)}
     parser = req.tools.new_parser() if req.tools is not None else None
@@ -146,15 +160,16 @@ def _chat_choice(req: GenRequest, index: int, c: Choice, got: Collected, text: T
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
-def _completion_choice(req: GenRequest, index: int, c: Choice, got: Collected, text: TokenText) -> dict:
+def _completion_choice(req: GenRequest, index: int, p: int, c: Choice, got: Collected, text: TokenText) -> dict:
     reason = finish_reason(c.last)
     content = "".join(c.parts)
+    echo = req.echo[p] if req.echo is not None else ""
     logprobs = None
     if req.logprobs is not None:
-        logprobs = completion_logprobs(c.token_ids, c.logprobs, text, len(req.echo or ""))
-        if req.echo is not None and got.prompt_logprobs is not None:
-            logprobs = _join_logprobs(completion_logprobs(req.prompt, got.prompt_logprobs, text), logprobs)
-    return {"index": index, "text": (req.echo or "") + content, "logprobs": logprobs, "finish_reason": reason}
+        logprobs = completion_logprobs(c.token_ids, c.logprobs, text, len(echo))
+        if req.echo is not None and p in got.prompt_logprobs:
+            logprobs = _join_logprobs(completion_logprobs(req.prompts[p], got.prompt_logprobs[p], text), logprobs)
+    return {"index": index, "text": echo + content, "logprobs": logprobs, "finish_reason": reason}
 
 
 def _tool_call_deltas(events: list[Event]) -> tuple[str, list[dict]]:
@@ -189,9 +204,9 @@ class ChunkStream:
         self.head = {**head, "object": "chat.completion.chunk" if req.chat else "text_completion"}
         self.text = text
         self.choices = [_StreamedChoice(parser=req.tools.new_parser() if req.tools is not None else None)
-                        for _ in range(req.n)]
-        self.prompt_logprobs: list | None = None
-        self.num_cached_tokens = 0
+                        for _ in range(req.num_sequences)]
+        self.prompt_logprobs: dict[int, list] = {}  # per prompt
+        self.tally = PromptTally(list(map(len, req.prompts)), req.sampling.n)
 
     def frame(self, choices: list, use: dict | None = None) -> bytes:
         chunk = {**self.head, "choices": choices}
@@ -204,16 +219,15 @@ class ChunkStream:
         if not self.req.chat:
             return None
         return self.frame([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None} for i in range(self.req.n)])
+                            "finish_reason": None} for i in range(len(self.choices))])
 
     def event(self, out: RequestOutput) -> bytes | None:
         req, state = self.req, self.choices[out.index]
-        if not state.started:
-            state.started = True
-            if out.index == 0:
-                self.num_cached_tokens = out.num_cached_tokens
+        state.started = True
+        self.tally.add(out)
         state.num_output_tokens = out.num_output_tokens
-        self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs
+        if out.prompt_logprobs:
+            self.prompt_logprobs[req.prompt_number(out.index)] = out.prompt_logprobs
         reason = finish_reason(out) if out.finish_reason is not None or out.finished else None
         choice: dict = {"index": out.index, "logprobs": None, "finish_reason": reason}
         if req.chat:
@@ -249,11 +263,12 @@ class ChunkStream:
         if req.echo is not None and not state.echoed:
             # The prompt goes first, in the choice's first chunk.
             state.echoed = True
-            text = req.echo + text
-            if logprobs is not None and self.prompt_logprobs is not None:
-                logprobs = _join_logprobs(completion_logprobs(req.prompt, self.prompt_logprobs, self.text),
+            p = req.prompt_number(out.index)
+            text = req.echo[p] + text
+            if logprobs is not None and p in self.prompt_logprobs:
+                logprobs = _join_logprobs(completion_logprobs(req.prompts[p], self.prompt_logprobs[p], self.text),
                                           completion_logprobs(out.new_token_ids, out.logprobs, self.text,
-                                                              len(req.echo)))
+                                                              len(req.echo[p])))
         if not text and choice["finish_reason"] is None and req.logprobs is None:
             return None
         state.offset += len(text)
@@ -262,11 +277,11 @@ class ChunkStream:
         return self.frame([choice])
 
     def closing(self, last: RequestOutput) -> bytes | None:
-        """The usage chunk, when the client asked for it: the prompt once."""
+        """The usage chunk, when the client asked for it: each prompt once."""
         if not self.req.include_usage:
             return None
         completion = sum(c.num_output_tokens for c in self.choices)
-        return self.frame([], usage(last.num_prompt_tokens, completion, self.num_cached_tokens))
+        return self.frame([], usage(self.tally.prompt_tokens, completion, self.tally.cached_tokens))
 
     async def events(self, first: RequestOutput, stream: AsyncIterator[RequestOutput],
                      request_id: str) -> AsyncIterator[bytes]:

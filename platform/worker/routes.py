@@ -3,6 +3,7 @@ secret, probes open."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 from collections.abc import Awaitable, Callable
@@ -16,6 +17,7 @@ from starlette.routing import Route
 from loraplex.engine.errors import InvalidRequestError
 
 from loraplex.platform.errors import AuthenticationError, RateLimitedError
+from loraplex.platform.serving.gaie import FAIRNESS_HEADER, OBJECTIVE_HEADER, fairness_key, lower_lane, objective_lane
 from loraplex.platform.serving.metrics import CONTENT_TYPE
 from loraplex.platform.tenancy.throttle import client_address
 from loraplex.platform.worker_wire import STATS_HEADER, GenerateRequest, adapter_from_json
@@ -73,7 +75,7 @@ def internal(handler: Handler) -> Handler:
 @internal
 async def generate(request: Request) -> Response:
     state = _state(request)
-    req = GenerateRequest.from_json(await json_body(request))
+    req = _with_gaie_headers(GenerateRequest.from_json(await json_body(request)), request)
     engine = state.check_admitting()
     if req.request_id in state.relays:
         raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
@@ -104,6 +106,14 @@ async def generate(request: Request) -> Response:
     state.served_prefix(req)
     headers = {STATS_HEADER: orjson.dumps(state.stats().to_json()).decode()}
     return NdjsonResponse(state, relay, first, watcher, headers)
+
+
+def _with_gaie_headers(req: GenerateRequest, request: Request) -> GenerateRequest:
+    """A request that names no tenant (a worker reached directly) is scheduled fairly by
+    its GAIE fairness id; a GAIE objective may lower its lane, never raise it."""
+    tenant = req.tenant or fairness_key(request.headers.get(FAIRNESS_HEADER)) or ""
+    lane = lower_lane(req.lane, objective_lane(request.headers.get(OBJECTIVE_HEADER), {}))
+    return dataclasses.replace(req, tenant=tenant, lane=lane) if (tenant, lane) != (req.tenant, req.lane) else req
 
 
 @internal

@@ -228,3 +228,30 @@ def test_429_rate_limits_name_the_limit_and_retry_after(metered):
     assert series['loraplex:quota_rejections_total{limit="rpm"}'] >= 2
     assert series['loraplex:quota_rejections_total{limit="tpm"}'] >= 1
     assert series["loraplex:usage_events_written_total"] >= 2 and series["loraplex:usage_events_pending"] == 0
+
+
+def test_a_prompt_list_reserves_and_bills_the_whole_request(metered):
+    """Admission reserves every prompt x n x max_tokens: a list over the budget is refused
+    whole though each prompt alone would fit; one that fits is one usage event, billed
+    the sum of its prompts' tokens, and settles the counters to it."""
+    prompts = ["one two", "three", "four five six"]
+    tokens = sum(_prompt_tokens(metered, p) for p in prompts)
+    reserve = tokens + 3 * 2 * 10
+    name, key = metered.tenant("plist", token_budget=reserve - 1, budget_period="day")
+    client = metered.client(key)
+    with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model=metered.model, prompt=prompts, n=2, max_tokens=10, **GREEDY)
+    assert "token budget" in e.value.body["message"]
+    client.completions.create(model=metered.model, prompt=prompts[0], n=2, max_tokens=10, **GREEDY)  # alone: fits
+    name, key = metered.tenant("plist", token_budget=reserve, budget_period="day")
+    r = metered.client(key).completions.create(model=metered.model, prompt=prompts, n=2, max_tokens=10, stream=True,
+                                               stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(r)
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (tokens, 60)
+    metered.settle()
+    events = metered.events(name)
+    assert len(events) == 1 and events[0]["request_id"] == chunks[0].id
+    assert (events[0]["prompt_tokens"], events[0]["completion_tokens"]) == (tokens, 60)
+    c = counters(metered.db, name)
+    assert c["budget_used"] == tokens + 60 and c["in_flight"] == 0 and c["live_leases"] == 0

@@ -69,6 +69,45 @@ def test_greedy_outputs_match_serve(fleet):
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
 
 
+def test_prompt_lists_fan_out_across_workers_and_match_serve(fleet):
+    """A list of prompts with n: the gateway sends one request per prompt to the workers
+    and answers as `serve` does, streamed or not; one usage event for the request."""
+    name, key = _tenant(fleet)
+    prompts = ["The quick brown fox", [5, 6, 7, 8, 9], "Once upon a time, in a land"]
+    kw = dict(prompt=prompts, n=2, **GREEDY)
+    for model in (fleet.model, "ad1"):
+        want = fleet.serve_client().completions.create(model=model, **kw)
+        got = fleet.client(0, key).completions.create(model=model, **kw)
+        assert [(c.index, c.text) for c in got.choices] == [(c.index, c.text) for c in want.choices]
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens
+        assert got.usage.completion_tokens == want.usage.completion_tokens == 3 * 2 * 12
+        texts: dict[int, str] = {}
+        for chunk in fleet.client(1, key).completions.create(model=model, stream=True, **kw):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+        assert [texts[i] for i in range(6)] == [c.text for c in want.choices]
+    deadline = time.monotonic() + 30
+    while len(events := export_events(fleet.db, name)) < 4:
+        assert time.monotonic() < deadline, events
+        time.sleep(0.2)
+    assert len(events) == 4 and all(e["completion_tokens"] == 72 for e in events)
+    assert {e["prompt_tokens"] for e in events} == {want.usage.prompt_tokens}
+
+
+
+def test_a_gateway_tokenizes_as_serve_does(fleet):
+    """/tokenize and /detokenize on a gateway use the tokenizer a worker described."""
+    body = {"messages": [{"role": "user", "content": "Count the tokens"}], "return_token_strs": True}
+    want = httpx.post(fleet.serve.url + "/tokenize", json=body, timeout=60,
+                      headers={"authorization": f"Bearer {fleet.serve_key}"}).json()
+    got = httpx.post(fleet.gateways[1].url + "/adapters/ad1/tokenize", json=body, timeout=60,
+                     headers={"authorization": f"Bearer {fleet.key}"}).json()
+    assert got == want and got["count"] > 0
+    text = httpx.post(fleet.gateways[0].url + "/detokenize", json={"tokens": got["tokens"]}, timeout=60,
+                      headers={"authorization": f"Bearer {fleet.key}"}).json()["prompt"]
+    assert "Count the tokens" in text
+
+
 def test_an_adapter_lands_on_its_home_worker_and_spills_when_overloaded(fleet):
     digest = fleet.digests["ad2"]
     before = _counts(fleet, "ad2", digest)
@@ -109,6 +148,29 @@ def test_an_adapter_uploaded_through_one_gateway_is_served_by_every_worker_throu
     assert got == want
     _drain(_hold(via2, "ad3", 4))  # spills: the other worker fetches it from the shared store too
     assert all(n >= 1 for n in _counts(fleet, "ad3", digest)), _counts(fleet, "ad3", digest)
+
+
+def test_vllms_load_lora_adapter_through_a_gateway_reaches_every_worker(fleet, tiny_adapters):
+    """llm-d's adapter sidecar calls /v1/load_lora_adapter on a pool member: published to
+    the shared store, served through the other gateway by whichever worker gets it."""
+    admin = {"authorization": f"Bearer {P.ADMIN_TOKEN}"}
+    r = httpx.post(fleet.gateways[0].url + "/v1/load_lora_adapter", headers=admin, timeout=60,
+                   json={"lora_name": "side", "lora_path": str(tiny_adapters["ad3"])})
+    assert r.status_code == 200, r.text
+    want = fleet.serve_client().completions.create(model="ad3", prompt="Sidecar", **GREEDY).choices[0].text
+    via2 = fleet.client(1)
+    deadline = time.monotonic() + 15  # within gateway 2's auth cache TTL
+    while True:
+        try:
+            got = via2.completions.create(model="side", prompt="Sidecar", **GREEDY).choices[0].text
+            break
+        except openai.NotFoundError:
+            assert time.monotonic() < deadline, "gateway 2 never saw the adapter"
+            time.sleep(0.5)
+    assert got == want
+    r = httpx.post(fleet.gateways[1].url + "/v1/unload_lora_adapter", headers=admin, timeout=60,
+                   json={"lora_name": "side"})
+    assert r.status_code == 200, r.text
 
 
 def test_a_gateway_reports_the_fleet_on_its_metrics_port(fleet):

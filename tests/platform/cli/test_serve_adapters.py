@@ -70,3 +70,41 @@ def test_serve_bounds_the_cache_of_versions_fetched_from_the_shared_store(db, tm
         assert blobs.cache.max_bytes == 3 * 2**30 and blobs.cache_dir == tmp_path / "blob-cache"
     finally:
         blobs.engine.dispose()
+
+
+def test_vllms_lora_modules_spelling_beside_adapter(tmp_path, tiny_llama_dir):
+    import json
+
+    import pytest
+
+    from loraplex.platform.cli.main import build_parser, settings_from_args
+
+    def settings(*argv: str) -> Settings:
+        return settings_from_args(build_parser().parse_args(
+            ["serve", "--data-dir", str(tmp_path), "--model", str(tiny_llama_dir), *argv]))
+
+    doc = json.dumps({"name": "sql", "path": "/p/sql", "base_model_name": tiny_llama_dir.name})
+    s = settings("--adapter", "a=/p/a", "--lora-modules", "b=/p/b", doc, "--lora-modules", "c=/p/c")
+    assert s.adapters == (("a", "/p/a"), ("b", "/p/b"), ("sql", "/p/sql"), ("c", "/p/c"))
+    named = json.dumps({"name": "x", "path": "/p/x", "base_model_name": "served"})
+    assert settings("--served-model-name", "served", "--lora-modules", named).adapters == (("x", "/p/x"),)
+    with pytest.raises(ValueError, match="base_model_name 'other' is not the model served here"):
+        settings("--lora-modules", json.dumps({"name": "x", "path": "/p", "base_model_name": "other"}))
+    with pytest.raises(ValueError, match="'a' is given twice"):
+        settings("--adapter", "a=/p/a", "--lora-modules", "a=/p/b")
+    for bad in ("noequals", '{"name": "x"}', '{"name": "x", "path": "/p", "extra": 1}', "{not json"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--lora-modules", bad])
+
+
+def test_inference_objectives_from_the_command_line(tmp_path):
+    import pytest
+
+    from loraplex.platform.cli.main import build_parser, settings_from_args
+
+    args = build_parser().parse_args(["serve", "--data-dir", str(tmp_path), "--inference-objective", "premium=100",
+                                      "--inference-objective", "reports=batch"])
+    assert settings_from_args(args).inference_objectives == (("premium", "100"), ("reports", "batch"))
+    for bad in ("premium", "premium=urgent", "=batch"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--inference-objective", bad])

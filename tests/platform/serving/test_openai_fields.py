@@ -112,10 +112,10 @@ def test_penalties_bias_and_n_reach_the_sampling_params(tok):
 def test_completion_echo_best_of_and_suffix(tok):
     r = parse_completion({"prompt": "Hello there", "echo": True, "logprobs": 2, "best_of": 3, "n": 2}, tok, 2048)
     assert (r.echo, r.n, r.sampling.n, r.sampling.prompt_logprobs, r.sampling.logprobs) == \
-        ("Hello there", 2, 3, 2, 2)
+        (["Hello there"], 2, 3, 2, 2)
     assert r.best_of
     r = parse_completion({"prompt": tok.encode("Hi"), "echo": True, "best_of": 2}, tok, 2048)
-    assert r.echo == "Hi" and r.sampling.logprobs == 0 and r.logprobs is None  # best_of ranks by logprobs
+    assert r.echo == ["Hi"] and r.sampling.logprobs == 0 and r.logprobs is None  # best_of ranks by logprobs
     with pytest.raises(BadRequestError, match="fill-in-the-middle") as e:
         parse_completion({"prompt": "def f(", "suffix": "return x"}, tok, 2048)
     assert e.value.param == "suffix"

@@ -31,6 +31,9 @@ class FakeTokenizer:
     def encode(self, text):
         return [ord(c) for c in text]
 
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
     def apply_chat_template(self, messages):
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list")
@@ -52,6 +55,18 @@ def test_completion_defaults_and_fields():
     assert r.stream and r.include_usage and r.logprobs == 2
     assert parse_completion({"prompt": ["one"]}, TOK, 100).prompt == [111, 110, 101]
     assert parse_completion({"prompt": "abc"}, TOK, 10).sampling.max_tokens == 7  # clamped to the room left
+
+
+def test_completion_prompt_forms():
+    """A string, a list of strings, token ids, a list of token-id lists: OpenAI's four forms."""
+    r = parse_completion({"prompt": ["ab", "c"], "n": 2}, TOK, 100)
+    assert r.prompts == [[97, 98], [99]] and r.prompt == [97, 98] and r.num_sequences == 4
+    assert [r.prompt_number(i) for i in range(4)] == [0, 0, 1, 1]
+    r = parse_completion({"prompt": [[5, 6, 7], [8]], "best_of": 3, "echo": True}, TOK, 100)
+    assert r.prompts == [[5, 6, 7], [8]] and r.num_sequences == 6 and r.echo == ["\x05\x06\x07", "\x08"]
+    assert parse_completion({"prompt": [[5, 6]]}, TOK, 100).prompts == [[5, 6]]
+    # One max_tokens for every prompt: the longest prompt leaves the least room.
+    assert parse_completion({"prompt": ["abcdef", "a"]}, TOK, 10).sampling.max_tokens == 4
 
 
 def test_chat_max_tokens_and_logprobs():
@@ -90,7 +105,9 @@ def test_chat_max_tokens_and_logprobs():
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "frequency_penalty": "high"}, "frequency_penalty"),
     ({"prompt": "x", "echo": "yes"}, "echo"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", 5]}, "prompt"),
+    ({"prompt": [[1, 2], []]}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": [True]}, "prompt"),
     ({}, "prompt"),

@@ -7,8 +7,10 @@ from loraplex.engine.errors import PromptTooLongError
 from loraplex.platform.errors import BadRequestError
 from loraplex.platform.serving.request_limits import (
     check_chat_shape,
+    check_choices,
     check_depth,
     check_prompt_chars,
+    check_prompt_count,
     parse_json_object,
 )
 from loraplex.platform.settings import ServerLimits
@@ -68,3 +70,22 @@ def test_tool_definitions_count_toward_the_prompt_bound():
     check_prompt_chars({"messages": messages, "tools": tools[:0]}, True, 256, 10)
     check_prompt_chars({"messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]},
                        True, 256, 10)
+
+
+def test_each_prompt_of_a_list_is_bounded_on_its_own():
+    check_prompt_chars({"prompt": ["x" * 10_240, "y" * 10_240]}, False, 256, 10)
+    with pytest.raises(PromptTooLongError, match="prompt 1 has 10241 characters"):
+        check_prompt_chars({"prompt": ["x", "y" * 10_241]}, False, 256, 10)
+
+
+def test_prompt_lists_and_choices_are_capped():
+    limits = ServerLimits(max_prompts=3, max_choices=8)
+    check_prompt_count({"prompt": ["a", "b", "c"]}, limits)
+    check_prompt_count({"prompt": list(range(50))}, limits)  # one prompt of token ids
+    with pytest.raises(BadRequestError, match="at most 3 prompts per request, got 4") as err:
+        check_prompt_count({"prompt": [[1], [2], [3], [4]]}, limits)
+    assert err.value.param == "prompt"
+    check_choices(8, limits)
+    with pytest.raises(BadRequestError, match="over the cap of 8 sequences") as err:
+        check_choices(9, limits)
+    assert err.value.param == "n"
