@@ -202,3 +202,14 @@ def test_caps_allow_what_fits_and_bound_the_default_max_tokens():
     assert r.sampling.max_tokens * 2 * 21 <= MAX_REQUEST_LOGPROB_ENTRIES
     r = parse_completion({"prompt": "x", "best_of": 4, "max_tokens": MAX_REQUEST_OUTPUT_TOKENS // 4}, TOK, 100_000)
     assert r.sampling.n == 4
+
+
+def test_a_prompt_list_counts_every_prompts_choices_against_the_cap():
+    per_prompt = MAX_REQUEST_OUTPUT_TOKENS // 4
+    r = parse_completion({"prompt": ["a", "b"], "n": 2, "max_tokens": per_prompt}, TOK, 100_000)
+    assert len(r.prompts) == 2 and r.sampling.max_tokens == per_prompt
+    with pytest.raises(BadRequestError, match="over the cap of 32768 output tokens") as err:
+        parse_completion({"prompt": ["a", "b", "c"], "n": 2, "max_tokens": per_prompt}, TOK, 100_000)
+    assert err.value.param == "max_tokens"
+    r = parse_completion({"prompt": [[1, 2]] * 8, "n": 4}, TOK, 100_000)  # unset: the default fits all 32
+    assert r.sampling.max_tokens * 32 <= MAX_REQUEST_OUTPUT_TOKENS
