@@ -3,8 +3,9 @@ temperature, min-p, top-k, top-p, per-request seeds, top-n logprobs.
 
 The whole batch is sampled in a few tensor operations: greedy rows by one argmax, the
 others by one pass over their probabilities and noise for one block of tokens per row
-(drawn for all rows at once), and only rows with top-k or top-p go through a partial sort. Each processor runs only
-on the rows that ask for it; a batch where no row asks for one pays nothing for it.
+(for all rows at once); only rows with top-k or top-p go through a partial sort. Each
+processor runs only on the rows that ask for it; a batch where no row asks for one pays
+nothing for it.
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def _draws(p: SamplingParams) -> bool:
+def _is_drawn(p: SamplingParams) -> bool:
     return not (p.greedy or not p.temperature >= _MIN_TEMPERATURE)  # (NaN is greedy too)
 
 
@@ -224,7 +225,7 @@ class Sampler:
         raw = logits
         # The processed logits can overwrite the raw ones unless a row wants their logprobs.
         logits = self.process(logits, rows, copy=any(r.params.logprobs is not None for r in rows))
-        drawn = [i for i, r in enumerate(rows) if _draws(r.params)]
+        drawn = [i for i, r in enumerate(rows) if _is_drawn(r.params)]
         if not drawn:
             tokens = logits.argmax(dim=-1)
         else:
@@ -234,7 +235,7 @@ class Sampler:
                 tokens = _draw(logits, params, *noise)
             else:
                 tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-                greedy = [i for i, r in enumerate(rows) if not _draws(r.params)]
+                greedy = [i for i, r in enumerate(rows) if not _is_drawn(r.params)]
                 tokens[greedy] = logits[greedy].argmax(dim=-1)
                 tokens[drawn] = _draw(logits[drawn], params, *noise)
         out_tokens = tokens.tolist()
