@@ -75,7 +75,7 @@ def run_sampler(args: argparse.Namespace) -> None:
         "temperature 0.8, top_p 0.95": dict(temperature=0.8, top_p=0.95),
         "top_k 50": dict(top_k=50),
         "min_p 0.05": dict(min_p=0.05),
-        "logit_bias 300 entries": dict(temperature=0, logit_bias={t: 1.0 for t in range(0, 3000, 10)}),
+        "logit_bias 300 entries": dict(temperature=0, logit_bias={t * args.vocab // 300: 1.0 for t in range(300)}),
     }
     print(f"sampler alone: [{args.batch}, {args.vocab}] float32 logits, {args.threads} threads")
     base = None
