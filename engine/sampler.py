@@ -1,11 +1,15 @@
 """Token sampling: logits processors (grammar masks, logit_bias, penalties), then greedy,
 temperature, min-p, top-k, top-p, per-request seeds, top-n logprobs.
 
-Each processor runs only on the rows that ask for it, batched over those rows; a batch
-where no row asks for one pays nothing for it, and the other rows' logits stay untouched.
+The whole batch is sampled in a few tensor operations: greedy rows by one argmax, the
+others by one pass over their probabilities and noise for one block of tokens per row
+(for all rows at once); only rows with top-k or top-p go through a partial sort. Each
+processor runs only on the rows that ask for it; a batch where no row asks for one pays
+nothing for it.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,6 +24,14 @@ Logprobs = tuple[float, list[tuple[int, float]]]  # (chosen token's logprob, top
 # to inf for T below ~1e-37, and softmax then turns the whole row into NaN (which
 # sampled token 0). Down here a draw differs from argmax only for near-exact ties.
 _MIN_TEMPERATURE = 1e-5
+# A draw sums the vocabulary in blocks of this many tokens, picks a block, and makes
+# noise only for that block's tokens: one sum pass instead of noise for every token.
+_BLOCK = 256
+# A top-p row without top-k looks for its nucleus among this many top tokens first and
+# sorts its whole vocabulary only when they hold less than top_p of the mass.
+_TOP_P_CANDIDATES = 256
+_M64 = (1 << 64) - 1
+_M32 = (1 << 32) - 1
 
 
 class TokenConstraint(Protocol):
@@ -36,8 +48,8 @@ class TokenConstraint(Protocol):
 class SampleRow:
     params: SamplingParams
     # Index of the token being sampled within the request's output: with a seed, the
-    # noise depends only on (seed, index), so output is reproducible whatever else
-    # shares the batch and across preemption.
+    # draw depends only on (seed, index) and the row's logits, so output is reproducible
+    # whatever else shares the batch and across preemption.
     output_index: int
     # The request's tokens so far (read only when the params carry penalties).
     prompt_token_ids: Sequence[int] = ()
@@ -45,24 +57,58 @@ class SampleRow:
     grammar: TokenConstraint | None = None
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (always the top token).
-        drop = probs.cumsum(-1) - probs >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(0, idx, sorted_logits)
-    return logits
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
 
 
-def _filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    # vLLM: drop tokens whose probability is below min_p times the top token's.
-    probs = torch.softmax(logits, dim=-1)
-    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+def row_key(seed: int, index: int) -> tuple[float, int]:
+    """A seeded row's randomness as a pure function of (seed, output index): the uniform
+    that picks its block and the 32-bit key of its per-token noise. Counter-based, so no
+    generator state is carried between steps or shared between requests."""
+    h = _splitmix64(_splitmix64(seed & _M64) ^ (index & _M64))
+    return (h >> 11) * 2.0 ** -53, h & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash on int64 tensors holding values below 2**32 (no product
+    reaches 2**63, so nothing overflows)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def _is_drawn(p: SamplingParams) -> bool:
+    return not (p.greedy or not p.temperature >= _MIN_TEMPERATURE)  # (NaN is greedy too)
+
+
+def draw(weights: torch.Tensor, u: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """One token per row of non-negative [rows, vocab] weights (each row with some
+    positive weight), drawn with probability weight / row total; a weight of 0 is never
+    drawn. u (float64, [0, 1)) picks a block of the vocabulary by its share of the row's
+    total; within the block, an exponential race on noise keyed by (key, token id).
+
+    Only the block choice is an inverse CDF: rounding-level changes in the logits (another
+    batch shape) move a seeded draw only when u lies that close to a block boundary,
+    whereas a CDF over single tokens would move it wherever tokens are small."""
+    rows, n = weights.shape
+    w = weights.contiguous()
+    sums = w.as_strided((rows, n // _BLOCK, _BLOCK), (n, _BLOCK, 1)).sum(-1)
+    if n % _BLOCK:
+        sums = torch.cat([sums, w[:, n - n % _BLOCK:].sum(-1, keepdim=True)], 1)
+    cum = sums.double().cumsum(-1)
+    total = cum[:, -1:]
+    # Strictly below the total, so some block's cumulative weight exceeds it.
+    x = torch.minimum(u[:, None].to(cum.device) * total, torch.nextafter(total, torch.zeros_like(total)))
+    block = torch.searchsorted(cum, x, right=True).clamp_(max=cum.shape[1] - 1)
+    cols = block * _BLOCK + torch.arange(_BLOCK, device=w.device)
+    inside = w.gather(1, cols.clamp(max=n - 1)) * (cols < n)
+    # Exponential race: argmax(w / E) with E ~ Exp(1) draws in proportion to w.
+    h = _mix32(keys[:, None].to(cols.device) ^ _mix32(cols))
+    noise = -torch.log((h.double() + 0.5) * 2.0 ** -32)
+    return (block * _BLOCK + (inside.double() / noise).argmax(-1, keepdim=True))[:, 0]
 
 
 def _padded(seqs: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -97,15 +143,81 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: torch.Tensor, output_ids: 
     return logits - presence[:, None] * output_mask
 
 
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+
+
+def _draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Temperature, min-p, then top-k / top-p, and one draw per row of [rows, vocab]."""
+    vocab = logits.shape[-1]
+    # Shifted so each row's top logit is 0: exp() below cannot overflow, and min-p
+    # (p < min_p * p_max) becomes a threshold on the log-ratio.
+    scaled = logits - logits.amax(-1, keepdim=True)
+    if any(p.temperature != 1.0 for p in params):
+        scaled.div_(_column([p.temperature for p in params], scaled))
+    if any(p.min_p > 0 for p in params):
+        floor = _column([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], scaled)
+        scaled.masked_fill_(scaled < floor, -math.inf)
+    filtered = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
+    if not filtered:
+        return draw(scaled.exp_(), u, keys)
+    tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+    plain = sorted(set(range(len(params))) - set(filtered))
+    if plain:
+        tokens[plain] = draw(scaled[plain].exp_(), u[plain], keys[plain])
+    tokens[filtered] = _draw_top_k_top_p(scaled[filtered], [params[j] for j in filtered], u[filtered], keys[filtered])
+    return tokens
+
+
+def _draw_top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, keys: torch.Tensor,
+                      width: int | None = None) -> torch.Tensor:
+    """Draws among each row's top_k tokens, then the smallest prefix of them (by
+    probability) whose renormalized mass reaches top_p. Rows' top tokens come from one
+    partial sort of `width` columns; a top-p row whose nucleus is wider is redone whole."""
+    vocab = scaled.shape[-1]
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    width = width or min(vocab, max(k or _TOP_P_CANDIDATES for k in ks))
+    vals, idx = scaled.topk(width)
+    weights = vals.exp()
+    weights[torch.arange(width, device=vals.device) >= _column([k or width for k in ks], vals)] = 0
+    redo: list[int] = []
+    if any(p.top_p < 1 for p in params):
+        # The mass top-p renormalizes by: the top-k tokens', or the whole row's.
+        mass = weights.sum(-1)
+        whole = [j for j, k in enumerate(ks) if not k and width < vocab]
+        if whole:
+            mass[whole] = scaled[whole].exp().sum(-1)
+        probs = weights / mass[:, None]
+        cum = probs.cumsum(-1)
+        top_p = _column([p.top_p for p in params], vals)
+        weights[cum - probs >= top_p] = 0
+        redo = [j for j in whole if float(cum[j, -1]) < params[j].top_p]
+    # Drawn in vocabulary order, not in the sort's: a tiny change in the logits (another
+    # batch shape's rounding) may swap near-equal tokens' ranks, and must not move the draw.
+    tokens = draw(torch.zeros_like(scaled).scatter_(1, idx, weights), u, keys)
+    if redo:
+        tokens[redo] = _draw_top_k_top_p(scaled[redo], [params[j] for j in redo], u[redo], keys[redo], vocab)
+    return tokens
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        # logit_bias as (token ids, values) tensors, per SamplingParams of the last step's
+        # rows: a request pays for building them once, not every step.
+        self._bias: dict[int, tuple[SamplingParams, torch.Tensor, torch.Tensor]] = {}
 
-    def _noise(self, vocab: int, row: SampleRow) -> torch.Tensor:
-        if row.params.seed is None:
-            return torch.empty(vocab).exponential_(generator=self.generator)
-        g = torch.Generator().manual_seed((row.params.seed * 1_000_003 + row.output_index) & 0x7FFF_FFFF_FFFF_FFFF)
-        return torch.empty(vocab).exponential_(generator=g)
+    def _noise(self, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's block uniform and noise key: seeded rows' from (seed, output index),
+        the others' from the sampler's generator, all rows in one call."""
+        u = torch.rand(len(rows), generator=self.generator, dtype=torch.float64)
+        keys = torch.randint(0, _M32 + 1, (len(rows),), generator=self.generator)
+        seeded = [j for j, r in enumerate(rows) if r.params.seed is not None]
+        if seeded:
+            drawn = [row_key(rows[j].params.seed, rows[j].output_index) for j in seeded]
+            u[seeded] = torch.tensor([d[0] for d in drawn], dtype=torch.float64)
+            keys[seeded] = torch.tensor([d[1] for d in drawn])
+        return u, keys
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[Logprobs | None]]:
         """logits: [N, vocab] float32, one row per request to sample. Logprobs are of the
@@ -113,20 +225,19 @@ class Sampler:
         raw = logits
         # The processed logits can overwrite the raw ones unless a row wants their logprobs.
         logits = self.process(logits, rows, copy=any(r.params.logprobs is not None for r in rows))
-        tokens = logits.argmax(dim=-1)
-        for i, row in enumerate(rows):
-            p = row.params
-            if p.greedy or not p.temperature >= _MIN_TEMPERATURE:  # (NaN is greedy too)
-                continue
-            lg = logits[i] / p.temperature
-            if p.min_p > 0:
-                lg = _filter_min_p(lg, p.min_p)
-            lg = _filter_top_k_top_p(lg, p.top_k, p.top_p)
-            probs = torch.softmax(lg, dim=-1)
-            # Exponential race (Gumbel-max equivalent): argmax(p / E) samples from p.
-            # The noise is drawn on the CPU (the generators are CPU generators, so a seeded
-            # request draws the same on every device) and moved to the logits' device.
-            tokens[i] = torch.argmax(probs / self._noise(probs.shape[0], row).to(probs.device))
+        drawn = [i for i, r in enumerate(rows) if _is_drawn(r.params)]
+        if not drawn:
+            tokens = logits.argmax(dim=-1)
+        else:
+            noise = self._noise([rows[i] for i in drawn])
+            params = [rows[i].params for i in drawn]
+            if len(drawn) == len(rows):
+                tokens = _draw(logits, params, *noise)
+            else:
+                tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+                greedy = [i for i, r in enumerate(rows) if not _is_drawn(r.params)]
+                tokens[greedy] = logits[greedy].argmax(dim=-1)
+                tokens[drawn] = _draw(logits[drawn], params, *noise)
         out_tokens = tokens.tolist()
         for row, token in zip(rows, out_tokens):
             if row.grammar is not None:
@@ -140,6 +251,8 @@ class Sampler:
         masked = [i for i, r in enumerate(rows) if r.grammar is not None]
         biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
         penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        if not biased:
+            self._bias = {}
         if not (masked or biased or penalized):
             return logits
         if copy:
@@ -147,14 +260,7 @@ class Sampler:
         if masked:
             self._apply_grammars(logits, rows, masked)
         if biased:
-            r_idx, t_idx, vals = [], [], []
-            for i in biased:
-                for tok, bias in rows[i].params.logit_bias:
-                    r_idx.append(i)
-                    t_idx.append(tok)
-                    vals.append(bias)
-            index = (torch.tensor(r_idx, device=logits.device), torch.tensor(t_idx, device=logits.device))
-            logits.index_put_(index, torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
+            self._apply_logit_bias(logits, rows, biased)
         if penalized:
             sel = [rows[i] for i in penalized]
             vocab, dev = logits.shape[-1], logits.device
@@ -165,6 +271,23 @@ class Sampler:
             logits[idx] = apply_penalties(logits[idx], _padded([r.prompt_token_ids for r in sel], vocab, dev),
                                           _padded([r.output_token_ids for r in sel], vocab, dev), pres, freq, rep)
         return logits
+
+    def _apply_logit_bias(self, logits: torch.Tensor, rows: list[SampleRow], biased: list[int]) -> None:
+        """Every biased row's entries added in one indexed accumulate."""
+        cache: dict[int, tuple[SamplingParams, torch.Tensor, torch.Tensor]] = {}
+        for i in biased:
+            p = rows[i].params
+            entry = self._bias.get(id(p))
+            if entry is None or entry[0] is not p:  # (the cache holds p: its id is not reused)
+                pairs = torch.tensor(p.logit_bias, dtype=torch.float64)
+                entry = (p, pairs[:, 0].long().to(logits.device), pairs[:, 1].to(logits.dtype).to(logits.device))
+            cache[id(p)] = entry
+        self._bias = cache
+        entries = [cache[id(rows[i].params)] for i in biased]
+        counts = torch.tensor([len(e[1]) for e in entries], device=logits.device)
+        row_idx = torch.repeat_interleave(torch.tensor(biased, device=logits.device), counts)
+        logits.index_put_((row_idx, torch.cat([e[1] for e in entries])), torch.cat([e[2] for e in entries]),
+                          accumulate=True)
 
     @staticmethod
     def _apply_grammars(logits: torch.Tensor, rows: list[SampleRow], masked: list[int]) -> None:

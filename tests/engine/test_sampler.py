@@ -7,7 +7,32 @@ import pytest
 import torch
 
 from loraplex.engine.request import SamplingParams
-from loraplex.engine.sampler import Sampler, SampleRow, _filter_top_k_top_p
+from loraplex.engine.sampler import Sampler, SampleRow
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The per-row reference: top-k by the k-th value, then the smallest prefix of the
+    sorted renormalized distribution whose mass reaches top_p (always the top token)."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(0, idx, sorted_logits)
+    return logits
+
+
+def reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution one row is drawn from, computed row by row the plain way:
+    temperature, min-p (p < min_p * p_max dropped), top-k, top-p."""
+    lg = logits.double() / params.temperature
+    if params.min_p > 0:
+        probs = torch.softmax(lg, -1)
+        lg = lg.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return torch.softmax(_filter_top_k_top_p(lg, params.top_k, params.top_p), -1)
 
 
 def _row(output_index: int = 0, **kw) -> SampleRow:
