@@ -30,7 +30,7 @@ _SERVED = ("stop", "length", "timeout")
 
 
 class Metrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats], max_lora: int,
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], max_lora: int | None,
                  max_adapter_labels: int = 50) -> None:
         disable_created_metrics()  # no *_created series (process-wide; vLLM does the same)
         self.model_name = model_name
@@ -178,6 +178,6 @@ class _EngineCollector:
         info = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters.",
                                  labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
         info.add_metric([",".join(sorted(a for a, v in state.items() if v[1] > 0)),
-                         ",".join(sorted(a for a, v in state.items() if v[0] > 0)), str(self.m.max_lora)],
+                         ",".join(sorted(a for a, v in state.items() if v[0] > 0)), str(self.m.max_lora or s.max_loras)],
                         time.time())
         yield info
