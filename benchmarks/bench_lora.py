@@ -53,7 +53,7 @@ from loraplex.engine.request import SamplingParams  # noqa: E402
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MIXED_RANKS = (8, 16, 32, 64)
 DEFAULT_SCENARIOS = "32:uniform,32:zipf,128:uniform,128:zipf,1000:mixed"
-QUICK_SCENARIOS = "4:uniform,12:mixed"
+QUICK_SCENARIOS = "3:uniform,5:mixed"
 
 
 def make_adapters(model_dir: Path, root: Path, n: int, ranks: tuple[int, ...], targets: tuple[str, ...],
@@ -244,7 +244,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--scenarios", default=None, help=f"N:uniform|zipf|mixed, comma-separated ({DEFAULT_SCENARIOS})")
     ap.add_argument("--zipf-s", type=float, default=1.1)
-    ap.add_argument("--quick", action="store_true", help="8 short requests, small adapter sets: a smoke run")
+    ap.add_argument("--quick", action="store_true", help="6 short requests, small adapter sets: a smoke run")
     ap.add_argument("--hf-prompts", type=int, default=None,
                     help="serve only the first N requests with transformers + PEFT (its tok/s is on those)")
     ap.add_argument("--hf-batch", type=int, default=16)
@@ -254,7 +254,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the summary to this file")
     args = ap.parse_args()
     if args.quick:
-        args.num_prompts, args.input_len, args.input_range, args.output_len, args.output_range = 8, 32, 16, 8, 4
+        args.num_prompts, args.input_len, args.input_range, args.output_len, args.output_range = 6, 32, 16, 6, 3
     scenarios = parse_scenarios(args.scenarios or (QUICK_SCENARIOS if args.quick else DEFAULT_SCENARIOS))
     torch.set_num_threads(args.threads)
     modes = [m for m in args.hf_modes.split(",") if m]

@@ -73,9 +73,5 @@ class CLoRABatch:
 class CLoRABackend(TorchLoRABackend):
     """The torch backend's slot stacks, every segment (long ones too) through the C kernel."""
 
-    def set_slot(self, slot: int, packed) -> None:
-        # The kernel reads only the stacks: no per-slot packed copy to keep beside them.
-        self.stacks.set_slot(slot, packed)
-
     def batch(self, segments: list[tuple[int, int, int]]) -> LoRAHook:
         return CLoRABatch(self.stacks, segments)
