@@ -242,8 +242,9 @@ class Scheduler:
                         continue
                     pages = self.adapter_pages(req.adapter)
                 if not self.adapters.can_acquire(d, pages):
-                    starving = starving or req
-                    continue
+                    if pages + self.kv.blocks_needed(req.num_tokens) <= self.kv.pool.num_blocks:
+                        starving = starving or req  # memory frees up: it rotates in
+                    continue  # else it can never fit: it must not hold the others back
                 if starving is not None and self.clock() - starving.enqueue_time > self.config.aging_seconds:
                     # Memory is short: let the pinned adapters drain so the starving one
                     # fits; hot adapters cannot monopolise the device.

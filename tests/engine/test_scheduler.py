@@ -808,6 +808,18 @@ def test_cached_kv_and_idle_adapters_compete_in_one_lru_order():
     pool.check_invariants()
 
 
+def test_an_adapter_larger_than_the_pool_does_not_hold_the_others_back():
+    h = Harness(max_loras=None, num_blocks=12, pages={"huge": 20}, aging_seconds=1.0)
+    huge = h.add(adapter="huge", max_tokens=2)
+    h.step(dt=5.0)
+    others = [h.add(adapter=n, max_tokens=2) for n in "ab"]
+    for _ in range(10):
+        h.step(dt=1.0)
+    assert huge.status is RequestStatus.WAITING and all(r.num_output_tokens == 2 for r in others)
+    h.abort(huge.request_id)
+    h.assert_all_free()
+
+
 def test_memory_short_adapters_rotate_in_after_aging():
     # Room for one adapter beside the KV: a hot adapter that never drains would starve the cold one.
     aging = 5.0
