@@ -268,11 +268,17 @@ class LLMEngine:
 
     def _adapter_pages(self, ref: AdapterRef) -> int:
         """Pool blocks an adapter's device copy takes: its bytes at its own ranks, where the
-        LoRA backend's rows grow; none where they are allocated up front (and sized by the
-        memory plan instead)."""
-        if not self.lora.backend.grows:
+        pool was sized in bytes and the LoRA backend's rows grow. None where the rows are
+        allocated up front (the memory plan sized them), or where `cache.num_blocks` fixes
+        the KV blocks exactly. An adapter larger than the whole pool is refused (its
+        requests fail) rather than left waiting for memory that never comes."""
+        if not self.lora.backend.grows or self.config.cache.num_blocks is not None:
             return 0
-        return -(-self.lora.device_bytes(ref) // self.runner.block_bytes)
+        pages = -(-self.lora.device_bytes(ref) // self.runner.block_bytes)
+        if pages >= self.kv.pool.num_blocks:
+            self.lora.refuse(ref.digest, f"its weights need {pages} blocks of the {self.kv.pool.num_blocks}-block "
+                                         f"KV pool; raise kv_cache_memory")
+        return pages
 
     def _expire(self) -> list[RequestOutput]:
         """Requests past their deadline end here, with what they produced so far."""

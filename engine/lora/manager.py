@@ -221,6 +221,12 @@ class LoRAManager:
             self._forget(digest)
             return dropped
 
+    def refuse(self, digest: str, reason: str) -> None:
+        """Fail the requests of `digest` (the engine cannot hold it): as a failed load does."""
+        log.warning("adapter %s refused: %s", digest, reason)
+        with self._lock:
+            self._failed[digest] = reason
+
     def failed(self) -> dict[str, str]:
         with self._lock:
             return dict(self._failed)

@@ -55,7 +55,9 @@ def _engine(model_dir, store_root, dirs, *, max_loras=None, max_cpu_loras=16, ke
     store = AdapterStore(store_root, BaseShapes.from_model_dir(model_dir))
     for name, path in dirs.items():
         store.add(name, path)
-    cache = CacheConfig(block_size=sched.pop("block_size", 8), num_blocks=sched.pop("num_blocks", 256))
+    kv_bytes = sched.pop("kv_bytes", None)  # a pool sized in bytes: adapters take pages of it
+    cache = CacheConfig(block_size=sched.pop("block_size", 8), kv_cache_memory_bytes=kv_bytes,
+                        num_blocks=None if kv_bytes else sched.pop("num_blocks", 256))
     cfg = EngineConfig(model=ModelConfig(model=str(model_dir), dtype="float32"), cache=cache,
                        scheduler=SchedulerConfig(**sched),
                        lora=LoRAConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=64),
@@ -68,10 +70,10 @@ def _run(engine, prompts, assign) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("setup", [
-    dict(num_blocks=4096),  # all 12 adapters and base requests in one batch: memory holds them all
+    dict(kv_bytes=4096 * 4096),  # all 12 adapters and base requests in one batch: memory holds them all
     dict(max_loras=3, max_cpu_loras=2),  # working set exceeds a row cap and the CPU tier
     dict(max_loras=4, num_blocks=30, max_num_batched_tokens=24),  # preemption + chunked prefill
-    dict(num_blocks=40, max_num_batched_tokens=24),  # adapter pages and KV compete for a small pool
+    dict(kv_bytes=200 * 4096, max_num_batched_tokens=24),  # adapter pages and KV compete for a small pool
     dict(kernels="torch"),  # the pure torch path: grouped bmm for short segments, no C kernel
 ])
 def test_mixed_adapters_match_peft(tiny_llama_dir, tmp_path, lora_setup, setup):
@@ -81,9 +83,9 @@ def test_mixed_adapters_match_peft(tiny_llama_dir, tmp_path, lora_setup, setup):
     assert _run(engine, prompts, assign) == ref
     if setup.get("num_blocks") == 30:
         assert engine.scheduler.num_preemptions > 0
-    if setup.get("num_blocks") == 4096:
+    if setup.get("kv_bytes") == 4096 * 4096:
         assert len(engine.scheduler.adapters.resident()) == len(ADAPTERS), "every adapter stays on the device"
-    if setup.get("num_blocks") == 40:
+    if setup.get("kv_bytes") == 200 * 4096:
         pages = engine._adapter_pages(engine.lora.ref("a64"))
         assert pages > 1 and engine.kv.pool.num_adapter_evictions > 0, "the pool was meant to evict adapters"
 
