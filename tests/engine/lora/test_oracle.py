@@ -58,7 +58,8 @@ def _engine(model_dir, store_root, dirs, *, max_loras=None, max_cpu_loras=16, ke
     kv_bytes = sched.pop("kv_bytes", None)  # a pool sized in bytes: adapters take pages of it
     cache = CacheConfig(block_size=sched.pop("block_size", 8), kv_cache_memory_bytes=kv_bytes,
                         num_blocks=None if kv_bytes else sched.pop("num_blocks", 256))
-    cfg = EngineConfig(model=ModelConfig(model=str(model_dir), dtype="float32"), cache=cache,
+    model = ModelConfig(model=str(model_dir), dtype="float32", max_model_len=sched.pop("max_model_len", None))
+    cfg = EngineConfig(model=model, cache=cache,
                        scheduler=SchedulerConfig(**sched),
                        lora=LoRAConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=64),
                        kernels=kernels)
@@ -73,7 +74,8 @@ def _run(engine, prompts, assign) -> list[list[int]]:
     dict(kv_bytes=4096 * 4096),  # all 12 adapters and base requests in one batch: memory holds them all
     dict(max_loras=3, max_cpu_loras=2),  # working set exceeds a row cap and the CPU tier
     dict(max_loras=4, num_blocks=30, max_num_batched_tokens=24),  # preemption + chunked prefill
-    dict(kv_bytes=200 * 4096, max_num_batched_tokens=24),  # adapter pages and KV compete for a small pool
+    # adapter pages and KV compete for a small pool
+    dict(kv_bytes=200 * 4096, max_model_len=256, max_num_batched_tokens=24),
     dict(kernels="torch"),  # the pure torch path: grouped bmm for short segments, no C kernel
 ])
 def test_mixed_adapters_match_peft(tiny_llama_dir, tmp_path, lora_setup, setup):
@@ -144,3 +146,20 @@ def test_broken_adapter_fails_its_request_only(tiny_llama_dir, tmp_path, lora_se
                 results[o.request_id] = o.finish_reason
         time.sleep(0.01)
     assert results == {bad: "error", good: "length"}
+
+
+def test_adapter_larger_than_the_pool_fails_its_request_only(tiny_llama_dir, tmp_path, lora_setup):
+    dirs, prompts, _, _ = lora_setup
+    # 100 blocks of 4 KiB; a64's weights need 128 of them: it can never be resident.
+    engine, _ = _engine(tiny_llama_dir, tmp_path / "store", {"big": dirs["a64"], "small": dirs["a4"]},
+                        kv_bytes=100 * 4096, max_model_len=256)
+    ids = {engine.add_request(prompts[0], _greedy(4), adapter=a): a for a in ("big", "small", None)}
+    results = {}
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        for o in engine.step():
+            if o.finished:
+                results[ids[o.request_id]] = (o.finish_reason, o.stop_reason)
+        time.sleep(0.005)
+    assert results["big"][0] == "error" and "blocks" in results["big"][1]
+    assert results["small"][0] == results[None][0] == "length"
