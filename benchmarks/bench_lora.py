@@ -276,7 +276,9 @@ def main() -> None:
         def engine() -> LLMEngine:
             lora = LoRAConfig()
             cfg = EngineConfig(model=ModelConfig(model=str(model_dir), dtype=args.dtype), num_threads=args.threads,
-                               scheduler=SchedulerConfig(), lora=lora)
+                               # --quick: fewer batch widths to warm up
+                               scheduler=SchedulerConfig(max_num_seqs=8) if args.quick else SchedulerConfig(),
+                               lora=lora)
             return LLMEngine(cfg, LoRAManager(store, lora))
 
         rows: list[dict] = []
