@@ -922,7 +922,7 @@
         h("strong", {}, r.names.length ? r.names.join(", ") : "(older version)"), " ",
         h("span", { class: "mono muted", title: r.digest }, shortDigest(r.digest)))))
         : h("p", { class: "muted" }, empty));
-      const deviceLabel = e.device.startsWith("cuda") ? "GPU slots" : `Device slots (${e.device})`;
+      const deviceLabel = e.device.startsWith("cuda") ? "On the GPU" : `On the device (${e.device})`;
       clear(body).append(
         h("div", { class: "stats" },
           stat(e.running ? "running" : "stopped", "Engine", "engine-state"),
@@ -938,7 +938,8 @@
             h("th", {}, "Lane"), h("th", { class: "num" }, "Running"), h("th", { class: "num" }, "Waiting"),
             h("th", {}, h("span", { class: "legend" }, h("span", {}, "running / waiting"))))), lanes)),
           h("div", { class: "card", id: "engine-resident" },
-            h("h2", {}, `${deviceLabel}: ${dev.length} of ${e.max_loras} in use`), resList(dev, "No adapter in a slot."),
+            h("h2", {}, `${deviceLabel}: ${dev.length} resident, up to ${e.max_loras} per step`),
+            resList(dev, "No adapter on the device."),
             h("h2", {}, `CPU tier: ${cpu.length} of ${e.max_cpu_loras}`), resList(cpu, "No adapter in CPU memory."))),
         h("p", { class: "muted small" }, `Model ${e.model} on ${e.device}. Updated ${new Date().toLocaleTimeString()}.`));
     }

@@ -1,38 +1,29 @@
-"""Multi-LoRA throughput: the base model alone vs 1, 8, 32, 128 distinct adapters vs transformers + PEFT.
+"""Multi-LoRA throughput and TTFT where users are: many adapters against the base model.
 
-One run, same seeded heavy-tailed workload (benchmarks/workload.py), same model, same threads:
-  * loraplex serving the workload with the base model alone (the baseline),
-  * loraplex serving it with N distinct adapters, requests assigned to adapters with
-    uniform popularity (round-robin over a seeded shuffle: every adapter gets its share)
-    or power-law popularity (Zipf, s=1.1: a few hot adapters, a long tail),
-  * transformers + PEFT serving the same requests:
-      grouped: requests grouped by adapter, one `load_adapter`/`set_adapter` per adapter,
-               left-padded batched `generate` per group (what a simple PEFT server does);
-      mixed:   every adapter loaded into one PeftModel, batches in arrival order with
-               PEFT's per-row `adapter_names` (PEFT's own mixed-batch inference).
-Prints output tokens/s for each, the ratio to the base model and to transformers + PEFT.
+One run, one seeded workload (vLLM bench's random dataset: prompts 256 +- 128 tokens,
+outputs 128 +- 64, `ignore_eos`, greedy; 64 requests arriving at once), SmolLM2 in
+bf16 on 2 threads, the in-process engine with its default LoRA settings:
+  * the base model alone (the baseline),
+  * 32 and 128 distinct rank-8 adapters on all seven projections, requests assigned
+    uniformly (round-robin over a seeded shuffle) or by Zipf popularity (s=1.1),
+  * 1,000 adapters of mixed ranks (8, 16, 32, 64) on q_proj and v_proj, uniform.
+Prints output tokens/s and TTFT p50 of each as ratios to the base model's.
 
-Adapters are rank 8 on all seven projections. One is made by PEFT itself
-(make_random_peft_adapter); the rest copy its adapter_config.json and tensor names and
-shapes with fresh seeded random values (PEFT would take seconds per adapter to build a
-135M model each time), and every one is validated by AdapterStore.add.
+Adapters: PEFT writes one template per target set (make_random_peft_adapter); the rest
+reuse its config and tensor names with the rank changed and seeded random bf16 values
+written directly (1,000 take seconds, not PEFT's minutes). Each is validated by
+AdapterStore.add. Before each timed run every adapter it uses serves one 1-token request
+(loaded from disk into the CPU tier), like the base model's own warm-up; the timed run
+then meets the engine's tiers as a server would: what its memory holds, it keeps.
 
-LoRAConfig(max_loras=max(32, n), max_cpu_loras=max(64, n)): a server is configured for its
-working set, so every adapter of the run has a device slot and stays in the CPU tier once
-loaded. What is measured is the cost of batched LoRA compute over many adapters in one
-step, not slot thrashing or re-reading adapters from disk (the oracle tests cover
-rotation). The floors 32 / 64 are the sizes a deployment would run with anyway. Before
-each timed run, every adapter it uses serves one 1-token request (loading it from disk
-into the CPU tier and a slot), like the base model's own warm-up; that time is printed
-separately.
+`--quick` runs a few short requests over small adapter sets (the smoke test in
+tests/benchmarks/ uses it). `--hf-modes grouped,mixed` adds transformers + PEFT serving
+the same requests (grouped per adapter, or PEFT's mixed batches), slow: see --hf-prompts.
+On a 2-core machine others keep busy, --threads 1 and --repeat-base show the drift.
 
-On a 2-core machine that other processes keep busy, 2 torch threads can be several times
-slower than 1 (and erratic): an OpenMP barrier waits for a thread that is not running.
-There, use --threads 1, and --repeat-base to see whether the machine drifted during the run.
-
-    python benchmarks/bench_lora.py                       # SmolLM2, 64 prompts, bf16, 2 threads
-    python benchmarks/bench_lora.py --threads 1 --hf-prompts 16 --hf-modes grouped --repeat-base
-    python benchmarks/bench_lora.py --num-prompts 16 --adapters 1,8 --hf-prompts 8
+    python benchmarks/bench_lora.py                       # the full matrix (a few minutes)
+    python benchmarks/bench_lora.py --quick
+    python benchmarks/bench_lora.py --scenarios 32:uniform,1000:mixed --workdir /tmp/adapters
 """
 from __future__ import annotations
 
@@ -49,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import Workload, heavy_tailed, left_padded  # noqa: E402
+from workload import Workload, left_padded, percentile, random_lengths  # noqa: E402
 
 from loraplex.adapters import AdapterStore, BaseShapes  # noqa: E402
 from loraplex.adapters.synth import make_random_peft_adapter  # noqa: E402
@@ -59,25 +50,41 @@ from loraplex.engine.loader import resolve_model_dir  # noqa: E402
 from loraplex.engine.lora import LoRAManager  # noqa: E402
 from loraplex.engine.request import SamplingParams  # noqa: E402
 
+ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MIXED_RANKS = (8, 16, 32, 64)
+DEFAULT_SCENARIOS = "32:uniform,32:zipf,128:uniform,128:zipf,1000:mixed"
+QUICK_SCENARIOS = "3:uniform,5:mixed"
 
-def make_adapters(model_dir: Path, root: Path, n: int, rank: int, seed: int = 0) -> list[Path]:
-    """n valid PEFT folders: PEFT writes the first, the rest reuse its config and layout."""
+
+def make_adapters(model_dir: Path, root: Path, n: int, ranks: tuple[int, ...], targets: tuple[str, ...],
+                  seed: int = 0) -> list[Path]:
+    """n valid PEFT folders, adapter i of rank ranks[i % len(ranks)]: PEFT writes a
+    rank-1 template, the rest reuse its config and tensor names at their own rank."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    template = make_random_peft_adapter(model_dir, root / "lora-000", rank=rank, alpha=2 * rank, seed=seed,
-                                        init_scale=0.01)
-    config = (template / "adapter_config.json").read_bytes()
+    template = make_random_peft_adapter(model_dir, root / "template", rank=1, alpha=2, target_modules=list(targets),
+                                        seed=seed, init_scale=0.01)
+    config = json.loads((template / "adapter_config.json").read_text())
     with safe_open(str(template / "adapter_model.safetensors"), framework="pt") as f:
-        layout = {k: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()}
-    assert all(dtype == "F32" for _, dtype in layout.values()), "PEFT saved a dtype this generator does not write"
+        layout = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     gen = torch.Generator().manual_seed(seed + 1)
-    dirs = [template]
-    for i in range(1, n):
-        d = root / f"lora-{i:03d}"
+    # One random pool per rank, sliced per adapter at a seeded offset: distinct content
+    # (and digests) without drawing every tensor afresh.
+    need = {r: sum(a * b for a, b in layout.values()) * r for r in set(ranks)}
+    pools = {r: (torch.randn(n_el + n, generator=gen) * 0.01).to(torch.bfloat16) for r, n_el in need.items()}
+    dirs = []
+    for i in range(n):
+        r = ranks[i % len(ranks)]
+        d = root / f"lora-{i:04d}"
         d.mkdir()
-        (d / "adapter_config.json").write_bytes(config)
-        tensors = {k: torch.randn(shape, generator=gen) * 0.01 for k, (shape, _) in sorted(layout.items())}
+        (d / "adapter_config.json").write_text(json.dumps({**config, "r": r, "lora_alpha": 2 * r}))
+        pos, tensors = i, {}  # a different offset per adapter
+        for k, (a, b) in sorted(layout.items()):
+            shape = (r, b) if "lora_A" in k else (a, r)  # A [r, in], B [out, r]
+            size = shape[0] * shape[1]
+            tensors[k] = pools[r][pos:pos + size].view(shape).clone()
+            pos += size
         save_file(tensors, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
         dirs.append(d)
     return dirs
@@ -110,15 +117,22 @@ def run_engine(engine: LLMEngine, wl: Workload, adapters: list[str | None]) -> d
         if not engine.step():
             time.sleep(0.005)  # adapters load in a background thread: do not spin on the GIL
     warm = time.perf_counter() - start
-    steps = 0
+    steps, first = 0, {}
     start = time.perf_counter()
-    for p, n, a in zip(wl.prompts, wl.max_tokens, adapters):
-        engine.add_request(p, _greedy(n), adapter=a)
+    ids = [engine.add_request(p, _greedy(n), adapter=a) for p, n, a in zip(wl.prompts, wl.max_tokens, adapters)]
     while engine.has_unfinished_requests():
-        engine.step()
+        outs = engine.step()
         steps += 1
+        now = time.perf_counter()
+        for o in outs:
+            if o.new_token_ids and o.request_id not in first:
+                first[o.request_id] = now - start
+        if not outs and engine.idle_step:
+            time.sleep(0.002)  # waiting on an adapter load
     elapsed = time.perf_counter() - start
+    ttft = [first[i] for i in ids if i in first]
     return {"tok_s": wl.num_output_tokens / elapsed, "elapsed": elapsed, "warm": warm, "steps": steps,
+            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
             "preemptions": engine.scheduler.num_preemptions}
 
 
@@ -179,105 +193,136 @@ def run_hf(model_dir: Path, wl: Workload, adapters: list[Path | None], dtype: to
     return {"tok_s": wl.num_output_tokens / elapsed, "elapsed": elapsed, "load": load}
 
 
+def parse_scenarios(text: str) -> list[tuple[int, str]]:
+    out = []
+    for item in text.split(","):
+        n, _, pop = item.partition(":")
+        if pop not in ("uniform", "zipf", "mixed") or not n.isdigit() or int(n) < 1:
+            raise SystemExit(f"bad scenario {item!r}: use N:uniform, N:zipf or N:mixed")
+        out.append((int(n), pop))
+    return out
+
+
+def build_store(model_dir: Path, root: Path, scenarios: list[tuple[int, str]]
+                ) -> tuple[dict[str, tuple[list[str], list[Path]]], AdapterStore]:
+    """Adapter names and folders per adapter set ("rank8": every projection at rank 8;
+    "mixed": q_proj and v_proj at ranks 8-64), as many as the largest scenario of each uses."""
+    store = AdapterStore(root / "store", BaseShapes.from_model_dir(model_dir))
+    sets = {"rank8": ((8,), ALL_MODULES), "mixed": (MIXED_RANKS, ("q_proj", "v_proj"))}
+    out = {}
+    for key, (ranks, targets) in sets.items():
+        n = max((c for c, pop in scenarios if (pop == "mixed") == (key == "mixed")), default=0)
+        if not n:
+            continue
+        folder = root / key
+        if folder.is_dir() and len(list(folder.glob("lora-*"))) >= n:  # a --workdir of an earlier run
+            dirs = sorted(folder.glob("lora-*"))[:n]
+            out[key] = ([store.get(f"{key}-{d.name}").name for d in dirs], dirs)
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        t = time.perf_counter()
+        dirs = make_adapters(model_dir, folder, n, ranks, targets)
+        made = time.perf_counter() - t
+        t = time.perf_counter()
+        names = [store.add(f"{key}-{d.name}", d).name for d in dirs]
+        size = sum(f.stat().st_size for d in dirs for f in d.iterdir())
+        print(f"{n} {key} adapters: written in {made:.1f} s, validated and stored in {time.perf_counter() - t:.1f} s "
+              f"({size / n / 2**20:.2f} MiB each)", flush=True)
+        out[key] = (names, dirs)
+    return out, store
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
     ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--input-range", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--output-range", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--adapters", default="1,8,32,128", help="distinct adapter counts, comma-separated")
-    ap.add_argument("--popularity", default="uniform,zipf")
+    ap.add_argument("--scenarios", default=None, help=f"N:uniform|zipf|mixed, comma-separated ({DEFAULT_SCENARIOS})")
     ap.add_argument("--zipf-s", type=float, default=1.1)
-    ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--quick", action="store_true", help="6 short requests, small adapter sets: a smoke run")
     ap.add_argument("--hf-prompts", type=int, default=None,
                     help="serve only the first N requests with transformers + PEFT (its tok/s is on those)")
     ap.add_argument("--hf-batch", type=int, default=16)
-    ap.add_argument("--hf-modes", default="grouped,mixed", help="grouped and/or mixed (see above)")
-    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf-modes", default="", help="grouped and/or mixed: add transformers + PEFT (slow)")
     ap.add_argument("--repeat-base", action="store_true", help="measure the base model again at the end (drift)")
     ap.add_argument("--workdir", default=None, help="where adapters are written (default: a temp dir, removed)")
+    ap.add_argument("--json", default=None, help="also write the summary to this file")
     args = ap.parse_args()
+    if args.quick:
+        args.num_prompts, args.input_len, args.input_range, args.output_len, args.output_range = 6, 32, 16, 6, 3
+    scenarios = parse_scenarios(args.scenarios or (QUICK_SCENARIOS if args.quick else DEFAULT_SCENARIOS))
     torch.set_num_threads(args.threads)
-    counts = [int(x) for x in args.adapters.split(",")]
-    pops = args.popularity.split(",")
-    modes = [] if args.skip_hf else args.hf_modes.split(",")
-    wl = heavy_tailed(args.num_prompts)
+    modes = [m for m in args.hf_modes.split(",") if m]
+    wl = random_lengths(args.num_prompts, args.input_len, args.input_range, args.output_len, args.output_range)
     hf_n = min(args.hf_prompts or len(wl.prompts), len(wl.prompts))
     hf_wl = Workload(wl.prompts[:hf_n], wl.max_tokens[:hf_n])
     model_dir = resolve_model_dir(args.model)
     dtype = getattr(torch, args.dtype)
-    print(f"workload: {len(wl.prompts)} prompts, mean {sum(map(len, wl.prompts)) / len(wl.prompts):.0f} tokens; "
-          f"{wl.num_output_tokens} output tokens ({min(wl.max_tokens)}-{max(wl.max_tokens)}, ignore_eos, greedy); "
-          f"{args.dtype}, {args.threads} threads; adapters rank {args.rank} on all 7 projections; "
-          f"transformers + PEFT on {hf_n} of the requests ({hf_wl.num_output_tokens} output tokens)", flush=True)
+    print(f"workload: {len(wl.prompts)} requests at once, prompts {args.input_len}+-{args.input_range} (mean "
+          f"{sum(map(len, wl.prompts)) / len(wl.prompts):.0f}), outputs {args.output_len}+-{args.output_range} "
+          f"({wl.num_output_tokens} tokens, ignore_eos, greedy); {args.dtype}, {args.threads} threads; default "
+          f"LoRAConfig {LoRAConfig()}", flush=True)
 
     tmp = Path(args.workdir or tempfile.mkdtemp(prefix="bench-lora-"))
     tmp.mkdir(parents=True, exist_ok=True)
     try:
-        t = time.perf_counter()
-        dirs = make_adapters(model_dir, tmp / "peft", max(counts), args.rank)
-        made = time.perf_counter() - t
-        store = AdapterStore(tmp / "store", BaseShapes.from_model_dir(model_dir))
-        t = time.perf_counter()
-        names = [store.add(d.name, d).name for d in dirs]
-        size = sum(f.stat().st_size for f in (tmp / "peft").rglob("*") if f.is_file())
-        print(f"{len(dirs)} adapters: made in {made:.1f} s, validated and stored in {time.perf_counter() - t:.1f} s "
-              f"({size / len(dirs) / 2**20:.1f} MiB each, {size / 2**30:.2f} GiB in all)", flush=True)
+        sets, store = build_store(model_dir, tmp, scenarios)
 
-        def engine(n: int) -> LLMEngine:
-            lora = LoRAConfig(max_loras=max(32, n), max_cpu_loras=max(64, n), max_lora_rank=max(64, args.rank))
+        def engine() -> LLMEngine:
+            lora = LoRAConfig()
             cfg = EngineConfig(model=ModelConfig(model=str(model_dir), dtype=args.dtype), num_threads=args.threads,
-                               scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                                         max_num_batched_tokens=args.max_num_batched_tokens),
+                               # --quick: fewer batch widths to warm up
+                               scheduler=SchedulerConfig(max_num_seqs=8) if args.quick else SchedulerConfig(),
                                lora=lora)
             return LLMEngine(cfg, LoRAManager(store, lora))
 
-        rows: list[tuple[str, dict, dict[str, dict]]] = []
+        rows: list[dict] = []
 
         def report(label: str, res: dict, hf: dict[str, dict]) -> None:
-            base = rows[0][1]["tok_s"] if rows else res["tok_s"]
-            line = (f"{label:<24} loraplex {res['tok_s']:7.1f} tok/s ({res['elapsed']:6.1f} s, {res['steps']} steps, "
-                    f"warm-up {res['warm']:4.1f} s) = {res['tok_s'] / base:.2f}x base")
+            base = rows[0] if rows else res
+            res = {**res, "config": label, "tok_s_ratio": res["tok_s"] / base["tok_s"],
+                   "ttft_p50_ratio": res["ttft_p50"] / base["ttft_p50"]}
+            line = (f"{label:<22} {res['tok_s']:7.1f} tok/s = {res['tok_s_ratio']:.2f}x base | TTFT p50 "
+                    f"{res['ttft_p50']:5.2f} s = {res['ttft_p50_ratio']:.2f}x base (p99 {res['ttft_p99']:5.2f} s) | "
+                    f"{res['elapsed']:5.1f} s, {res['steps']} steps, {res['preemptions']} preemptions, "
+                    f"warm-up {res['warm']:4.1f} s")
             for mode, h in hf.items():
-                line += (f" | HF+PEFT {mode} {h['tok_s']:6.1f} tok/s ({h['elapsed']:.0f} s, adapter loads "
-                         f"{h['load']:.1f} s): {res['tok_s'] / h['tok_s']:5.1f}x")
+                res[f"hf_{mode}_tok_s"] = h["tok_s"]
+                line += f" | HF+PEFT {mode} {h['tok_s']:6.1f} tok/s: {res['tok_s'] / h['tok_s']:5.1f}x"
             print(line, flush=True)
-            rows.append((label, res, hf))
+            rows.append(res)
 
-        eng = engine(0)
-        res = run_engine(eng, wl, [None] * len(wl.prompts))
-        eng.lora.close()
-        del eng
-        hf = {"plain": run_hf(model_dir, hf_wl, [None] * hf_n, dtype, args.hf_batch, "")} if modes else {}
-        report("base model", res, hf)
-        for n in counts:
-            # With one adapter every popularity assigns it every request: one run, not two
-            # identical ones (whose difference would only be the machine's noise).
-            for pop in pops[:1] if n == 1 else pops:
-                idx = assign_adapters(len(wl.prompts), n, pop, args.zipf_s)
-                used = Counter(idx)
-                eng = engine(n)
-                res = run_engine(eng, wl, [names[i] for i in idx])
+        def run(label: str, names: list[str | None], dirs: list[Path | None]) -> None:
+            eng = engine()
+            res = run_engine(eng, wl, names)
+            if eng.lora is not None:
                 eng.lora.close()
-                del eng
-                hf = {m: run_hf(model_dir, hf_wl, [dirs[i] for i in idx[:hf_n]], dtype, args.hf_batch, m)
-                      for m in modes}
-                label = f"{n:>3} adapters, {pop:<7}"
-                report(label, res, hf)
-                print(f"{'':<24} {len(used)} distinct adapters used, hottest serves "
-                      f"{max(used.values())}/{len(idx)} requests; {len(set(idx[:hf_n]))} distinct in the HF subset",
-                      flush=True)
-        if args.repeat_base:  # how much the machine drifted during the run
-            eng = engine(0)
-            res = run_engine(eng, wl, [None] * len(wl.prompts))
-            eng.lora.close()
             del eng
-            report("base model, again", res, {})
-        summary = [{"config": label, "loraplex_tok_s": round(res["tok_s"], 2),
-                    **{f"hf_{m}_tok_s": round(h["tok_s"], 2) for m, h in hf.items()}} for label, res, hf in rows]
+            hf = {m: run_hf(model_dir, hf_wl, dirs[:hf_n], dtype, args.hf_batch, m if dirs[0] else "")
+                  for m in (modes if dirs[0] else modes[:1])}
+            report(label, res, hf)
+
+        run("base model", [None] * len(wl.prompts), [None] * len(wl.prompts))
+        for n, pop in scenarios:
+            names, dirs = sets["mixed" if pop == "mixed" else "rank8"]
+            idx = assign_adapters(len(wl.prompts), n, "uniform" if pop == "mixed" else pop, args.zipf_s)
+            used = Counter(idx)
+            run(f"{n:>4} adapters, {pop}", [names[i] for i in idx], [dirs[i] for i in idx])
+            print(f"{'':<22} {len(used)} distinct adapters used, the hottest serves {max(used.values())}/{len(idx)} "
+                  f"requests", flush=True)
+        if args.repeat_base:
+            run("base model, again", [None] * len(wl.prompts), [None] * len(wl.prompts))
+        keys = ("config", "tok_s", "tok_s_ratio", "ttft_p50", "ttft_p50_ratio")
+        summary = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
+                    if k in keys or k.startswith("hf_")} for r in rows]
         print(json.dumps(summary))
+        if args.json:
+            Path(args.json).write_text(json.dumps(summary, indent=1))
     finally:
         if args.workdir is None:
             shutil.rmtree(tmp, ignore_errors=True)

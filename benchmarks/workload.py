@@ -48,3 +48,14 @@ def percentile(values: list[float], p: float) -> float:
     s = sorted(values)
     k = min(len(s) - 1, max(0, int(round(p / 100 * (len(s) - 1)))))
     return s[k]
+
+
+def random_lengths(n: int = 64, input_len: int = 256, input_range: int = 128, output_len: int = 128,
+                   output_range: int = 64, seed: int = 0, vocab: tuple[int, int] = (100, 40000)) -> Workload:
+    """vLLM bench's random dataset: prompt and output lengths uniform in
+    [len - range, len + range], prompt tokens uniform over `vocab`."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(max(1, input_len - input_range), input_len + input_range) for _ in range(n)]
+    prompts = [[rng.randrange(*vocab) for _ in range(length)] for length in lengths]
+    outs = [rng.randint(max(1, output_len - output_range), output_len + output_range) for _ in range(n)]
+    return Workload(prompts, outs)

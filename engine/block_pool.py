@@ -1,14 +1,18 @@
-"""The paged KV pool: fixed-size blocks, ref counts, prefix hashes, LRU eviction.
+"""The unified memory pool: fixed-size blocks for KV and adapter pages, ref counts,
+prefix hashes, one LRU eviction order.
 
 Plain Python, no tensors: the pool hands out block ids; the model runner owns the
-memory they index.
+memory they index. An adapter resident on the device holds pages (blocks) of the same
+pool as KV, so KV and adapters share one budget: while a request uses it its pages are
+referenced; once idle they join the free queue like a freed prefix-cached block, and
+whichever of the two the LRU order reaches first is evicted (an idle adapter as a whole).
 """
 from __future__ import annotations
 
 import hashlib
 from array import array
 from collections import OrderedDict
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .request import Request
 
@@ -33,7 +37,9 @@ class BlockPool:
     """Ref-counted blocks with a free queue in eviction order.
 
     A freed block keeps its hash (and so stays a prefix-cache hit) until it is handed
-    out again. Blocks with no hash are handed out before cached ones.
+    out again. Blocks with no hash are handed out before cached ones. An idle adapter's
+    pages wait in the queue the same way, from the moment it went idle; handing out any
+    of them evicts the adapter (`on_adapter_evicted` is told) and frees the rest.
     """
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
@@ -46,6 +52,11 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self.num_evictions = 0
+        self.owner: list[str | None] = [None] * num_blocks  # the adapter whose page a block is
+        self._pages: dict[str, list[int]] = {}  # resident adapter -> its pages
+        self._pinned: set[str] = set()
+        self.on_adapter_evicted: Callable[[str], None] | None = None
+        self.num_adapter_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -67,6 +78,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             block, _ = self._free.popitem(last=False)
+            if self.owner[block] is not None:
+                self._evict_adapter(self.owner[block])
             old = self.block_hash[block]
             if old is not None:
                 # Evict: the block's old content is about to be overwritten.
@@ -96,6 +109,57 @@ class BlockPool:
                 if self.block_hash[b] is None:
                     self._free.move_to_end(b, last=False)
 
+    # -- adapter pages ------------------------------------------------------------
+    def adapter_pages(self, digest: str) -> list[int] | None:
+        """The pages of a resident adapter, None when it is not resident."""
+        return self._pages.get(digest)
+
+    @property
+    def num_adapter_pages(self) -> int:
+        return sum(len(p) for p in self._pages.values())
+
+    def hold_adapter(self, digest: str, n: int) -> list[int]:
+        """Make `digest` resident in `n` pages, pinned (in use). The caller checks
+        `num_free_blocks` first; taking pages may evict idle adapters and cached KV."""
+        assert digest not in self._pages, f"adapter {digest} is already resident"
+        pages = self.allocate(n)
+        for b in pages:
+            self.owner[b] = digest
+        self._pages[digest] = pages
+        self._pinned.add(digest)
+        return pages
+
+    def pin_adapter(self, digest: str) -> None:
+        """An idle resident adapter is in use again: its pages leave the free queue."""
+        if digest in self._pinned:
+            return
+        for b in self._pages[digest]:
+            del self._free[b]
+            self.ref_cnt[b] = 1
+        self._pinned.add(digest)
+
+    def unpin_adapter(self, digest: str) -> None:
+        """No request uses `digest` now: its pages join the free queue as the most
+        recently used, evictable from then on."""
+        self._pinned.discard(digest)
+        for b in self._pages[digest]:
+            self.ref_cnt[b] = 0
+            self._free[b] = None
+
+    def evict_adapter(self, digest: str) -> None:
+        """Evict an idle adapter now (its pages become free blocks)."""
+        assert digest not in self._pinned, f"adapter {digest} is in use"
+        self._evict_adapter(digest)
+
+    def _evict_adapter(self, digest: str) -> None:
+        for b in self._pages.pop(digest):
+            self.owner[b] = None
+            if b in self._free:
+                self._free.move_to_end(b, last=False)  # plain free blocks are handed out first
+        self.num_adapter_evictions += 1
+        if self.on_adapter_evicted is not None:
+            self.on_adapter_evicted(digest)
+
     def cache(self, block_id: int, block_hash: bytes) -> None:
         if not self.enable_prefix_caching or self.block_hash[block_id] is not None:
             return
@@ -118,6 +182,12 @@ class BlockPool:
         for b, h in enumerate(self.block_hash):
             assert h is None or self._cached.get(h) == b, f"block {b} has a hash the cache lost"
             assert self.ref_cnt[b] >= 0
+        owned = {b: d for d, pages in self._pages.items() for b in pages}
+        for b, d in enumerate(self.owner):
+            assert owned.get(b) == d, f"block {b} owner {d} but pages say {owned.get(b)}"
+            assert d is None or self.block_hash[b] is None, f"adapter page {b} has a KV hash"
+        for d, pages in self._pages.items():
+            assert all((self.ref_cnt[b] == 1) == (d in self._pinned) for b in pages), f"adapter {d} pin state"
 
 
 class KVCacheManager:

@@ -86,10 +86,16 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    # Adapters computable in one step (device slots); the CPU tier holds more.
-    max_loras: int = 8
+    # An optional cap on the adapters resident on the device at once. None: bounded by
+    # memory only, their pages coming from the KV pool (a backend that allocates its rows
+    # up front, Triton's, gets memory_budget.default_adapter_rows). The CPU tier holds more.
+    max_loras: int | None = None
     max_cpu_loras: int = 32
     max_lora_rank: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1 (or unset: no cap), got {self.max_loras}")
 
 
 @dataclass(frozen=True)

@@ -67,8 +67,10 @@ class LLMEngine:
         self.lora = lora_manager
         self.runner = ModelRunner(config, self.arch, str(self.model_dir), lora_manager)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, config.lora.max_loras,
-                                   adapter_ready=lora_manager.ready if lora_manager is not None else None)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
+                                   lora_manager.max_rows if lora_manager is not None else None,
+                                   adapter_ready=lora_manager.ready if lora_manager is not None else None,
+                                   adapter_pages=self._adapter_pages if lora_manager is not None else None)
         self._streams: dict[str, _Stream] = {}
         self._groups: dict[str, _Group] = {}
         self._choice_of: dict[str, tuple[_Group, int]] = {}  # child id -> (group, index)
@@ -76,11 +78,10 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
         self.idle_step = False
-        # Adapter activity in device slots, by adapter name: what metrics read.
+        # Adapter activity on the device, by adapter name: what metrics read.
         self.adapter_loads: Counter[str] = Counter()
         self.adapter_evictions: Counter[str] = Counter()
         self.recent_adapter_loads: deque[AdapterLoad] = deque(maxlen=256)
-        self._slot_refs: dict[int, AdapterRef] = {}
         self.grammars = GrammarCompiler(self.tokenizer, self.arch.vocab_size)
         sc: StructuredConfig = self.grammars.config
         # Used by the async layer before a request is queued; the engine thread never compiles.
@@ -203,7 +204,7 @@ class LLMEngine:
         # True when nothing could run (e.g. waiting on an adapter load): callers back off
         # instead of spinning, which would starve the loader thread of the GIL.
         self.idle_step = not plan.seqs
-        if plan.adapter_loads:
+        if plan.adapter_loads or plan.adapter_evictions:
             self._load_adapters(plan)
         if not plan.seqs:
             return [self._as_choice(o) for o in failed]
@@ -263,18 +264,32 @@ class LLMEngine:
         return outs
 
     def _load_adapters(self, plan) -> None:
-        """Load the step's adapters one by one, timed, before the runner executes it."""
-        for slot, ref in plan.adapter_loads:
+        """Forget the adapters the scheduler evicted, then load the step's new ones one by
+        one, timed, before the runner executes it."""
+        if plan.adapter_evictions:
+            self.lora.evict(plan.adapter_evictions)
+            self.adapter_evictions.update(ref.name for ref in plan.adapter_evictions)
+        for row, ref in plan.adapter_loads:
             start = time.perf_counter()
-            self.lora.load([(slot, ref)])
+            self.lora.load([(row, ref)])
             seconds = time.perf_counter() - start
-            old = self._slot_refs.get(slot)
-            if old is not None and old.digest != ref.digest:
-                self.adapter_evictions[old.name] += 1
-            self._slot_refs[slot] = ref
             self.adapter_loads[ref.name] += 1
             self.recent_adapter_loads.append(AdapterLoad(sum(self.adapter_loads.values()), ref.name, seconds))
-        plan.adapter_loads = []
+        plan.adapter_loads, plan.adapter_evictions = [], []
+
+    def _adapter_pages(self, ref: AdapterRef) -> int:
+        """Pool blocks an adapter's device copy takes: its bytes at its own ranks, where the
+        pool was sized in bytes and the LoRA backend's rows grow. None where the rows are
+        allocated up front (the memory plan sized them), or where `cache.num_blocks` fixes
+        the KV blocks exactly. An adapter larger than the whole pool is refused (its
+        requests fail) rather than left waiting for memory that never comes."""
+        if not self.lora.backend.grows or self.config.cache.num_blocks is not None:
+            return 0
+        pages = -(-self.lora.device_bytes(ref) // self.runner.block_bytes)
+        if pages >= self.kv.pool.num_blocks:
+            self.lora.refuse(ref.digest, f"its weights need {pages} blocks of the {self.kv.pool.num_blocks}-block "
+                                         f"KV pool; raise kv_cache_memory")
+        return pages
 
     def _expire(self) -> list[RequestOutput]:
         """Requests past their deadline end here, with what they produced so far."""
@@ -360,6 +375,12 @@ class LLMEngine:
         return list(results.values())
 
     # -- introspection -------------------------------------------------------------
+    def _adapters_per_step(self) -> int:
+        """The most distinct adapters one step can run: one per sequence, or fewer rows."""
+        rows = self.lora.max_rows
+        seqs = self.config.scheduler.max_num_seqs
+        return seqs if rows is None else min(rows, seqs)
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         lanes = s.lane_counts()
@@ -372,7 +393,7 @@ class LLMEngine:
             device=str(self.runner.device), num_preemptions=s.num_preemptions,
             prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits,
             adapters=AdapterResidency(tuple(tiers.get("device", ())), tuple(tiers.get("cpu", ()))),
-            max_loras=loras.max_loras if loras else 0, max_cpu_loras=loras.max_cpu_loras if loras else 0,
+            max_loras=self._adapters_per_step() if loras else 0, max_cpu_loras=loras.max_cpu_loras if loras else 0,
             time=time.time(), preemptions_by_lane=dict(s.preemptions_by_lane), adapter_loads=dict(self.adapter_loads),
             adapter_evictions=dict(self.adapter_evictions), recent_adapter_loads=tuple(self.recent_adapter_loads),
             foreground_lane=s.foreground_lane, background_step_tokens=s.guard.tokens)

@@ -1,10 +1,13 @@
 """KV pool sizing on a GPU, the way vLLM users expect `--gpu-memory-utilization` to work.
 
 loraplex may use `gpu_memory_utilization` F of the device's memory. From that budget come
-the model's weights (measured), the adapter slots (`max_loras` x `max_lora_rank` over every
-target projection), the activation peak of one `max_num_batched_tokens` forward
+the model's weights (measured), the adapter rows a LoRA backend allocates up front
+(`adapter_rows` x `max_lora_rank` over every target projection: the Triton backend's,
+which CUDA graphs read by address; 0 for a backend whose rows grow, whose adapters take
+pages of the pool instead), the activation peak of one `max_num_batched_tokens` forward
 (profiled) and memory outside torch's allocator (CUDA context, cuBLAS workspaces); the
-rest becomes KV blocks. `kv_cache_memory` bytes, when given, replaces that computation.
+rest becomes the pool of blocks that KV and adapter pages share (engine/block_pool.py).
+`kv_cache_memory` bytes, when given, replaces that computation.
 
 The arithmetic (`plan_kv_cache`) takes plain numbers, so it is tested against injected
 device figures; the measurements that need a device (`device_memory`,
@@ -26,7 +29,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 class DeviceMemoryError(EngineError):
-    """The model, its adapter slots and one max-length sequence cannot fit on the device."""
+    """The model, its adapter rows and one max-length sequence cannot fit on the device."""
 
 
 @dataclass(frozen=True)
@@ -68,32 +71,32 @@ class MemoryPlanConfig:
     kv_cache_memory: int | None = None
     block_size: int = 16
     max_model_len: int = 2048
-    max_loras: int = 0  # 0: no adapter slots on the device
+    # Adapter rows the LoRA backend allocates up front (0: none, or rows that grow and
+    # take pages of the pool).
+    adapter_rows: int = 0
     max_lora_rank: int = 16
     dtype_bytes: int = 2
-    # Adapters copied to the device ahead of a slot (the asynchronous load's destination,
-    # engine/lora/staging.py): sized as that many more slots.
+    # Adapters copied to the device ahead of their row (the asynchronous load's
+    # destination, engine/lora/staging.py): sized as that many more rows.
     staged_loras: int = 0
 
     @classmethod
-    def from_engine(cls, config, max_model_len: int, dtype_bytes: int, adapters: bool = True,
-                    staged: bool = False) -> MemoryPlanConfig:
-        """The knobs of an `EngineConfig`: `adapters` when the engine has a LoRA manager
-        (its `max_loras` slots), `staged` when that manager stages a copy per slot."""
-        max_loras = config.lora.max_loras if adapters else 0
+    def from_engine(cls, config, max_model_len: int, dtype_bytes: int, adapter_rows: int = 0,
+                    staged_loras: int = 0) -> MemoryPlanConfig:
+        """The knobs of an `EngineConfig`, with the LoRA manager's preallocated rows and staging."""
         return cls(gpu_memory_utilization=config.cache.gpu_memory_utilization,
                    kv_cache_memory=config.cache.kv_cache_memory_bytes, block_size=config.cache.block_size,
-                   max_model_len=max_model_len, max_loras=max_loras, max_lora_rank=config.lora.max_lora_rank,
-                   dtype_bytes=dtype_bytes, staged_loras=max_loras if staged else 0)
+                   max_model_len=max_model_len, adapter_rows=adapter_rows, max_lora_rank=config.lora.max_lora_rank,
+                   dtype_bytes=dtype_bytes, staged_loras=staged_loras)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        if (self.block_size < 1 or self.max_model_len < 1 or self.max_loras < 0 or self.max_lora_rank < 1
+        if (self.block_size < 1 or self.max_model_len < 1 or self.adapter_rows < 0 or self.max_lora_rank < 1
                 or self.staged_loras < 0):
-            raise ValueError("block_size, max_model_len and max_lora_rank must be positive, max_loras and "
+            raise ValueError("block_size, max_model_len and max_lora_rank must be positive, adapter_rows and "
                              "staged_loras >= 0")
 
 
@@ -128,7 +131,7 @@ class KVPlan:
 
     def describe(self) -> str:
         return (f"KV cache: {self.num_blocks} blocks ({_gib(self.kv_bytes)}, {self.num_blocks // self.min_blocks} "
-                f"max-length sequences); weights {_gib(self.weight_bytes)}, adapter slots "
+                f"max-length sequences); weights {_gib(self.weight_bytes)}, adapter rows "
                 f"{_gib(self.adapter_bytes)}, activations {_gib(self.activation_bytes)}, other "
                 f"{_gib(self.non_torch_bytes)} of a {_gib(self.budget_bytes)} budget")
 
@@ -143,12 +146,28 @@ def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype_bytes: int) -> 
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * block_size * dtype_bytes
 
 
-def adapter_slot_bytes(shape: ModelShape, max_loras: int, max_lora_rank: int, dtype_bytes: int) -> int:
-    """Device bytes of `max_loras` slots of rank `max_lora_rank` on every target projection:
+def adapter_slot_bytes(shape: ModelShape, rows: int, max_lora_rank: int, dtype_bytes: int) -> int:
+    """Device bytes of `rows` adapter rows of rank `max_lora_rank` on every target projection:
     A [rank, in] and B [out, rank] per projection and layer, plus the int32 rank table."""
     per_layer = sum(max_lora_rank * (fin + fout) for fin, fout in shape.projection_sizes().values())
     ranks = 4 * len(LORA_TARGETS)
-    return max_loras * shape.num_layers * (per_layer * dtype_bytes + ranks)
+    return rows * shape.num_layers * (per_layer * dtype_bytes + ranks)
+
+
+# Preallocated adapter rows (a backend that cannot grow) take at most this share of the
+# memory the budget leaves after the weights, unless `max_loras` says how many.
+ADAPTER_ROWS_SHARE = 0.2
+MIN_ADAPTER_ROWS = 8
+
+
+def default_adapter_rows(shape: ModelShape, max_lora_rank: int, dtype_bytes: int, available: int,
+                         max_num_seqs: int) -> int:
+    """Rows to preallocate when `max_loras` is not set: one per sequence a step may run
+    (so rows never limit a step), unless that would take more than ADAPTER_ROWS_SHARE of
+    the `available` bytes; never fewer than MIN_ADAPTER_ROWS."""
+    per_row = adapter_slot_bytes(shape, 1, max_lora_rank, dtype_bytes)
+    fit = int(ADAPTER_ROWS_SHARE * max(available, 0)) // per_row
+    return max(MIN_ADAPTER_ROWS, min(max_num_seqs, fit))
 
 
 def plan_kv_cache(shape: ModelShape, config: MemoryPlanConfig, device: DeviceMemory, measured: Measured) -> KVPlan:
@@ -156,12 +175,12 @@ def plan_kv_cache(shape: ModelShape, config: MemoryPlanConfig, device: DeviceMem
     plus one `max_model_len` sequence cannot fit."""
     per_block = kv_bytes_per_block(shape, config.block_size, config.dtype_bytes)
     min_blocks = -(-config.max_model_len // config.block_size)
-    adapters = adapter_slot_bytes(shape, config.max_loras + config.staged_loras, config.max_lora_rank,
+    adapters = adapter_slot_bytes(shape, config.adapter_rows + config.staged_loras, config.max_lora_rank,
                                   config.dtype_bytes)
     fixed = measured.weight_bytes + adapters + measured.activation_peak_bytes + measured.non_torch_bytes
     staged = f" + {config.staged_loras} staged" if config.staged_loras else ""
-    parts = (f"weights {_gib(measured.weight_bytes)} + adapter slots {_gib(adapters)} "
-             f"({config.max_loras}{staged} x rank {config.max_lora_rank}) + activations "
+    parts = (f"weights {_gib(measured.weight_bytes)} + adapter rows {_gib(adapters)} "
+             f"({config.adapter_rows}{staged} x rank {config.max_lora_rank}) + activations "
              f"{_gib(measured.activation_peak_bytes)} + other {_gib(measured.non_torch_bytes)}")
     if config.kv_cache_memory is not None:
         kv = config.kv_cache_memory
@@ -258,7 +277,7 @@ def non_torch_bytes(device: torch.device | str, at_start: DeviceMemory,
 def plan_on_device(shape: ModelShape, config: MemoryPlanConfig, device: torch.device | str, at_start: DeviceMemory,
                    weights: Iterable[torch.Tensor], profile_forward: Callable[[], object],
                    mem_get_info: Callable[[torch.device], tuple[int, int]] | None = None) -> KVPlan:
-    """The runner's one call on CUDA: after the model (and its adapter slots) are on the
+    """The runner's one call on CUDA: after the model (and its adapter rows) are on the
     device, before the KV cache exists. `at_start` is `device_memory(device)` read before
     the model loaded; `weights` the model's parameters and buffers."""
     peak = profile_activation_peak(profile_forward, device)

@@ -12,8 +12,8 @@ from .cpu_tuning import keep_freed_memory_in_heap
 from .cuda_graphs import CUDAGraphRunner, DecodeInputs, GraphPolicy, LlamaDecodeForward
 from .kernels import create_backend, select_backend
 from .loader import ModelArch, load_state_dict
-from .memory_budget import (DeviceMemory, MemoryPlanConfig, ModelShape, device_memory, kv_bytes_per_block,
-                            plan_fixed_kv, plan_on_device)
+from .memory_budget import (DeviceMemory, MemoryPlanConfig, ModelShape, default_adapter_rows, device_memory,
+                            kv_bytes_per_block, plan_fixed_kv, plan_on_device)
 from .models.llama import LlamaModel
 from .request import Request
 from .sampler import Logprobs, Sampler, SampleRow, top_logprobs
@@ -31,8 +31,8 @@ class ModelRunner:
     """Loads the model on its device, sizes and allocates the KV cache (memory_budget.py),
     captures decode CUDA graphs where they apply (cuda_graphs.py), and runs steps.
 
-    The KV caches and the LoRA slot stacks are allocated before the graphs are captured
-    and never reallocated: the graphs read them by address."""
+    The KV caches and, with CUDA graphs, the LoRA rows are allocated before the graphs
+    are captured and never reallocated: the graphs read them by address."""
 
     def __init__(self, config: EngineConfig, arch: ModelArch, model_dir: str, lora_manager=None) -> None:
         if config.model.dtype not in DTYPES:
@@ -65,14 +65,27 @@ class ModelRunner:
         self.model.set_layer_ops(self.backend.layer_ops())
         self.sampler = Sampler(config.seed)
         self.lora = lora_manager
-        if lora_manager is not None:  # slot stacks before sizing the KV cache and capturing
-            lora_manager.bind(arch, self.dtype, self.device, self.backend.lora_backend)
+        if lora_manager is not None:  # adapter rows before sizing the KV cache and capturing
+            lora_manager.bind(arch, self.dtype, self.device, self.backend.lora_backend,
+                              fixed_rows=self._fixed_adapter_rows(at_start))
         self.num_blocks = self._plan_kv(at_start)
         self.kv_caches = self._allocate_kv(self.num_blocks)
-        per_block = kv_bytes_per_block(ModelShape.from_arch(arch), self.block_size, self.dtype.itemsize)
+        # Bytes of one block of the pool: KV for block_size tokens, or one adapter page.
+        self.block_bytes = kv_bytes_per_block(ModelShape.from_arch(arch), self.block_size, self.dtype.itemsize)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; %s kernels", self.num_blocks, self.block_size,
-                 self.num_blocks * per_block / 2**20, self.device, self.backend.name)
+                 self.num_blocks * self.block_bytes / 2**20, self.device, self.backend.name)
         self.graphs = self._capture_graphs()
+
+    def _fixed_adapter_rows(self, at_start: DeviceMemory | None) -> int:
+        """Rows for a LoRA backend that allocates them once (CUDA graphs read them by
+        address) when max_loras does not say: see memory_budget.default_adapter_rows."""
+        s = self.config.scheduler
+        if at_start is None:
+            return s.max_num_seqs
+        left = int(at_start.total * self.config.cache.gpu_memory_utilization) - (at_start.free - device_memory(
+            self.device).free)
+        return default_adapter_rows(ModelShape.from_arch(self.arch), self.config.lora.max_lora_rank,
+                                    self.dtype.itemsize, left, s.max_num_seqs)
 
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         a, slots = self.arch, num_blocks * self.block_size
@@ -81,11 +94,13 @@ class ModelRunner:
 
     # -- the KV cache's size ---------------------------------------------------------
     def memory_plan_config(self) -> MemoryPlanConfig:
-        """What sizing reads of the config; adapter staging only where the LoRA manager stages."""
+        """What sizing reads of the config: the adapter rows allocated up front (a growing
+        backend's adapters take pages of the pool instead), and the staging copies."""
         lora = self.lora
+        rows = lora.backend.num_slots if lora is not None else 0
+        staged = lora.max_staged if lora is not None and lora.stager is not None else 0
         return MemoryPlanConfig.from_engine(self.config, self.max_model_len, self.dtype.itemsize,
-                                            adapters=lora is not None,
-                                            staged=lora is not None and lora.stager is not None)
+                                            adapter_rows=rows, staged_loras=staged)
 
     def _plan_kv(self, at_start: DeviceMemory | None) -> int:
         """`cache.num_blocks` exactly; else on CUDA what gpu_memory_utilization (or

@@ -9,7 +9,7 @@ import heapq
 import time
 from typing import Callable
 
-from .adapter_slots import AdapterSlots
+from .adapter_memory import AdapterMemory
 from .block_pool import KVCacheManager
 from .config import SchedulerConfig
 from .errors import EngineOverloadedError, PromptTooLongError
@@ -23,14 +23,18 @@ from .step_plan import Budget, ScheduledSeq, SchedulerOutput, StepPlan
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 max_loras: int = 8, adapter_ready: Callable[[AdapterRef], bool] | None = None) -> None:
+                 max_loras: int | None = None, adapter_ready: Callable[[AdapterRef], bool] | None = None,
+                 adapter_pages: Callable[[AdapterRef], int] | None = None) -> None:
         self.config = config
-        # Whether an adapter's weights can go into a device slot now (loaded in the CPU
+        # Whether an adapter's weights can go onto the device now (loaded in the CPU
         # tier); a request whose adapter is not ready waits without blocking others.
         self.adapter_ready = adapter_ready or (lambda ref: True)
+        # KV blocks a ready adapter's device copy takes (asked only once it is ready).
+        self.adapter_pages = adapter_pages or (lambda ref: 1)
         self.kv = kv
         self.max_model_len = max_model_len
-        self.slots = AdapterSlots(max_loras)
+        # Adapters share the KV pool's memory; `max_loras` optionally caps how many are resident.
+        self.adapters = AdapterMemory(kv.pool, max_loras)
         self.waiting = _waiting_queue(config, lambda: self.clock())
         self.policy = POLICIES[config.policy](config.max_num_seqs)
         self.foreground_lane: Lane | None = None  # as of the last plan
@@ -107,6 +111,9 @@ class Scheduler:
         out = step.out
         out.seqs = list(step.scheduled.values())
         self._charge_prefill(out)
+        out.adapter_evictions = self.adapters.take_evicted()
+        out.adapter_loads = self.adapters.loads(
+            [(s.adapter_slot, self.requests[s.request_id].adapter) for s in out.seqs if s.adapter_slot >= 0])
         return out
 
     def _schedule_split(self, step: StepPlan, split: Split, total: int) -> None:
@@ -207,9 +214,9 @@ class Scheduler:
 
     def _plan(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
-        slot = self.slots.slot_of(req.adapter.digest) if req.adapter else -1
+        row = self.adapters.row_of(req.adapter.digest) if req.adapter else -1
         return ScheduledSeq(req.request_id, req.token_slice(start, start + n), start,
-                            list(req.block_ids), start + n == req.num_tokens, slot)
+                            list(req.block_ids), start + n == req.num_tokens, row)
 
     def _admit(self, step: StepPlan, budget: Budget, first: int, last: int,
                victim_of: Callable[[Request], Request | None], seats: bool = False) -> None:
@@ -217,7 +224,7 @@ class Scheduler:
         names a running request `req` may preempt for KV (and, with `seats`, for a seat)."""
         if budget.exhausted() or (len(self.running) >= self.config.max_num_seqs and not seats):
             return
-        starving = None  # the first request kept out by adapter slots
+        starving = None  # the first request kept out because its adapter's pages do not fit
         for req in self.policy.candidates(self.waiting, len(self.running), first, last):
             if budget.exhausted():
                 return
@@ -227,16 +234,20 @@ class Scheduler:
                 continue  # admitted once its sibling's prompt blocks are cached
             if req.request_id in step.out.preempted:
                 continue  # preempted for someone this step: its blocks are theirs
+            pages = 0
             if req.adapter is not None:
                 d = req.adapter.digest
-                if not self.slots.can_acquire(d):
-                    starving = starving or req
-                    continue
-                if self.slots.slot_of(d) is None and not self.adapter_ready(req.adapter):
-                    continue
+                if self.adapters.row_of(d) is None:
+                    if not self.adapter_ready(req.adapter):
+                        continue
+                    pages = self.adapter_pages(req.adapter)
+                if not self.adapters.can_acquire(d, pages):
+                    if pages + self.kv.blocks_needed(req.num_tokens) <= self.kv.pool.num_blocks:
+                        starving = starving or req  # memory frees up: it rotates in
+                    continue  # else it can never fit: it must not hold the others back
                 if starving is not None and self.clock() - starving.enqueue_time > self.config.aging_seconds:
-                    # Let pinned adapters drain so the starving one gets a slot:
-                    # a hot adapter cannot monopolise the slots.
+                    # Memory is short: let the pinned adapters drain so the starving one
+                    # fits; hot adapters cannot monopolise the device.
                     continue
             if not self._make_seat(req, step, victim_of if seats else None):
                 return
@@ -246,13 +257,32 @@ class Scheduler:
                 return  # not one more prompt token fits
             if not self.config.enable_chunked_prefill and n < req.num_tokens - n_cached:
                 return  # the head request waits for a step with room for all of it
-            while not self.kv.allocate_slots(req, n, cached):
-                victim = victim_of(req)
-                if victim is None:
-                    return  # memory full: admit nobody behind it either
-                self._preempt(victim, step)
+            placed = self._place(req, n, cached, pages, step, victim_of)
+            if placed is None:
+                return  # memory full: admit nobody behind it either
+            if not placed:
+                starving = starving or req  # its adapter's pages do not fit beside the KV
+                continue
             self._start(req, n_cached, step.out, first)
             step.add(self._plan(req, n), budget)
+
+    def _place(self, req: Request, n: int, cached: list[int], pages: int, step: StepPlan,
+               victim_of: Callable[[Request], Request | None]) -> bool | None:
+        """KV blocks for `n` tokens of `req` and its adapter (`pages` if not resident),
+        preempting `victim_of(req)` while they do not fit. None: the KV does not fit;
+        False: the KV fits but the adapter's pages do not (nothing is held either way)."""
+        while True:
+            if self.kv.allocate_slots(req, n, cached):
+                if req.adapter is None or self.adapters.acquire(req.adapter, pages):
+                    return True
+                self.kv.free(req)
+                kv_fits = True
+            else:
+                kv_fits = False
+            victim = victim_of(req)
+            if victim is None:
+                return False if kv_fits else None
+            self._preempt(victim, step)
 
     def _make_seat(self, req: Request, step: StepPlan,
                    victim_of: Callable[[Request], Request | None] | None) -> bool:
@@ -264,10 +294,6 @@ class Scheduler:
         return True
 
     def _start(self, req: Request, n_cached: int, out: SchedulerOutput, floor: int) -> None:
-        if req.adapter is not None:
-            slot, load = self.slots.acquire(req.adapter)
-            if load:
-                out.adapter_loads.append((slot, req.adapter))
         self.policy.admitted(req)
         self.waiting.remove(req)
         req.num_computed_tokens = n_cached
@@ -292,7 +318,7 @@ class Scheduler:
         step.drop(victim.request_id)
         self.kv.free(victim)
         if victim.adapter is not None:
-            self.slots.release(victim.adapter.digest)
+            self.adapters.release(victim.adapter.digest)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         victim.status = RequestStatus.WAITING
@@ -350,7 +376,7 @@ class Scheduler:
             self.running.remove(req)
             self._run_lane.pop(request_id, None)
             if req.adapter is not None:
-                self.slots.release(req.adapter.digest)
+                self.adapters.release(req.adapter.digest)
         else:
             self.waiting.remove(req)
             self.policy.dropped(req)

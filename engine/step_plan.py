@@ -13,14 +13,16 @@ class ScheduledSeq:
     start_pos: int  # position of token_ids[0]
     block_ids: list[int]  # the request's whole block table
     sample: bool  # True when this step reaches the last known token
-    adapter_slot: int  # -1: base model
+    adapter_slot: int  # the adapter's device row (AdapterMemory); -1: base model
 
 
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
-    # (slot, adapter) pairs the runner must load before executing this step.
+    # (row, adapter) pairs the runner must load before executing this step.
     adapter_loads: list[tuple[int, AdapterRef]] = field(default_factory=list)
+    # Adapters whose device pages went back to the pool since the last step.
+    adapter_evictions: list[AdapterRef] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
 
     @property

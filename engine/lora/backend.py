@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -16,15 +16,18 @@ class LoRAHook(Protocol):
 
 
 class LoRABackend(ABC):
-    """Device slots' adapter weights in the layout one kind of kernel reads, and the
-    per-step hook that runs those kernels. One implementation per kernel backend (torch,
-    C, Triton), chosen once at start by the engine's kernel backend.
+    """Resident adapters' weights in the layout one kind of kernel reads, one row (slot)
+    per adapter, and the per-step hook that runs those kernels. One implementation per
+    kernel backend (torch, C, Triton), chosen once at start by the engine's kernel backend.
 
     Contract:
     - Built with (num_slots, num_layers, in_sizes per group, out_sizes per module,
       max_rank, dtype, device); holds no adapter until `set_slot`.
+    - `grows`: True when `set_slot` accepts any slot >= 0, growing the rows (amortised:
+      a step never repacks them); False when the rows are allocated once for `num_slots`
+      (CUDA graphs read them by address).
     - `set_slot(slot, packed)` replaces whatever `slot` held by one adapter as
-      `packing.pack_adapter` made it. Called off the hot path, once per slot load.
+      `packing.pack_adapter` made it. Called off the hot path, once per load.
     - `batch(segments)` is called once per step with the step's (start row, end row,
       slot) segments: non-empty, slot >= 0, disjoint, in row order, every slot loaded.
       The returned hook's `apply(layer, group, x, out)` adds in place, for each
@@ -33,6 +36,8 @@ class LoRABackend(ABC):
       per-segment torch loop (`torch_backend.LoRABatch`) within the dtype's rounding.
       Rows outside every segment are neither read for a delta nor written.
     """
+
+    grows: ClassVar[bool] = True
 
     @abstractmethod
     def __init__(self, num_slots: int, num_layers: int, in_sizes: dict[str, int], out_sizes: dict[str, int],

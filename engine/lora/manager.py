@@ -1,17 +1,21 @@
-"""The LoRA manager: adapter names, the CPU tier, device slots.
+"""The LoRA manager: adapter names, the CPU tier, the device copies.
 
 Adapters have three tiers: their source (the disk store; a worker's shared blob store;
 or, for `serve` replicas sharing a store, the registry's names over both), a CPU tier
-(LRU, loaded in the background) and the device slots, whose weights the LoRA backend
+(LRU, loaded in the background) and the device, whose weights the LoRA backend
 (`backend.LoRABackend`, chosen once by the engine's kernel backend) holds in its
-kernels' layout. On CUDA an adapter also passes through staging (staging.py):
-copied to the device in the background, it is `ready` only once that copy has completed.
+kernels' layout, one row per resident adapter. Which adapters are resident is the
+scheduler's decision (`engine/adapter_memory.py`: their pages come from the KV pool);
+the manager materialises them in the rows it is told. On CUDA an adapter also passes
+through staging (staging.py): copied to the device in the background, it is `ready`
+only once that copy has completed.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -21,7 +25,7 @@ from ..config import LoRAConfig
 from ..errors import InvalidRequestError, UnknownAdapterError
 from ..request import AdapterRef
 from .backend import LoRABackend, LoRAHook
-from .packing import pack_adapter, projection_sizes, segments_of
+from .packing import GROUPS, pack_adapter, projection_sizes, segments_of
 from .staging import CudaStager, StagedAdapter, Stager
 from .torch_backend import TorchLoRABackend
 
@@ -68,8 +72,22 @@ class NamedAdapterSource(AdapterSource, Protocol):
     def get(self, name: str) -> AdapterVersion: ...
 
 
+@dataclass(frozen=True)
+class Residence:
+    """Where one adapter's weights are: "device" (resident, in a backend row) or "cpu"
+    (the CPU tier only); `pinned`: a request holds it, so it is not evicted."""
+
+    name: str | None  # the name it was last asked for by, None when only its digest is known
+    tier: str
+    pinned: bool
+
+
+# Rows a growing backend starts with (it doubles when more adapters are resident).
+INITIAL_ROWS = 8
+
+
 class LoRAManager:
-    """Resolves adapter names, keeps the CPU tier, fills device slots.
+    """Resolves adapter names, keeps the CPU tier, fills device rows.
 
     `store`: an `AdapterSource`; names resolve (`ref`) only through a `NamedAdapterSource`.
     A source without names (a worker's blob store) serves requests that carry an
@@ -86,20 +104,32 @@ class LoRAManager:
         self._failed: dict[str, str] = {}  # digest -> why loading failed
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="loraplex-lora-load")
-        self.slot_refs: list[AdapterRef | None] = [None] * self.config.max_loras
+        self._rows: dict[int, AdapterRef] = {}  # device row -> the adapter loaded there
+        self._device: dict[str, int] = {}  # digest -> its device row
+        self._bytes: dict[str, int] = {}  # digest -> device bytes of its weights (CPU-tier adapters)
+        self._names: dict[str, str] = {}  # digest -> the name a request last used it by
         self.backend: LoRABackend | None = None
+        # The most adapters resident at once: None, bounded by memory (the backend's rows
+        # grow); else `max_loras`, or a preallocated backend's row count.
+        self.max_rows: int | None = self.config.max_loras
         # digest -> its copy to the device (None while the loader thread prepares it);
-        # at most `max_staged` at once, each as large as a slot at most.
+        # at most `max_staged` at once, each as large as a row at most.
         self.stager = stager
         self._staged: dict[str, StagedAdapter | None] = {}
-        self.max_staged = self.config.max_loras
+        self.max_staged = self.config.max_loras or INITIAL_ROWS
 
     def bind(self, arch, dtype: torch.dtype, device: torch.device,
-             backend: type[LoRABackend] = TorchLoRABackend) -> None:
-        """Size the device slots for `arch`; `backend`: the kernel backend's LoRA backend."""
+             backend: type[LoRABackend] = TorchLoRABackend, fixed_rows: int | None = None) -> None:
+        """Make the device rows for `arch`; `backend`: the kernel backend's LoRA backend.
+        A backend that cannot grow (`grows` False: CUDA graphs read its rows by address)
+        gets `max_loras` rows, else `fixed_rows`."""
         self.in_sizes, self.out_sizes = projection_sizes(arch)
         self.num_layers, self.dtype, self.device = arch.num_layers, dtype, device
-        self.backend = backend(self.config.max_loras, arch.num_layers, self.in_sizes, self.out_sizes,
+        if backend.grows:
+            rows = min(self.config.max_loras or INITIAL_ROWS, INITIAL_ROWS)
+        else:
+            rows = self.max_rows = self.config.max_loras or fixed_rows or INITIAL_ROWS
+        self.backend = backend(rows, arch.num_layers, self.in_sizes, self.out_sizes,
                                self.config.max_lora_rank, dtype, device)
         if self.stager is None and torch.device(device).type == "cuda":
             self.stager = CudaStager(torch.device(device))
@@ -124,6 +154,7 @@ class LoRAManager:
         adapter is replaced or removed from the store meanwhile."""
         with self._lock:
             self._live[ref.digest] = self._live.get(ref.digest, 0) + 1
+            self._names[ref.digest] = ref.name
         self.ready(ref)
 
     def release(self, digest: str) -> None:
@@ -134,17 +165,18 @@ class LoRAManager:
             else:
                 self._live.pop(digest, None)
                 self._failed.pop(digest, None)
+                self._forget(digest)
                 if self._staged.get(digest) is not None:
                     del self._staged[digest]  # nobody waits for it (an in-flight one is dropped when done)
             self._trim()
 
     # -- the CPU tier ----------------------------------------------------------------
     def ready(self, ref: AdapterRef) -> bool:
-        """True when `ref` can go into a device slot now (in the CPU tier; with a stager,
+        """True when `ref` can go onto the device now (in the CPU tier; with a stager,
         copied to the device); else start what it waits for."""
         d = ref.digest
         with self._lock:
-            if d in self._failed or any(r and r.digest == d for r in self.slot_refs):
+            if d in self._failed or d in self._device:
                 return d not in self._failed
             if d in self._cpu and self.stager is None:
                 return True
@@ -166,7 +198,7 @@ class LoRAManager:
         the load to the others waiting for it."""
         with self._lock:
             done: Future = Future()
-            if digest in self._cpu or any(r and r.digest == digest for r in self.slot_refs):
+            if digest in self._cpu or digest in self._device:
                 done.set_result(None)
                 return done
             if digest in self._failed:
@@ -185,7 +217,15 @@ class LoRAManager:
             if digest in self._live:
                 return False
             self._failed.pop(digest, None)
-            return self._cpu.pop(digest, None) is not None
+            dropped = self._cpu.pop(digest, None) is not None
+            self._forget(digest)
+            return dropped
+
+    def refuse(self, digest: str, reason: str) -> None:
+        """Fail the requests of `digest` (the engine cannot hold it): as a failed load does."""
+        log.warning("adapter %s refused: %s", digest, reason)
+        with self._lock:
+            self._failed[digest] = reason
 
     def failed(self) -> dict[str, str]:
         with self._lock:
@@ -200,6 +240,7 @@ class LoRAManager:
         with self._lock:
             self._cpu[digest] = adapter
             self._cpu.move_to_end(digest)
+            self._bytes[digest] = _device_bytes(adapter, self.dtype)
             self._pending.pop(digest, None)
             stage = self._reserve_staging(digest)
             self._trim()
@@ -244,10 +285,28 @@ class LoRAManager:
                 return
             if d not in self._live:
                 del self._cpu[d]
+                self._forget(d)
 
-    # -- device slots ----------------------------------------------------------------
+    def _forget(self, digest: str) -> None:
+        """Under the lock: what is known of an adapter in neither tier any more."""
+        if digest not in self._cpu and digest not in self._device and digest not in self._live:
+            self._bytes.pop(digest, None)
+            self._names.pop(digest, None)
+
+    def device_bytes(self, ref: AdapterRef) -> int:
+        """Device bytes of `ref`'s weights at its own ranks (what its pages hold); known once
+        it is in the CPU tier (`ready`), else the largest an adapter may take."""
+        with self._lock:
+            known = self._bytes.get(ref.digest)
+        if known is not None:
+            return known
+        per_layer = sum(self.config.max_lora_rank * (self.in_sizes[g] + sum(self.out_sizes[m] for m in mods))
+                        for g, mods in GROUPS.items())
+        return per_layer * self.num_layers * self.dtype.itemsize
+
+    # -- device rows -----------------------------------------------------------------
     def load(self, loads: list[tuple[int, AdapterRef]]) -> None:
-        for slot, ref in loads:
+        for row, ref in loads:
             with self._lock:
                 adapter = self._cpu.get(ref.digest)
                 if adapter is not None:
@@ -263,18 +322,42 @@ class LoRAManager:
                 if adapter is None:  # not prefetched (e.g. evicted meanwhile): load inline
                     adapter = self.store.load(ref.digest, dtype=self.dtype)
                 packed = pack_adapter(adapter, self.out_sizes, self.num_layers, self.dtype, self.device)
-            self.backend.set_slot(slot, packed)
-            self.slot_refs[slot] = ref
+            self.backend.set_slot(row, packed)
+            with self._lock:
+                old = self._rows.get(row)
+                if old is not None and self._device.get(old.digest) == row:
+                    del self._device[old.digest]
+                self._rows[row], self._device[ref.digest] = ref, row
+                self._names[ref.digest] = ref.name
+
+    def evict(self, refs: list[AdapterRef]) -> None:
+        """The scheduler gave these adapters' pages back: they are no longer on the device
+        (their rows keep stale weights until reused, never read meanwhile)."""
+        with self._lock:
+            for ref in refs:
+                row = self._device.pop(ref.digest, None)
+                if row is not None and self._rows.get(row) == ref:
+                    del self._rows[row]
+                self._forget(ref.digest)
 
     def batch(self, seqs: list[tuple[int, int]]) -> LoRAHook | None:
-        """`seqs`: (num tokens, slot) in batch order -> the step's hook, None without adapters."""
+        """`seqs`: (num tokens, row) in batch order -> the step's hook, None without adapters."""
         segments = segments_of(seqs)
         return self.backend.batch(segments) if segments else None
 
     def tiers(self) -> dict[str, list[str]]:
-        """Where each adapter is now: device slots, CPU tier (digests)."""
+        """Where each adapter is now: on the device (resident, in use or idle), CPU tier (digests)."""
         with self._lock:
-            return {"device": [r.digest for r in self.slot_refs if r], "cpu": list(self._cpu)}
+            return {"device": list(self._device), "cpu": list(self._cpu)}
+
+    def residency(self) -> dict[str, Residence]:
+        """Every adapter on the device or in the CPU tier, by digest: its tier ("device"
+        wins over "cpu") and whether a request holds it (pinned). Adapters in neither
+        are in the store only."""
+        with self._lock:
+            out = {d: Residence(self._names.get(d), "cpu", d in self._live) for d in self._cpu}
+            out.update({d: Residence(self._names.get(d), "device", d in self._live) for d in self._device})
+            return out
 
     def staged(self) -> dict[str, bool]:
         """Adapters on their way to the device: digest -> whether the copy has completed."""
@@ -283,6 +366,11 @@ class LoRAManager:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _device_bytes(adapter, dtype: torch.dtype) -> int:
+    """Bytes of an adapter's A and B over every layer and module, in `dtype`."""
+    return sum(w.a.numel() + w.b.numel() for w in adapter.weights.values()) * dtype.itemsize
 
 
 def _follow(shared: Future) -> Future:

@@ -4,7 +4,8 @@ the C kernel (kernels/cpu/lora.c).
 Rank is padded with zeros to the largest loaded rank (zeros keep it exact: padded rank
 columns of the shrink are 0 and meet zero rows of B). A step's slots are read as a view
 of a slot range when they fill most of it, else gathered once and cached until the
-active slots change.
+active slots change. Rows grow by doubling when an adapter lands past the last one:
+a rare copy, never a step's work.
 """
 from __future__ import annotations
 
@@ -42,6 +43,25 @@ class SlotStacks:
         self._gathered_key: tuple | None = None
         self._gathered: dict[tuple[int, str], tuple] = {}
 
+    def ensure_rows(self, n: int) -> None:
+        """At least `n` slots; growing doubles them, keeping every slot's weights."""
+        if n <= self.num_slots:
+            return
+        old = self.num_slots
+        self.num_slots = max(n, 2 * old)
+        self.generation += 1
+        for g, mods in GROUPS.items():
+            a, self.a[g] = self.a[g], self._a(g)
+            self.a[g][:, :old] = a
+            for k in range(len(mods)):
+                b, self.b[g][k] = self.b[g][k], self._b(g, k)
+                self.b[g][k][:, :old] = b
+            for per_layer in self.ranks[g]:
+                per_layer.extend([(0,) * len(mods)] * (self.num_slots - old))
+            t, self.ranks_t[g] = self.ranks_t[g], torch.zeros(self.num_layers, self.num_slots, len(mods),
+                                                              dtype=torch.int32)
+            self.ranks_t[g][:, :old] = t
+
     def offset(self, g: str, k: int) -> int:
         return sum(self.rank[g][:k])
 
@@ -67,6 +87,7 @@ class SlotStacks:
     @torch.no_grad()
     def set_slot(self, slot: int, packed: list[dict[str, PackedGroup]]) -> None:
         """Copy one adapter (as `pack_adapter` made it) into `slot`, replacing what was there."""
+        self.ensure_rows(slot + 1)
         self.generation += 1
         for g in GROUPS:
             per_layer = [self._module_parts(g, layer.get(g)) for layer in packed]

@@ -160,6 +160,8 @@ class TorchLoRABackend(LoRABackend):
         return self._stacks
 
     def set_slot(self, slot: int, packed: list[dict[str, PackedGroup]]) -> None:
+        if slot >= len(self.packed):
+            self.packed.extend([None] * (slot + 1 - len(self.packed)))
         self.packed[slot] = packed
         self.stacks.set_slot(slot, packed)
 

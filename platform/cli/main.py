@@ -158,7 +158,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="while a higher lane is the foreground, lower lanes run in steps sized to take about "
                         "this long, so an arrival in the foreground waits little (default 50)")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: half the cores)")
-    g.add_argument("--max-loras", type=int, default=8, help="adapters computable in one step")
+    g.add_argument("--max-loras", type=int, default=None,
+                   help="cap on adapters resident on the device (default: none; bounded by the KV pool's memory)")
     g.add_argument("--max-cpu-loras", type=int, default=32, help="adapters kept in CPU memory")
     g.add_argument("--max-lora-rank", type=int, default=64)
 

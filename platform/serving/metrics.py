@@ -43,7 +43,7 @@ _LEVELS = {"device": "gpu", "cpu": "cpu"}
 
 
 class Metrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats], max_lora: int,
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], max_lora: int | None,
                  max_adapter_labels: int = 50, residency: Callable[[], AdapterResidency] | None = None) -> None:
         """`residency`: where adapter versions sit now (the engine client's `adapter_residency`;
         default: the stats snapshot's view)."""
@@ -206,7 +206,7 @@ class _EngineCollector:
         info = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters.",
                                  labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
         info.add_metric([",".join(sorted(a for a, v in state.items() if v[1] > 0)),
-                         ",".join(sorted(a for a, v in state.items() if v[0] > 0)), str(self.m.max_lora)],
+                         ",".join(sorted(a for a, v in state.items() if v[0] > 0)), str(self.m.max_lora or s.max_loras)],
                         time.time())
         yield info
         yield from _residency_families(self.m)

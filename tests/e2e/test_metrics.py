@@ -37,7 +37,8 @@ def test_metrics_names_and_bounded_labels(live):
     model = {("model_name", live.model)}
     assert any(n == "vllm:num_requests_running" and ls == model for n, ls in samples)
     info = [ls for n, ls in samples if n == "vllm:lora_requests_info"]
-    assert len(info) == 1 and ("max_lora", "8") in info[0]
+    # No --max-loras: as many adapters per step as sequences (max_num_seqs 128)
+    assert len(info) == 1 and ("max_lora", "128") in info[0]
 
 
 def test_counters_move(live):

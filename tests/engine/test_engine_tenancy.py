@@ -115,6 +115,12 @@ def test_adapter_loads_evictions_and_their_latency_are_counted(tiny_llama_dir, t
     loads = list(engine.recent_adapter_loads)
     assert [(l.seq, l.adapter) for l in loads] == [(1, "x"), (2, "y"), (3, "z"), (4, "x")]
     assert all(l.seconds > 0 for l in loads)
+    # Where each adapter is now (what the vllm:lora_adapter_loaded gauge reads): z and x on
+    # the device, y evicted to the CPU tier; nothing held by a request.
+    res = engine.lora.residency()
+    assert {r.name: r.tier for r in res.values()} == {"x": "device", "z": "device", "y": "cpu"}
+    assert not any(r.pinned for r in res.values())
+    assert sorted(res) == sorted(engine.lora.tiers()["cpu"])
 
 
 def test_the_first_token_carries_queue_and_prefill_time(tiny_llama_dir):

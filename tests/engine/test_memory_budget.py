@@ -52,7 +52,7 @@ def test_80g_llama_8b_blocks_with_and_without_adapters():
     assert plan.num_blocks == 54 * 512 == 27_648
     assert plan.kv_bytes == 54 * GIB and plan.min_blocks == 512 and plan.adapter_bytes == 0
     with_adapters = plan_kv_cache(LLAMA_8B, MemoryPlanConfig(gpu_memory_utilization=0.9, max_model_len=8192,
-                                                             max_loras=32, max_lora_rank=16), GPU_80G, measured)
+                                                             adapter_rows=32, max_lora_rank=16), GPU_80G, measured)
     # 32 slots x 83,886,976 bytes = 1280.0004 blocks of 2 MiB: 1281 fewer blocks
     assert with_adapters.adapter_bytes == 32 * 83_886_976
     assert with_adapters.num_blocks == 27_648 - 1281
@@ -72,7 +72,7 @@ def test_24g_smollm2_with_eight_rank_64_adapters():
     base = plan_kv_cache(SMOLLM2_135M, MemoryPlanConfig(max_model_len=8192), GPU_24G, measured)
     # int(24 GiB x 0.9) = 23,192,823,398; minus weights and activations, in 368,640-byte blocks
     assert base.num_blocks == 60_725
-    adapters = plan_kv_cache(SMOLLM2_135M, MemoryPlanConfig(max_model_len=8192, max_loras=8, max_lora_rank=64),
+    adapters = plan_kv_cache(SMOLLM2_135M, MemoryPlanConfig(max_model_len=8192, adapter_rows=8, max_lora_rank=64),
                              GPU_24G, measured)
     assert adapters.adapter_bytes == 8 * 39_076_680  # 30 layers x (64 x 10,176 x 2 + 28) per slot
     assert adapters.num_blocks == 59_877
@@ -93,9 +93,9 @@ def test_refuses_when_the_weights_alone_exceed_the_budget():
     measured = Measured(weight_bytes=16 * GIB, activation_peak_bytes=2 * GIB)
     with pytest.raises(DeviceMemoryError, match=r"0 blocks.*Raise gpu_memory_utilization"):
         plan_kv_cache(LLAMA_8B, MemoryPlanConfig(gpu_memory_utilization=0.7), GPU_24G, measured)
-    # 32 rank-64 adapter slots (10.7 GiB) push an 8B model off a 24 GiB card at 0.95 too.
-    with pytest.raises(DeviceMemoryError, match=r"adapter slots 10\.00 GiB \(32 x rank 64\)"):
-        plan_kv_cache(LLAMA_8B, MemoryPlanConfig(gpu_memory_utilization=0.95, max_loras=32, max_lora_rank=64),
+    # 32 rank-64 adapter rows (10.7 GiB) push an 8B model off a 24 GiB card at 0.95 too.
+    with pytest.raises(DeviceMemoryError, match=r"adapter rows 10\.00 GiB \(32 x rank 64\)"):
+        plan_kv_cache(LLAMA_8B, MemoryPlanConfig(gpu_memory_utilization=0.95, adapter_rows=32, max_lora_rank=64),
                       GPU_24G, measured)
 
 
@@ -121,7 +121,7 @@ def test_kv_cache_memory_overrides_utilization():
 
 
 @pytest.mark.parametrize("kwargs", [dict(gpu_memory_utilization=0.0), dict(gpu_memory_utilization=1.5),
-                                    dict(kv_cache_memory=0), dict(block_size=0), dict(max_loras=-1)])
+                                    dict(kv_cache_memory=0), dict(block_size=0), dict(adapter_rows=-1)])
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         MemoryPlanConfig(**kwargs)
@@ -169,3 +169,30 @@ def test_lora_stack_sizes():
         {"qkv": 4096, "o": 4096, "gate_up": 4096, "down": 14336},
         {"q_proj": 4096, "k_proj": 1024, "v_proj": 1024, "o_proj": 4096, "gate_proj": 14336, "up_proj": 14336,
          "down_proj": 4096})
+
+
+def test_default_adapter_rows_one_per_sequence_unless_memory_is_short():
+    from loraplex.engine.memory_budget import ADAPTER_ROWS_SHARE, MIN_ADAPTER_ROWS, default_adapter_rows
+
+    # SmolLM2 on a 141 GB card: 128 rank-64 rows (39 MB each) are a sliver: one per sequence.
+    left = int(GPU_141G.total * 0.9) - 270_000_000
+    assert default_adapter_rows(SMOLLM2_135M, 64, 2, left, max_num_seqs=128) == 128
+    # Llama-3-8B at rank 64 (336 MB a row) on 80 GiB: a fifth of the 56 GiB left after the weights.
+    per_row = adapter_slot_bytes(LLAMA_8B, 1, 64, 2)
+    left = int(80 * GIB * 0.9) - 16 * GIB
+    rows = default_adapter_rows(LLAMA_8B, 64, 2, left, max_num_seqs=128)
+    assert rows == int(ADAPTER_ROWS_SHARE * left) // per_row == 35 and rows * per_row <= ADAPTER_ROWS_SHARE * left
+    # On a 24 GiB card the share holds 3 rows: the floor keeps 8, as many as before.
+    assert default_adapter_rows(LLAMA_8B, 64, 2, int(24 * GIB * 0.9) - 16 * GIB, 128) == MIN_ADAPTER_ROWS
+
+
+def test_preallocated_rows_and_staging_come_from_the_engine_config():
+    from loraplex.engine.config import CacheConfig, EngineConfig, LoRAConfig
+
+    cfg = EngineConfig(cache=CacheConfig(block_size=32), lora=LoRAConfig(max_lora_rank=16))
+    plan_cfg = MemoryPlanConfig.from_engine(cfg, 4096, 2, adapter_rows=40, staged_loras=8)
+    assert (plan_cfg.adapter_rows, plan_cfg.staged_loras, plan_cfg.max_lora_rank, plan_cfg.block_size) == (40, 8, 16, 32)
+    # A backend whose rows grow preallocates none: its adapters take pages of the pool.
+    grown = plan_kv_cache(LLAMA_8B, MemoryPlanConfig.from_engine(cfg, 8192, 2), GPU_80G,
+                          Measured(weight_bytes=16 * GIB, activation_peak_bytes=2 * GIB))
+    assert grown.adapter_bytes == 0 and grown.num_blocks == 54 * 256  # 4 MiB blocks of 32 tokens

@@ -13,8 +13,8 @@ from collections import Counter
 
 import pytest
 
-from loraplex.engine.adapter_slots import AdapterSlots
-from loraplex.engine.block_pool import KVCacheManager
+from loraplex.engine.adapter_memory import AdapterMemory
+from loraplex.engine.block_pool import BlockPool, KVCacheManager
 from loraplex.engine.config import SchedulerConfig
 from loraplex.engine.errors import EngineOverloadedError, PromptTooLongError
 from loraplex.engine.request import AdapterRef, Lane, Request, RequestStatus, SamplingParams
@@ -46,11 +46,16 @@ def fake_token(req: Request) -> int:
 
 class Harness:
     def __init__(self, *, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 512,
-                 max_loras: int = 2, prefix: bool = True, **sched) -> None:
+                 max_loras: int | None = 2, pages: int | dict[str, int] = 1, prefix: bool = True,
+                 **sched) -> None:
         sched.setdefault("max_num_batched_tokens", 64)
         self.kv = KVCacheManager(num_blocks, block_size, prefix)
         self.config = SchedulerConfig(**sched)
-        self.s = Scheduler(self.config, self.kv, max_model_len, max_loras)
+        # Pool blocks per adapter: one figure, or per adapter name (default 1).
+        self.pages = pages if isinstance(pages, dict) else {}
+        default_pages = pages if isinstance(pages, int) else 1
+        self.s = Scheduler(self.config, self.kv, max_model_len, max_loras,
+                           adapter_pages=lambda r: self.pages.get(r.name, default_pages))
         self.clock = Clock()
         self.s.clock = self.clock
         self.bs = block_size
@@ -119,8 +124,10 @@ class Harness:
         return req.adapter_digest, tuple(req.token_slice(0, pos + 1))
 
     def execute(self, out: SchedulerOutput) -> None:
+        for ref in out.adapter_evictions:
+            self.device_slots = {r: a for r, a in self.device_slots.items() if a != ref}
         for slot, ref in out.adapter_loads:
-            assert 0 <= slot < self.max_loras
+            assert slot >= 0 and (self.max_loras is None or slot < self.max_loras)
             self.device_slots[slot] = ref
         for seq in out.seqs:  # every write of the step lands before any read
             req = self.reqs[seq.request_id]  # an in-flight abort still runs its plan
@@ -154,7 +161,7 @@ class Harness:
             if not self.config.enable_chunked_prefill:
                 assert seq.sample, "chunked prefill is off: the whole remainder or nothing"
             if req.adapter is not None:
-                assert seq.adapter_slot == self.s.slots.slot_of(req.adapter.digest) >= 0
+                assert seq.adapter_slot == self.s.adapters.row_of(req.adapter.digest) >= 0
         if out.adapter_loads:
             assert out.seqs, "adapter loads in a plan the engine will not execute"
 
@@ -163,6 +170,8 @@ class Harness:
         pool.check_invariants()
         assert len(s.running) <= self.config.max_num_seqs
         refs = Counter(b for r in s.running for b in r.block_ids)
+        running_adapters = {r.adapter.digest for r in s.running if r.adapter}
+        refs.update(b for d in running_adapters for b in pool.adapter_pages(d))  # in use: pinned
         for b in range(pool.num_blocks):
             assert pool.ref_cnt[b] == refs.get(b, 0), f"block {b}: ref {pool.ref_cnt[b]} != holders {refs.get(b, 0)}"
         for r in s.waiting:
@@ -172,16 +181,17 @@ class Harness:
             assert len(r.block_ids) >= self.kv.blocks_needed(r.num_computed_tokens)
         assert {r.request_id for r in s.running} | {r.request_id for r in s.waiting} == set(s.requests)
         assert len(s.running) + len(s.waiting) == len(s.requests)
-        running_adapters = {r.adapter.digest for r in s.running if r.adapter}
-        assert len(running_adapters) <= self.max_loras
+        assert self.max_loras is None or len(s.adapters.resident()) <= self.max_loras
         for d in running_adapters:
-            assert s.slots.slot_of(d) is not None
-        assert s.slots.num_pinned == len(running_adapters)
+            assert s.adapters.row_of(d) is not None and s.adapters.pinned(d)
+        assert s.adapters.num_pinned == len(running_adapters)
+        rows = list(s.adapters.resident().values())
+        assert len(rows) == len(set(rows)), "two resident adapters share a row"
 
     def assert_all_free(self) -> None:
         assert not self.s.requests and not self.s.running and not self.s.waiting
-        assert self.kv.pool.num_free_blocks == self.kv.pool.num_blocks
-        assert self.s.slots.num_pinned == 0
+        assert self.kv.pool.num_free_blocks == self.kv.pool.num_blocks  # idle adapters' pages are free
+        assert self.s.adapters.num_pinned == 0
         self.kv.pool.check_invariants()
 
 
@@ -500,7 +510,7 @@ def _abort_scenario(stage: str) -> None:
     if stage != "in-flight":
         h.abort(victim.request_id)
     assert victim.request_id not in h.s.requests and victim.block_ids == []
-    assert h.s.slots.num_pinned == 0, "the aborted request's adapter pin is released"
+    assert h.s.adapters.num_pinned == 0, "the aborted request's adapter pin is released"
     outputs = victim.num_output_tokens
     assert h.s.finish(victim.request_id, RequestStatus.FINISHED_ABORTED) is None, "aborting twice is a no-op"
     h.run()
@@ -641,7 +651,7 @@ def test_identical_prompts_in_one_step_do_not_read_each_others_unwritten_kv():
     h.assert_all_free()
 
 
-# -- adapter slots ---------------------------------------------------------------------------
+# -- adapter residency: a row cap (max_loras) ----------------------------------------------
 def test_at_most_max_loras_adapters_and_base_requests_are_not_blocked():
     h = Harness(max_loras=2)
     ra, rb, rc = h.add(adapter="a", max_tokens=3), h.add(adapter="b", max_tokens=3), h.add(adapter="c", max_tokens=3)
@@ -710,37 +720,123 @@ def test_base_requests_flow_while_an_adapter_waits_to_rotate_in():
     h.assert_all_free()
 
 
-def test_adapter_slots_pin_and_lru():
-    slots = AdapterSlots(2)
+# -- adapter residency: memory, not a slot count ----------------------------------------------
+def test_adapters_beyond_any_slot_count_run_in_one_step_when_memory_allows():
+    h = Harness(max_loras=None, num_blocks=256, pages=3, max_num_seqs=32, max_num_batched_tokens=512)
+    reqs = [h.add(adapter=f"a{i}", max_tokens=2) for i in range(20)]
+    out = h.step()
+    assert set(scheduled(out)) == {r.request_id for r in reqs}, "every adapter runs in the first step"
+    assert sorted(row for row, _ in out.adapter_loads) == list(range(20)), "dense rows, each loaded once"
+    assert h.kv.pool.num_adapter_pages == 20 * 3
+    h.run()
+    assert all(r.num_output_tokens == 2 for r in reqs)
+    h.assert_all_free()
+
+
+def test_admission_counts_kv_and_adapter_pages_together():
+    # 12 blocks: a 8-token prompt + 4 tokens out needs 3 KV blocks, its adapter 4 pages.
+    h = Harness(max_loras=None, num_blocks=12, pages=4, max_num_batched_tokens=64)
+    a, b, c = (h.add(adapter=n, max_tokens=4) for n in "abc")
+    out = h.step()
+    # a: 2 KV + 4 pages, b: 2 + 4 = 12 blocks; c's pages do not fit beside them.
+    assert set(scheduled(out)) == {a.request_id, b.request_id}
+    assert c.status is RequestStatus.WAITING and h.s.adapters.row_of("digest-c") is None
+    h.run()
+    assert c.num_output_tokens == 4
+    h.assert_all_free()
+
+
+def test_an_adapter_in_use_is_never_evicted_and_an_idle_one_stays_resident():
+    pool = BlockPool(8)
+    mem = AdapterMemory(pool)
     a, b, c = ref("a"), ref("b"), ref("c")
-    assert slots.acquire(a) == (0, True)
-    assert slots.acquire(a) == (0, False)
-    assert slots.acquire(b) == (1, True)
-    assert not slots.can_acquire(c.digest) and slots.can_acquire(a.digest)
-    slots.release(a.digest)
-    assert not slots.can_acquire(c.digest), "a is still pinned once"
-    slots.release(a.digest)
-    assert slots.can_acquire(c.digest)
-    assert slots.acquire(c) == (0, True), "evicts the unpinned adapter"
-    assert slots.slot_of(a.digest) is None and slots.resident() == {0: c, 1: b}
-    slots.release(b.digest)
-    slots.release(c.digest)
-    assert slots.acquire(a) == (1, True), "b was released first: least recently used"
-    assert slots.num_pinned == 1
+    assert mem.acquire(a, 3) and mem.acquire(b, 3)
+    assert pool.num_free_blocks == 2
+    assert not mem.can_acquire(c.digest, 3) and not mem.acquire(c, 3), "a and b are in use: nothing to evict"
+    mem.release(b.digest)
+    assert pool.num_free_blocks == 5, "an idle adapter's pages are reclaimable"
+    assert mem.row_of(b.digest) == 1, "idle, still resident"
+    assert mem.acquire(b, 3) and mem.take_evicted() == [], "used again: no reload"
+    mem.release(b.digest)
+    assert mem.acquire(c, 3), "c takes free blocks first, then b's pages"
+    assert mem.row_of(b.digest) is None and mem.take_evicted() == [b]
+    assert mem.row_of(c.digest) == 1 and mem.row_of(a.digest) == 0, "c reuses b's row"
+    assert pool.adapter_pages(a.digest) is not None
+    pool.check_invariants()
 
 
-def test_adapter_slots_never_evict_a_pinned_adapter():
-    slots = AdapterSlots(2)
-    slots.acquire(ref("a"))
-    slots.acquire(ref("b"))
-    slots.release("digest-b")
-    slots.acquire(ref("c"))  # must take b's slot
-    assert slots.slot_of("digest-a") == 0 and slots.slot_of("digest-c") == 1
-    assert not slots.can_acquire("digest-d")
-    slots.release("digest-c")
-    assert slots.acquire(ref("d")) == (1, True) and slots.slot_of("digest-c") is None
-    assert slots.slot_of("digest-a") == 0
+def test_row_cap_evicts_the_least_recently_used_idle_adapter():
+    mem = AdapterMemory(BlockPool(64), max_rows=2)
+    a, b, c = ref("a"), ref("b"), ref("c")
+    assert mem.acquire(a, 1) and mem.acquire(b, 1)
+    assert not mem.can_acquire(c.digest, 1), "both rows pinned"
+    mem.release(a.digest)
+    mem.release(b.digest)
+    assert mem.acquire(c, 1) and mem.take_evicted() == [a], "a went idle first"
+    assert mem.resident() == {c.digest: 0, b.digest: 1}
+    assert mem.loads([(0, c), (1, b)]) == [(0, c), (1, b)] and mem.loads([(0, c), (1, b)]) == []
 
+
+def test_kv_pressure_evicts_an_idle_adapter_before_preempting():
+    h = Harness(max_loras=None, num_blocks=10, pages=4, max_num_batched_tokens=64)
+    h.add(adapter="a", max_tokens=1)
+    h.run()
+    assert h.s.adapters.row_of("digest-a") is not None, "idle and resident"
+    # A base request needing every block: the idle adapter's pages go, nobody is preempted.
+    big = h.add(prompt_len=36, max_tokens=4)
+    out = h.step()
+    assert big.request_id in scheduled(out) and [r.name for r in out.adapter_evictions] == ["a"]
+    assert h.s.num_preemptions == 0
+    h.run()
+    h.assert_all_free()
+
+
+def test_cached_kv_and_idle_adapters_compete_in_one_lru_order():
+    pool = BlockPool(6)
+    mem = AdapterMemory(pool)
+    assert mem.acquire(ref("a"), 2)
+    kv = pool.allocate(2)
+    pool.cache(kv[0], b"h0")
+    pool.cache(kv[1], b"h1")
+    mem.release("digest-a")  # idle first ...
+    pool.free(kv)  # ... then the cached KV: a is the least recently used
+    assert pool.num_free_blocks == 6
+    pool.allocate(3)  # the 2 plain free blocks, then a page of a: a goes whole
+    assert mem.take_evicted() == [ref("a")] and pool.lookup(b"h0") is not None and pool.lookup(b"h1") is not None
+    pool.allocate(2)  # a's other page, then the older cached block
+    assert pool.lookup(b"h1") is None or pool.lookup(b"h0") is None
+    pool.check_invariants()
+
+
+def test_an_adapter_larger_than_the_pool_does_not_hold_the_others_back():
+    h = Harness(max_loras=None, num_blocks=12, pages={"huge": 20}, aging_seconds=1.0)
+    huge = h.add(adapter="huge", max_tokens=2)
+    h.step(dt=5.0)
+    others = [h.add(adapter=n, max_tokens=2) for n in "ab"]
+    for _ in range(10):
+        h.step(dt=1.0)
+    assert huge.status is RequestStatus.WAITING and all(r.num_output_tokens == 2 for r in others)
+    h.abort(huge.request_id)
+    h.assert_all_free()
+
+
+def test_memory_short_adapters_rotate_in_after_aging():
+    # Room for one adapter beside the KV: a hot adapter that never drains would starve the cold one.
+    aging = 5.0
+    h = Harness(max_loras=None, num_blocks=16, pages=8, aging_seconds=aging)
+    h.add(adapter="hot", max_tokens=3)
+    cold = h.add(adapter="cold", max_tokens=2)
+    t0, admitted_at = h.clock(), None
+    for _ in range(40):
+        h.add(adapter="hot", max_tokens=3)
+        out = h.step(dt=1.0)
+        if cold.request_id in scheduled(out) and admitted_at is None:
+            admitted_at = h.clock() - 1.0
+    assert admitted_at is not None, "the cold adapter starved"
+    assert aging <= admitted_at - t0 <= aging + 5
+    h.run()
+    assert cold.num_output_tokens == 2
+    h.assert_all_free()
 
 # -- randomized stress ---------------------------------------------------------------------
 @pytest.mark.parametrize("seed, kw", [
@@ -748,6 +844,7 @@ def test_adapter_slots_never_evict_a_pinned_adapter():
     (1, dict(enable_chunked_prefill=False, max_num_batched_tokens=40)),
     (2, dict(policy="static")),
     (3, dict(prefix=False, max_loras=1)),
+    (5, dict(max_loras=None, pages=3)),  # adapters bounded by memory: pages compete with KV
     (4, dict(block_size=1, num_blocks=40)),
 ])
 def test_randomized_stress(seed, kw):

@@ -225,6 +225,7 @@ class StackedLoRAWeights(LoRABackend):
     filled once per slot load, allocated up front for `max_rank`."""
 
     BLOCK_N = 64
+    grows = False  # CUDA graphs read the rows by address
 
     def __init__(self, num_slots: int, num_layers: int, in_sizes: dict[str, int],
                  out_sizes: dict[str, int], max_rank: int, dtype: torch.dtype, device: torch.device | str) -> None:

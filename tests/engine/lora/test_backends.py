@@ -159,3 +159,23 @@ def test_reload_replaces_weights_and_cached_gathers(backend):
         got = _run(lora.batch(segments), x, out)
         for key in ref:
             torch.testing.assert_close(got[key], ref[key], **TOL[dtype])
+
+
+def test_rows_grow_past_the_initial_count_keeping_every_adapter(backend):
+    """Adapters resident beyond the rows a backend started with: the stacks grow (once per
+    doubling), earlier rows keep their weights, and every row computes as the reference."""
+    dtype = torch.float32
+    lora = backend(2, LAYERS, GROUP_IN, OUT, 64, dtype, torch.device("cpu"))
+    assert lora.grows
+    rows = [0, 1, 5, 2, 13, 3, 4, 6]  # past 2, then past 8
+    for i, ranks in enumerate(ADAPTERS):
+        lora.set_slot(rows[i], pack_adapter(random_adapter(ranks, IN, OUT, LAYERS, seed=i + 1), OUT, LAYERS, dtype,
+                                            torch.device("cpu")))
+    assert lora.stacks.num_slots >= 14
+    seqs, n = _batch(rows + [0, 13], [(17, 5), (3, 13)])
+    segments = segments_of(seqs)
+    x, out = _inputs(n, dtype)
+    ref = _run(LoRABatch(lora.packed, segments), x, out)
+    got = _run(lora.batch(segments), x, out)
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], **TOL[dtype])

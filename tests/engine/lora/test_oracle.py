@@ -21,9 +21,12 @@ ADAPTERS = [
     ("a4", 4, None, False), ("a8", 8, ("q_proj", "v_proj"), False), ("a16", 16, None, True),
     ("a32", 32, ("gate_proj", "up_proj", "down_proj"), False), ("a64", 64, None, False),
     ("b4", 4, ("o_proj", "k_proj"), False), ("b8", 8, None, False), ("b16", 16, ("down_proj",), False),
+    # More than the 8 device slots engines had: adapters are bounded by memory now.
+    ("c8", 8, None, False), ("c16", 16, ("q_proj", "k_proj", "v_proj"), False), ("c32", 32, None, True),
+    ("c64", 64, ("o_proj", "up_proj"), False),
 ]
-LENGTHS = (3, 40, 17, 90, 1, 25, 60, 8, 33, 120)
-MAX_TOKENS = (12, 8, 16, 6, 10, 14, 9, 11, 7, 13)
+LENGTHS = (3, 40, 17, 90, 1, 25, 60, 8, 33, 120, 12, 47, 5, 70)
+MAX_TOKENS = (12, 8, 16, 6, 10, 14, 9, 11, 7, 13, 9, 12, 8, 10)
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -48,12 +51,15 @@ def lora_setup(tmp_path_factory, tiny_llama_dir):
     return dirs, prompts, assign, ref
 
 
-def _engine(model_dir, store_root, dirs, *, max_loras=8, max_cpu_loras=8, kernels="auto", **sched):
+def _engine(model_dir, store_root, dirs, *, max_loras=None, max_cpu_loras=16, kernels="auto", **sched):
     store = AdapterStore(store_root, BaseShapes.from_model_dir(model_dir))
     for name, path in dirs.items():
         store.add(name, path)
-    cache = CacheConfig(block_size=sched.pop("block_size", 8), num_blocks=sched.pop("num_blocks", 256))
-    cfg = EngineConfig(model=ModelConfig(model=str(model_dir), dtype="float32"), cache=cache,
+    kv_bytes = sched.pop("kv_bytes", None)  # a pool sized in bytes: adapters take pages of it
+    cache = CacheConfig(block_size=sched.pop("block_size", 8), kv_cache_memory_bytes=kv_bytes,
+                        num_blocks=None if kv_bytes else sched.pop("num_blocks", 256))
+    model = ModelConfig(model=str(model_dir), dtype="float32", max_model_len=sched.pop("max_model_len", None))
+    cfg = EngineConfig(model=model, cache=cache,
                        scheduler=SchedulerConfig(**sched),
                        lora=LoRAConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=64),
                        kernels=kernels)
@@ -65,9 +71,11 @@ def _run(engine, prompts, assign) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("setup", [
-    dict(),  # all adapters and base requests in one batch
-    dict(max_loras=3, max_cpu_loras=2),  # working set exceeds both tiers
+    dict(kv_bytes=4096 * 4096),  # all 12 adapters and base requests in one batch: memory holds them all
+    dict(max_loras=3, max_cpu_loras=2),  # working set exceeds a row cap and the CPU tier
     dict(max_loras=4, num_blocks=30, max_num_batched_tokens=24),  # preemption + chunked prefill
+    # adapter pages and KV compete for a small pool
+    dict(kv_bytes=200 * 4096, max_model_len=256, max_num_batched_tokens=24),
     dict(kernels="torch"),  # the pure torch path: grouped bmm for short segments, no C kernel
 ])
 def test_mixed_adapters_match_peft(tiny_llama_dir, tmp_path, lora_setup, setup):
@@ -75,8 +83,13 @@ def test_mixed_adapters_match_peft(tiny_llama_dir, tmp_path, lora_setup, setup):
     engine, _ = _engine(tiny_llama_dir, tmp_path / "store", dirs, **setup)
     assert isinstance(engine.lora.backend, CLoRABackend) == (engine.runner.backend.name == "cpu")
     assert _run(engine, prompts, assign) == ref
-    if "num_blocks" in setup:
+    if setup.get("num_blocks") == 30:
         assert engine.scheduler.num_preemptions > 0
+    if setup.get("kv_bytes") == 4096 * 4096:
+        assert len(engine.scheduler.adapters.resident()) == len(ADAPTERS), "every adapter stays on the device"
+    if setup.get("kv_bytes") == 200 * 4096:
+        pages = engine._adapter_pages(engine.lora.ref("a64"))
+        assert pages > 1 and engine.kv.pool.num_adapter_evictions > 0, "the pool was meant to evict adapters"
 
 
 def test_adapters_change_the_output(tiny_llama_dir, lora_setup):
@@ -133,3 +146,20 @@ def test_broken_adapter_fails_its_request_only(tiny_llama_dir, tmp_path, lora_se
                 results[o.request_id] = o.finish_reason
         time.sleep(0.01)
     assert results == {bad: "error", good: "length"}
+
+
+def test_adapter_larger_than_the_pool_fails_its_request_only(tiny_llama_dir, tmp_path, lora_setup):
+    dirs, prompts, _, _ = lora_setup
+    # 100 blocks of 4 KiB; a64's weights need 128 of them: it can never be resident.
+    engine, _ = _engine(tiny_llama_dir, tmp_path / "store", {"big": dirs["a64"], "small": dirs["a4"]},
+                        kv_bytes=100 * 4096, max_model_len=256)
+    ids = {engine.add_request(prompts[0], _greedy(4), adapter=a): a for a in ("big", "small", None)}
+    results = {}
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        for o in engine.step():
+            if o.finished:
+                results[ids[o.request_id]] = (o.finish_reason, o.stop_reason)
+        time.sleep(0.005)
+    assert results["big"][0] == "error" and "blocks" in results["big"][1]
+    assert results["small"][0] == results[None][0] == "length"

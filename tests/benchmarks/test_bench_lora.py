@@ -1,0 +1,46 @@
+"""bench_lora's adapter generator and scenarios, and one quick real run end to end."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench_lora as bl
+from loraplex.adapters import AdapterStore, BaseShapes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_generated_adapters_are_valid_peft_of_their_ranks(tiny_llama_dir, tmp_path):
+    dirs = bl.make_adapters(tiny_llama_dir, tmp_path / "gen", 5, (8, 16, 64), ("q_proj", "v_proj"))
+    store = AdapterStore(tmp_path / "store", BaseShapes.from_model_dir(tiny_llama_dir))
+    records = [store.add(d.name, d) for d in dirs]
+    assert [r.rank for r in records] == [8, 16, 64, 8, 16]
+    assert len({r.digest for r in records}) == 5, "every adapter has content of its own"
+    assert all(set(r.target_modules) == {"q_proj", "v_proj"} for r in records)
+
+
+def test_scenarios_parse_and_refuse_nonsense():
+    assert bl.parse_scenarios("32:uniform,1000:mixed") == [(32, "uniform"), (1000, "mixed")]
+    for bad in ("32", "0:zipf", "x:uniform", "8:popular"):
+        with pytest.raises(SystemExit):
+            bl.parse_scenarios(bad)
+
+
+def test_quick_run_prints_ratios_against_the_base_model(tmp_path):
+    out = tmp_path / "summary.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_lora.py"), "--quick", "--threads", "1",
+                           "--workdir", str(tmp_path / "work"), "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["config"].split()[0:2] for r in rows] == [["base", "model"], ["3", "adapters,"], ["5", "adapters,"]]
+    assert rows[0]["tok_s_ratio"] == 1.0 and rows[0]["ttft_p50_ratio"] == 1.0
+    for r in rows:
+        assert r["tok_s"] > 0 and r["ttft_p50"] > 0
+    assert "x base" in proc.stdout and "TTFT p50" in proc.stdout
