@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.test_worker import AUTH, ENGINE_ARGS, Worker, gen_body
+from tests.e2e.test_worker import AUTH, ENGINE_ARGS, MAX_MODEL_LEN, Worker, gen_body
 
 ONE_SEQ = [a for a in ENGINE_ARGS]
 ONE_SEQ[ONE_SEQ.index("--max-num-seqs") + 1] = "1"
@@ -78,7 +78,9 @@ def _wait_for(cond, timeout: float = 60) -> None:
 def test_fairness_ids_take_turns_and_an_objective_lowers_the_lane(worker):
     fid = "x-gateway-inference-fairness-id"
     s = Streams(worker.url)
-    s.send("a1", 240, **{fid: "team-a"})
+    # a1 holds the one seat until the queue is set up, however fast the machine: it runs
+    # to the context's end unless aborted, and is aborted once the others wait.
+    s.send("a1", MAX_MODEL_LEN - 4, **{fid: "team-a"})
     _wait_for(lambda: "a1" in s.started)
     for rid in ("a2", "a3"):
         s.send(rid, 4, **{fid: "team-a"})
@@ -87,6 +89,7 @@ def test_fairness_ids_take_turns_and_an_objective_lowers_the_lane(worker):
     s.send("low", 4, **{fid: "team-c", "x-gateway-inference-objective": "batch"})
     _wait_for(lambda: sum(_waiting(worker).values()) == 4)
     assert _waiting(worker).get("batch") == 1  # the body said interactive; the objective lowered it
+    assert worker.http.post("/internal/v1/abort", json={"request_id": "a1"}, headers=AUTH).status_code == 204
     s.join()
     # team-a was served a1 while b1 waited: b1 goes before a2 and a3 (one queue by arrival
     # would have served a2 and a3 first), and the lowered request goes last.

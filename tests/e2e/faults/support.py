@@ -101,7 +101,7 @@ class Serve:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-u", "-c", "from loraplex.platform.cli.main import main; main()", "serve",
-               "--port", str(self.port), *args]
+               "--port", str(self.port), "--metrics-port", str(free_port()), *args]
         self.log = log
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self._out = open(log, "ab")
