@@ -45,10 +45,11 @@ def test_a_pool_below_one_max_length_sequence_is_refused_with_its_figures(tiny_l
 def test_the_memory_plan_reads_the_engine_config():
     cfg = EngineConfig(cache=CacheConfig(gpu_memory_utilization=0.8, block_size=32),
                        lora=LoRAConfig(max_loras=4, max_lora_rank=32))
-    plan = MemoryPlanConfig.from_engine(cfg, 4096, 2, adapters=True, staged=True)
+    plan = MemoryPlanConfig.from_engine(cfg, 4096, 2, adapter_rows=4, staged_loras=4)
     assert plan == MemoryPlanConfig(gpu_memory_utilization=0.8, kv_cache_memory=None, block_size=32,
-                                    max_model_len=4096, max_loras=4, max_lora_rank=32, dtype_bytes=2, staged_loras=4)
-    assert MemoryPlanConfig.from_engine(cfg, 4096, 2, adapters=False).max_loras == 0
+                                    max_model_len=4096, adapter_rows=4, max_lora_rank=32, dtype_bytes=2,
+                                    staged_loras=4)
+    assert MemoryPlanConfig.from_engine(cfg, 4096, 2).adapter_rows == 0
     over = EngineConfig(cache=CacheConfig(kv_cache_memory_bytes=3 * GIB))
     assert MemoryPlanConfig.from_engine(over, 2048, 2).kv_cache_memory == 3 * GIB
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
@@ -56,18 +57,19 @@ def test_the_memory_plan_reads_the_engine_config():
 
 
 def test_staged_adapter_copies_take_room_like_slots():
-    """8 slots + 8 staged rank-64 copies of a Llama-8B on a 24 GB device: the plan names both."""
+    """8 rows + 8 staged rank-64 copies of a Llama-8B on a 24 GB device: the plan names both."""
     llama_8b = ModelShape(4096, 14336, 32, 32, 8, 128)
     cfg = EngineConfig(model=ModelConfig(max_model_len=8192), lora=LoRAConfig(max_loras=8, max_lora_rank=64))
     measured = Measured(weight_bytes=16 * GIB, activation_peak_bytes=GIB // 2, non_torch_bytes=GIB // 2)
     device = DeviceMemory(free=23 * GIB, total=24 * GIB)
-    plain = plan_kv_cache(llama_8b, MemoryPlanConfig.from_engine(cfg, 8192, 2), device, measured)
-    staged = plan_kv_cache(llama_8b, MemoryPlanConfig.from_engine(cfg, 8192, 2, staged=True),
+    plain = plan_kv_cache(llama_8b, MemoryPlanConfig.from_engine(cfg, 8192, 2, adapter_rows=8), device, measured)
+    staged = plan_kv_cache(llama_8b, MemoryPlanConfig.from_engine(cfg, 8192, 2, adapter_rows=8, staged_loras=8),
                            DeviceMemory(free=80 * GIB, total=80 * GIB), measured)
     assert staged.adapter_bytes == 2 * plain.adapter_bytes
-    with pytest.raises(DeviceMemoryError, match=r"adapter slots 5\.\d\d GiB \(8 \+ 8 staged x rank 64\).*"
+    with pytest.raises(DeviceMemoryError, match=r"adapter rows 5\.\d\d GiB \(8 \+ 8 staged x rank 64\).*"
                                                 r"one 8192-token sequence needs 512 KV blocks"):
-        plan_kv_cache(llama_8b, MemoryPlanConfig.from_engine(cfg, 8192, 2, staged=True), device, measured)
+        plan_kv_cache(llama_8b, MemoryPlanConfig.from_engine(cfg, 8192, 2, adapter_rows=8, staged_loras=8), device,
+                      measured)
     assert plain.num_blocks * plain.bytes_per_block == plain.kv_bytes
     assert plain.bytes_per_block == kv_bytes_per_block(llama_8b, 16, 2)
 
@@ -125,8 +127,8 @@ def test_the_runner_reserves_staged_copies_only_where_the_manager_stages(tiny_ll
                                       cache=CacheConfig(num_blocks=16), lora=LoRAConfig(max_loras=3),
                                       kernels="torch"), manager).runner.memory_plan_config()
 
-    assert (plan(None).max_loras, plan(None).staged_loras) == (0, 0)
+    assert (plan(None).adapter_rows, plan(None).staged_loras) == (0, 0)
     cpu = plan(LoRAManager(None, LoRAConfig(max_loras=3)))  # a CPU manager stages nothing
-    assert (cpu.max_loras, cpu.staged_loras, cpu.max_model_len, cpu.dtype_bytes) == (3, 0, 2048, 4)
+    assert (cpu.adapter_rows, cpu.staged_loras, cpu.max_model_len, cpu.dtype_bytes) == (3, 0, 2048, 4)
     staged = plan(LoRAManager(None, LoRAConfig(max_loras=3), stager=GatedStager()))
-    assert (staged.max_loras, staged.staged_loras) == (3, 3)
+    assert (staged.adapter_rows, staged.staged_loras) == (3, 3)
