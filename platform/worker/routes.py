@@ -1,4 +1,4 @@
-"""The worker's HTTP routes (WIRE.md): /internal/v1/* and /metrics behind the shared
+"""The worker's HTTP routes (platform/fleet/WIRE.md): /internal/v1/* and /metrics behind the shared
 secret, probes open."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from loraplex.platform.errors import AuthenticationError, RateLimitedError
 from loraplex.platform.serving.gaie import FAIRNESS_HEADER, OBJECTIVE_HEADER, fairness_key, lower_lane, objective_lane
 from loraplex.platform.serving.metrics import CONTENT_TYPE
 from loraplex.platform.tenancy.throttle import client_address
-from loraplex.platform.worker_wire import STATS_HEADER, GenerateRequest, adapter_from_json
+from loraplex.platform.fleet.wire import STATS_HEADER, GenerateRequest, adapter_from_json
 from loraplex.platform.worker.state import WorkerState
 from loraplex.platform.worker.stream import ClientGone, NdjsonResponse, Relay, unless_gone, wait_disconnect
 

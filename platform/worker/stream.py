@@ -24,14 +24,8 @@ from loraplex.engine.errors import StreamStalledError
 
 from loraplex.platform.lanes import lane_name
 from loraplex.platform.serving.streaming import STREAM_WRITE_TIMEOUT
-from loraplex.platform.worker_wire import (
-    NDJSON,
-    GenerateRequest,
-    coalesce_choices,
-    dumps_line,
-    error_status,
-    output_to_json,
-)
+from loraplex.platform.fleet.errors import error_status
+from loraplex.platform.fleet.wire import NDJSON, GenerateRequest, coalesce_choices, dumps_line, output_to_json
 
 if TYPE_CHECKING:
     from loraplex.platform.worker.state import WorkerState
