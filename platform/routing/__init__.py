@@ -14,7 +14,7 @@ from loraplex.platform.routing.discovery import (
     normalize_url,
 )
 from loraplex.platform.routing.errors import DiscoveryError, NoCapacityError, StatsError
-from loraplex.platform.routing.fleet import Fleet
+from loraplex.platform.routing.table import Fleet
 from loraplex.platform.routing.poller import HealthPoller
 from loraplex.platform.routing.policy import AffinityPolicy, RoundRobinPolicy, RoutingPolicy, make_policy
 from loraplex.platform.routing.pool import Lease, WorkerPool

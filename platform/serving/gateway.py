@@ -26,7 +26,7 @@ from loraplex.platform.serving.gaie import lower_lane, objective_lane, parse_obj
 from loraplex.platform.serving.metrics import Metrics
 from loraplex.platform.serving.prompt_batch import PromptTally, merge_prompt_streams
 from loraplex.platform.serving.protocol import GenRequest
-from loraplex.platform.serving.wire import TokenText
+from loraplex.platform.serving.render import TokenText
 from loraplex.platform.settings import Settings
 
 LANE_HEADER = "x-loraplex-lane"

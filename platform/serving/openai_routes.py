@@ -43,7 +43,7 @@ from loraplex.platform.serving.request_limits import (
     read_body,
 )
 from loraplex.platform.serving.streaming import ClientDisconnected, SSEResponse, until_disconnected
-from loraplex.platform.serving.wire import ChunkStream, Collected, render_response
+from loraplex.platform.serving.render import ChunkStream, Collected, render_response
 from loraplex.platform.tenancy.throttle import client_address
 
 log = logging.getLogger(__name__)
