@@ -42,7 +42,8 @@ from loraplex.platform.admin.adapters import (
 )
 from loraplex.platform.admin.auth import CSRF_HEADER, SESSION_COOKIE, Admin
 from loraplex.platform.admin.schemas import Op, check_query, check_text, openapi_document, qparam, validate
-from loraplex.platform.admin.state import AdminState, json_response
+from loraplex.platform.admin.state import AdminState
+from loraplex.platform.http import no_store_json
 from loraplex.platform.tenancy.throttle import client_address
 from loraplex.platform.admin.tenants import (
     create_key_,
@@ -149,7 +150,7 @@ def _endpoint(op: Op):
             return resp
         if isinstance(result, Response):
             return result
-        return json_response(result, op.ok)
+        return no_store_json(result, op.ok)
 
     endpoint.__name__ = op.operation_id
     return endpoint

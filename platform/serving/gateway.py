@@ -17,9 +17,9 @@ from loraplex.engine.engine import RequestOutput
 from loraplex.engine.errors import EngineDeadError, StreamStalledError
 from loraplex.engine.request import AdapterRef, Lane
 
-from loraplex.platform.serving.auth import Authenticator, Principal, parse_lane
+from loraplex.platform.serving.auth import Authenticator, Principal
 from loraplex.platform.errors import ModelNotFoundError, RegistryUnavailableError, ShuttingDownError
-from loraplex.platform.lanes import lane_name
+from loraplex.platform.lanes import lane_name, parse_lane
 from loraplex.platform.observability.request_id import current_request_id
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
 from loraplex.platform.serving.gaie import lower_lane, objective_lane, parse_objective

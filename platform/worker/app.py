@@ -21,7 +21,8 @@ from loraplex.platform.errors import PlatformError, RateLimitedError, api_error
 from loraplex.platform.observability.request_id import RequestIdMiddleware
 from loraplex.platform.observability.tracing import TraceContextMiddleware
 from loraplex.platform.fleet.errors import error_status
-from loraplex.platform.worker.routes import json_response, worker_routes
+from loraplex.platform.http import json_response
+from loraplex.platform.worker.routes import worker_routes
 from loraplex.platform.worker.state import WorkerState
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import hmac
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -17,6 +16,7 @@ from starlette.routing import Route
 from loraplex.engine.errors import InvalidRequestError
 
 from loraplex.platform.errors import AuthenticationError, RateLimitedError
+from loraplex.platform.http import json_body, json_response
 from loraplex.platform.serving.gaie import FAIRNESS_HEADER, OBJECTIVE_HEADER, fairness_key, lower_lane, objective_lane
 from loraplex.platform.serving.metrics import CONTENT_TYPE
 from loraplex.platform.tenancy.throttle import client_address
@@ -25,17 +25,6 @@ from loraplex.platform.worker.state import WorkerState
 from loraplex.platform.worker.stream import ClientGone, NdjsonResponse, Relay, unless_gone, wait_disconnect
 
 Handler = Callable[[Request], Awaitable[Response]]
-
-
-def json_response(doc: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(doc), status_code=status, media_type="application/json")
-
-
-async def json_body(request: Request) -> Any:
-    try:
-        return orjson.loads(await request.body())
-    except orjson.JSONDecodeError:
-        raise InvalidRequestError("the request body is not valid JSON") from None
 
 
 def _state(request: Request) -> WorkerState:
