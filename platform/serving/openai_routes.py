@@ -29,7 +29,7 @@ from starlette.routing import Route
 from loraplex.engine.engine import RequestOutput
 
 from loraplex.platform.errors import api_error, error_response, mapping_of
-from loraplex.platform.http import json_response
+from loraplex.platform.http import ClientDisconnected, json_response, until_disconnected
 from loraplex.platform.serving.gaie import OBJECTIVE_HEADER
 from loraplex.platform.serving.gateway import LANE_HEADER, Gateway
 from loraplex.platform.serving.protocol import GenRequest, parse_chat, parse_completion
@@ -42,7 +42,7 @@ from loraplex.platform.serving.request_limits import (
     parse_json_object,
     read_body,
 )
-from loraplex.platform.serving.streaming import ClientDisconnected, SSEResponse, until_disconnected
+from loraplex.platform.serving.streaming import SSEResponse
 from loraplex.platform.serving.render import ChunkStream, Collected, render_response
 from loraplex.platform.tenancy.throttle import client_address
 

@@ -14,16 +14,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 from loraplex.engine.async_engine import MAX_STREAM_BACKLOG, AsyncEngine
 from loraplex.engine.engine import RequestOutput
 from loraplex.engine.errors import StreamStalledError
 
 from loraplex.platform.lanes import lane_name
-from loraplex.platform.serving.streaming import STREAM_WRITE_TIMEOUT
+from loraplex.platform.http import STREAM_WRITE_TIMEOUT, ClientDisconnected
 from loraplex.platform.fleet.errors import error_status
 from loraplex.platform.fleet.wire import NDJSON, GenerateRequest, coalesce_choices, dumps_line, output_to_json
 
@@ -31,28 +31,6 @@ if TYPE_CHECKING:
     from loraplex.platform.worker.state import WorkerState
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The client closed the connection before the response started."""
-
-
-async def wait_disconnect(receive: Callable[[], Awaitable[Mapping[str, Any]]]) -> None:
-    """Returns when the client disconnects (the request body was read already)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_gone(work: Awaitable[T], watcher: asyncio.Future) -> T:
-    """`work`'s result, or ClientGone (work cancelled) if the client leaves first."""
-    task = asyncio.ensure_future(work)
-    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    raise ClientGone
 
 
 class Relay:
@@ -169,7 +147,7 @@ class NdjsonResponse:
                 writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
             failed = None if writer.cancelled() else writer.exception()
-            if failed is not None and not isinstance(failed, (OSError, ClientGone)):  # the client left
+            if failed is not None and not isinstance(failed, (OSError, ClientDisconnected)):  # the client left
                 log.error("streaming %s failed", self.relay.req.request_id, exc_info=failed)
         finally:
             self.watcher.cancel()
@@ -182,7 +160,7 @@ class NdjsonResponse:
             try:
                 await asyncio.wait_for(raw_send(message), STREAM_WRITE_TIMEOUT)
             except asyncio.TimeoutError:
-                raise ClientGone from None  # it stopped reading: treated as gone
+                raise ClientDisconnected from None  # it stopped reading: treated as gone
 
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
         relay, items = self.relay, self.first

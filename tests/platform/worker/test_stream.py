@@ -9,7 +9,8 @@ from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.request import SamplingParams
 from loraplex.platform.worker.config import WorkerConfig
 from loraplex.platform.worker.state import WorkerState
-from loraplex.platform.worker.stream import NdjsonResponse, Relay, wait_disconnect
+from loraplex.platform.http import wait_disconnect
+from loraplex.platform.worker.stream import NdjsonResponse, Relay
 from loraplex.platform.fleet.wire import GenerateRequest
 
 
