@@ -1,6 +1,6 @@
 """Routing requests over engine workers: adapter affinity with bounded load, health, drain.
 
-The decision code (fleet, policies, pool) is pure and synchronous; `HealthPoller` is the
+The decision code (table, policies, pool) is pure and synchronous; `HealthPoller` is the
 only part that awaits, and its transport (the stats probe) is injected.
 """
 from __future__ import annotations
