@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Mapping
 from contextlib import aclosing
 from typing import TYPE_CHECKING
@@ -23,6 +22,7 @@ from loraplex.engine.engine import RequestOutput
 from loraplex.engine.errors import StreamStalledError
 
 from loraplex.platform.lanes import lane_name
+from loraplex.platform.observability.request_observer import RequestObserver
 from loraplex.platform.http import STREAM_WRITE_TIMEOUT, ClientDisconnected
 from loraplex.platform.fleet.errors import error_status
 from loraplex.platform.fleet.wire import NDJSON, GenerateRequest, coalesce_choices, dumps_line, output_to_json
@@ -59,26 +59,17 @@ class Relay:
         self._task = asyncio.ensure_future(self._pump(stream))
 
     async def _pump(self, stream) -> None:
-        m, lane = self.state.metrics, self.req.lane
+        lane = self.req.lane
         # Started in the request's context: its spans carry the gateway's x-request-id and
         # continue the gateway's trace (its traceparent).
         trace = self.state.tracing.start_request(lane=lane_name(lane), adapter=self.adapter, tenant=self.req.tenant,
                                                  adapter_digest=self.req.adapter.digest if self.req.adapter else None)
-        t0 = last = time.perf_counter()
-        first, reason, times = True, None, (None, None)
-        m.request_started(self.adapter, lane)
+        obs = RequestObserver(self.state.metrics, trace, self.adapter, lane)
+        reason = None
         try:
             async with aclosing(stream):
                 async for out in stream:
-                    now = time.perf_counter()
-                    if first and out.new_token_ids:
-                        m.first_token(self.adapter, lane, now - t0, out.num_prompt_tokens, out.queue_time,
-                                      out.prefill_time)
-                        first, times = False, (out.queue_time, out.prefill_time)
-                    elif out.new_token_ids:
-                        m.inter_token(now - last)
-                    last = now
-                    m.generated(self.adapter, lane, len(out.new_token_ids))
+                    obs.output(out)
                     reason = out.finish_reason if out.finished else None
                     self.last = out
                     self._buf.append(out)
@@ -96,9 +87,7 @@ class Relay:
         finally:
             self.done = True
             self._ready.set()
-            end = time.perf_counter()
-            m.request_finished(self.adapter, lane, first, end - t0, reason or "abort")
-            trace.record_engine_phases(t0, *times, end)
+            obs.finish(reason or "abort")
             final = self.last
             trace.end(finish_reason=reason or "abort", prompt_tokens=final.num_prompt_tokens if final else None,
                       output_tokens=final.num_output_tokens if final else None)
