@@ -35,7 +35,7 @@ from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig  # noq
 from loraplex.engine.request import SamplingParams  # noqa: E402
 from loraplex.platform.app import create_app  # noqa: E402
 from loraplex.platform.db.database import Database, migrate  # noqa: E402
-from loraplex.platform.serving.engine_factory import build_engine  # noqa: E402
+from loraplex.platform.assembly.engine_factory import build_engine  # noqa: E402
 from loraplex.platform.settings import Settings  # noqa: E402
 from loraplex.platform.tenancy.tenants import create_key, create_tenant  # noqa: E402
 

@@ -191,7 +191,7 @@ def bench_gateway_cpu(url: str, tmp: Path, requests: int, concurrency: int) -> d
     import torch
     from bench_gateway import RawClient, model_dir, start_server
     from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig
-    from loraplex.platform.serving.engine_factory import build_engine
+    from loraplex.platform.assembly.engine_factory import build_engine
     from loraplex.platform.quotas.limits import set_quota
     from loraplex.platform.settings import Settings
     from loraplex.platform.tenancy.tenants import create_key

@@ -43,7 +43,7 @@ from loraplex.platform.fleet.config import FleetConfig  # noqa: E402
 from loraplex.platform.tenancy.adapter_directory import AdapterDirectory  # noqa: E402
 from loraplex.platform.fleet.model_info import fetch_model_info  # noqa: E402
 from loraplex.platform.routing import RouterConfig  # noqa: E402
-from loraplex.platform.serving.engine_factory import build_engine  # noqa: E402
+from loraplex.platform.assembly.engine_factory import build_engine  # noqa: E402
 from loraplex.platform.settings import Settings  # noqa: E402
 from loraplex.platform.tenancy.adapter_registry import add_adapter, open_store, shared_blob_store  # noqa: E402
 from loraplex.platform.tenancy.tenants import create_key, create_tenant  # noqa: E402

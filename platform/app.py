@@ -17,7 +17,7 @@ from loraplex.platform.admin.routes import AdminState, admin_routes, openapi
 from loraplex.platform.admin.vllm_lora import vllm_lora_routes
 from loraplex.platform.serving.auth import Authenticator
 from loraplex.platform.db.database import Database
-from loraplex.platform.serving.engine_factory import build_engine
+from loraplex.platform.assembly.engine_factory import build_engine
 from loraplex.platform.errors import ERRORS, api_error, error_response
 from loraplex.platform.serving.gateway import Gateway, Hooks
 from loraplex.platform.serving.metrics import CONTENT_TYPE, Metrics

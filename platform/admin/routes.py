@@ -14,18 +14,16 @@ engine and in listings) only once complete and valid; a bad upload changes nothi
 
 The handlers live beside it: state.py (AdminState, shared helpers), tenants.py
 (sessions, tenants, keys, quotas), adapters.py and uploads.py (adapters), usage.py
-(engine, audit, usage).
+(engine, audit, usage), ui.py (the UI's static files).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import mimetypes
-from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import FileResponse, RedirectResponse, Response
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from loraplex.adapters import AdapterNotFoundError
@@ -40,9 +38,11 @@ from loraplex.platform.admin.adapters import (
     update_adapter_,
     upload_adapter,
 )
+from loraplex.platform.admin.ui import ui_asset, ui_index, ui_redirect
 from loraplex.platform.admin.auth import CSRF_HEADER, SESSION_COOKIE, Admin
 from loraplex.platform.admin.schemas import Op, check_query, check_text, openapi_document, qparam, validate
-from loraplex.platform.admin.state import AdminState, json_response
+from loraplex.platform.admin.state import AdminState
+from loraplex.platform.http import no_store_json
 from loraplex.platform.tenancy.throttle import client_address
 from loraplex.platform.admin.tenants import (
     create_key_,
@@ -79,12 +79,6 @@ from loraplex.platform.tenancy.tenants import MAX_REQUEST_TIMEOUT, MAX_WEIGHT
 
 log = logging.getLogger(__name__)
 API_VERSION = "1"
-
-
-def admin_ui_dir() -> Path:
-    """The UI's static files: <repo>/admin_ui in a checkout, loraplex/admin_ui installed
-    (both beside this package's folder)."""
-    return Path(__file__).resolve().parents[2] / "admin_ui"
 
 
 def _state(request: Request) -> AdminState:
@@ -149,7 +143,7 @@ def _endpoint(op: Op):
             return resp
         if isinstance(result, Response):
             return result
-        return json_response(result, op.ok)
+        return no_store_json(result, op.ok)
 
     endpoint.__name__ = op.operation_id
     return endpoint
@@ -370,42 +364,6 @@ PATH_PARAMS = {"name": NAME, "tenant": NAME,
 def openapi() -> dict:
     return openapi_document(OPS, COMPONENTS, title="loraplex admin API", version=API_VERSION,
                             description=DESCRIPTION, path_params=PATH_PARAMS)
-
-
-# -- the UI's files ----------------------------------------------------------------------------
-
-UI_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-                               "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
-                               "frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff",
-    "X-Frame-Options": "DENY",
-    "Referrer-Policy": "same-origin",
-    "Cache-Control": "no-cache",
-}
-
-
-async def ui_index(request: Request) -> Response:
-    path = admin_ui_dir() / "index.html"
-    if not path.is_file():
-        return error_response(api_error(NotFoundError(f"the admin UI files are missing ({path.parent})")))
-    return FileResponse(path, media_type="text/html; charset=utf-8", headers=UI_HEADERS)
-
-
-async def ui_asset(request: Request) -> Response:
-    name = request.path_params["file"]
-    files = {p.name: p for p in admin_ui_dir().iterdir() if p.is_file()} if admin_ui_dir().is_dir() else {}
-    path = files.get(name)  # only files that are in the folder, by exact name: no paths
-    if path is None:
-        return error_response(api_error(NotFoundError(f"no admin UI file {name!r}")))
-    media = mimetypes.guess_type(name)[0] or "application/octet-stream"
-    if media.startswith("text/") or media.endswith("javascript"):
-        media += "; charset=utf-8"
-    return FileResponse(path, media_type=media, headers=UI_HEADERS)
-
-
-async def ui_redirect(request: Request) -> Response:
-    return RedirectResponse("/admin/", status_code=308)
 
 
 def _dispatch(endpoints: dict[str, Any]):

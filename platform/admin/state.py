@@ -10,9 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
-from starlette.responses import Response
-
 from loraplex.adapters import AdapterStore
 from loraplex.adapters.blobs import BlobStore
 
@@ -22,6 +19,7 @@ from loraplex.platform.tenancy.blob_gc import collect_blobs
 from loraplex.platform.admin.auth import Admin, AdminAuth
 from loraplex.platform.admin.failed_auth import FailureAudit
 from loraplex.platform.db.database import Database
+from loraplex.platform.http import no_store_json as json_response  # noqa: F401 (admin/adapters.py imports it here)
 from loraplex.platform.serving.gateway import Gateway
 from loraplex.platform.settings import Settings
 
@@ -122,6 +120,3 @@ def _clean_stale_uploads(folder: Path, max_age: float = 3600.0) -> None:
             pass
 
 
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(obj, option=orjson.OPT_UTC_Z), status_code=status, media_type="application/json",
-                    headers={"Cache-Control": "no-store", **(headers or {})})

@@ -11,7 +11,8 @@ from starlette.responses import Response
 from loraplex.platform.admin.auth import COOKIE_PATH, CSRF_COOKIE, SESSION_COOKIE, SESSION_SECONDS, Admin
 from loraplex.platform.admin.schemas import parse_datetime
 from loraplex.platform.quotas.limits import quota_status, set_quota
-from loraplex.platform.admin.state import AdminState, json_response
+from loraplex.platform.admin.state import AdminState
+from loraplex.platform.http import no_store_json
 from loraplex.platform.tenancy.throttle import client_address
 from loraplex.platform.errors import AdminAuthenticationError, BadRequestError
 from loraplex.platform.db.base import utcnow
@@ -93,7 +94,7 @@ async def create_session(request: Request, st: AdminState, admin: None, query: d
         raise
     cookie, session = await asyncio.to_thread(st.auth.new_session, who)
     await st.audit(session, "session.create", f"session:{(session.session_id or '')[:12]}", client=client)
-    resp = json_response(_session_json(session), 201)
+    resp = no_store_json(_session_json(session), 201)
     secure = st.settings.secure_cookies or request.url.scheme == "https"
     resp.set_cookie(SESSION_COOKIE, cookie, max_age=SESSION_SECONDS, path=COOKIE_PATH, httponly=True,
                     samesite="strict", secure=secure)

@@ -271,7 +271,7 @@ def serve(settings: Settings, access_log: bool = False) -> int:
     from loraplex.platform.cli.demo import ensure_demo_tenant, register_cli_adapters, register_demo_adapters
     from loraplex.platform.observability.json_logs import configure_logging
     from loraplex.platform.serving import listener
-    from loraplex.platform.serving.engine_factory import build_engine
+    from loraplex.platform.assembly.engine_factory import build_engine
     from loraplex.platform.serving.listener import uvicorn_config
 
     # One root handler in the chosen format; uvicorn's loggers propagate to it.

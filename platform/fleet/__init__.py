@@ -1,2 +1,2 @@
 """The gateway side of scale-out: an `EngineClient` over the engine workers' internal API
-(WIRE.md), with `platform.routing` choosing the worker for every request."""
+(platform/fleet/WIRE.md), with `platform.routing` choosing the worker for every request."""

@@ -1,7 +1,7 @@
 """`RemoteEngineClient`: the `EngineClient` of a gateway whose engines are remote workers.
 
 Every generate is placed by the `WorkerPool` (adapter affinity with bounded load) and
-streamed from the worker over HTTP/1.1 keep-alive (WIRE.md). A worker that fails before
+streamed from the worker over HTTP/1.1 keep-alive (platform/fleet/WIRE.md). A worker that fails before
 it sent any output is left and the request goes, once, to another; one that fails after
 makes the stream raise `WorkerLostError` (the OpenAI layer sends an error event; the
 gateway's metering sees the tokens already received). The stats each response carries,
@@ -34,9 +34,9 @@ from loraplex.platform.fleet.errors import (
     error_from_body,
 )
 from loraplex.platform.fleet.model_info import ModelInfo
+from loraplex.platform.fleet import wire
 from loraplex.platform.observability.request_id import REQUEST_ID_HEADER, current_request_id
 from loraplex.platform.observability.tracing import inject_trace_context
-from loraplex.platform import worker_wire
 from loraplex.platform.routing import (
     HealthPoller,
     Lease,
@@ -184,7 +184,7 @@ class RemoteEngineClient:
         sampling = sampling or SamplingParams()
         ref = self.resolve_adapter(adapter) if isinstance(adapter, str) else adapter
         rid = request_id or uuid.uuid4().hex
-        req = worker_wire.GenerateRequest(rid, ids, sampling, lane, ref, cache_salt, tenant=tenant,
+        req = wire.GenerateRequest(rid, ids, sampling, lane, ref, cache_salt, tenant=tenant,
                                           tenant_weight=tenant_weight, timeout=timeout)
         payload = orjson.dumps(req.to_json())
         lease = self.pool.acquire(RouteRequest(adapter=ref.digest if ref is not None else None,
@@ -287,13 +287,13 @@ def _decode(line: str, rid: str) -> tuple[object, dict, RequestOutput | None]:
     try:
         msg = orjson.loads(line)
         kind = msg.get("type")
-        return kind, msg, worker_wire.output_from_json(rid, msg) if kind == "output" else None
+        return kind, msg, wire.output_from_json(rid, msg) if kind == "output" else None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise _Malformed(f"a malformed response line: {type(exc).__name__}") from None
 
 
 def _header_stats(resp: httpx.Response) -> WorkerStats | None:
-    raw = resp.headers.get(worker_wire.STATS_HEADER)
+    raw = resp.headers.get(wire.STATS_HEADER)
     if not raw:
         return None
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from loraplex.platform.routing import RouterConfig
-from loraplex.platform.worker_wire import internal_token
+from loraplex.platform.fleet.wire import internal_token
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Routing requests over engine workers: adapter affinity with bounded load, health, drain.
 
-The decision code (fleet, policies, pool) is pure and synchronous; `HealthPoller` is the
+The decision code (table, policies, pool) is pure and synchronous; `HealthPoller` is the
 only part that awaits, and its transport (the stats probe) is injected.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from loraplex.platform.routing.discovery import (
     normalize_url,
 )
 from loraplex.platform.routing.errors import DiscoveryError, NoCapacityError, StatsError
-from loraplex.platform.routing.fleet import Fleet
+from loraplex.platform.routing.table import Fleet
 from loraplex.platform.routing.poller import HealthPoller
 from loraplex.platform.routing.policy import AffinityPolicy, RoundRobinPolicy, RoutingPolicy, make_policy
 from loraplex.platform.routing.pool import Lease, WorkerPool

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from loraplex.platform.routing.config import RouterConfig
 from loraplex.platform.routing.errors import NoCapacityError
-from loraplex.platform.routing.fleet import Fleet
+from loraplex.platform.routing.table import Fleet
 from loraplex.platform.routing.ring import HashRing
 from loraplex.platform.routing.view import Residency, RouteRequest, WorkerStats
 

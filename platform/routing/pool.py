@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from loraplex.platform.routing.config import RouterConfig
-from loraplex.platform.routing.fleet import Fleet
+from loraplex.platform.routing.table import Fleet
 from loraplex.platform.routing.policy import RoutingPolicy, make_policy
 from loraplex.platform.routing.view import RouteRequest, WorkerStats, WorkerView
 

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 from sqlalchemy import select, update
 
-from loraplex.platform.lanes import LANES, Lane, lane_name, lane_named
+from loraplex.platform.lanes import Lane, lane_name, stored_lane
 
 from loraplex.platform.tenancy.adapter_registry import adapters_for_tenant
 from loraplex.platform.db.database import Database
-from loraplex.platform.errors import AuthenticationError, BadRequestError, PermissionDeniedError, RateLimitedError
+from loraplex.platform.errors import AuthenticationError, PermissionDeniedError, RateLimitedError
 from loraplex.platform.db.base import utcnow
 from loraplex.platform.db.tables import ApiKey, Tenant
 from loraplex.platform.tenancy.known_keys import KnownKeys
@@ -77,19 +77,6 @@ class Principal:
         if requested not in self.allowed_lanes:
             raise PermissionDeniedError(f"lane {lane_name(requested)!r} is not allowed for this tenant")
         return requested
-
-
-def parse_lane(value: object, param: str) -> Lane:
-    """'interactive'|'standard'|'batch' or 0|1|2 (0 is the highest priority)."""
-    if isinstance(value, str):
-        lane = lane_named(value)
-        if lane is None and value.strip() in ("0", "1", "2"):
-            value = int(value.strip())
-        elif lane is not None:
-            return lane
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 2:
-        return Lane(value)
-    raise BadRequestError(f"{param} must be one of {', '.join(LANES)} (or 0, 1, 2)", param)
 
 
 class Authenticator:
@@ -181,8 +168,8 @@ class Authenticator:
                 return AuthenticationError("Invalid API key: this key has been revoked.")
             if not t.enabled:
                 return AuthenticationError("Invalid API key: this key's tenant is disabled.")
-            lane = Lane[t.default_lane.upper()]
-            lanes = frozenset(Lane[x.upper()] for x in t.lanes) | {lane}
+            lane = stored_lane(t.default_lane)
+            lanes = frozenset(stored_lane(x) for x in t.lanes) | {lane}
             return Principal(t.id, t.name, k.id, k.prefix, lane, lanes, frozenset(adapters_for_tenant(s, t.id)),
                              k.expires_at.timestamp() if k.expires_at else None, t.weight, t.request_timeout)
 

@@ -17,16 +17,17 @@ from loraplex.engine.engine import RequestOutput
 from loraplex.engine.errors import EngineDeadError, StreamStalledError
 from loraplex.engine.request import AdapterRef, Lane
 
-from loraplex.platform.serving.auth import Authenticator, Principal, parse_lane
+from loraplex.platform.serving.auth import Authenticator, Principal
 from loraplex.platform.errors import ModelNotFoundError, RegistryUnavailableError, ShuttingDownError
-from loraplex.platform.lanes import lane_name
+from loraplex.platform.lanes import lane_name, parse_lane
 from loraplex.platform.observability.request_id import current_request_id
+from loraplex.platform.observability.request_observer import RequestObserver
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
 from loraplex.platform.serving.gaie import lower_lane, objective_lane, parse_objective
 from loraplex.platform.serving.metrics import Metrics
 from loraplex.platform.serving.prompt_batch import PromptTally, merge_prompt_streams
 from loraplex.platform.serving.protocol import GenRequest
-from loraplex.platform.serving.wire import TokenText
+from loraplex.platform.serving.render import TokenText
 from loraplex.platform.settings import Settings
 
 LANE_HEADER = "x-loraplex-lane"
@@ -206,11 +207,8 @@ class Gateway:
             except BaseException:
                 trace.end(finish_reason="refused")
                 raise
-        m = self.metrics
-        t0 = last = time.perf_counter()
-        first, times, t_first = True, None, t0
+        obs = RequestObserver(self.metrics, trace, ctx.adapter, ctx.lane, ref.digest if ref is not None else None)
         generated: dict[int, int] = {}  # per choice (n > 1): every choice's tokens are metered
-        m.request_started(ctx.adapter, ctx.lane, ref.digest if ref is not None else None)
         stream = self._engine_stream(ctx, req, ref, trace)
         tally = PromptTally(list(map(len, req.prompts)), req.sampling.n)
         try:
@@ -221,18 +219,10 @@ class Gateway:
                         await pending
                     if not out.new_token_ids and not out.finished:
                         continue  # prefill progress: no token yet
-                    now = time.perf_counter()
                     tally.add(out)
                     ctx.num_cached_tokens, ctx.num_prompt_tokens = tally.cached_tokens, tally.prompt_tokens
-                    if first and out.new_token_ids:
-                        first = False
+                    if obs.output(out):
                         ctx.first_token_at = time.time()
-                        times, t_first = (out.queue_time, out.prefill_time), now
-                        m.first_token(ctx.adapter, ctx.lane, now - t0, out.num_prompt_tokens, *times)
-                    elif out.new_token_ids:
-                        m.inter_token(now - last)
-                    last = now
-                    m.generated(ctx.adapter, ctx.lane, len(out.new_token_ids))
                     generated[out.index] = out.num_output_tokens
                     ctx.num_output_tokens = sum(generated.values())
                     if out.finished:
@@ -249,10 +239,7 @@ class Gateway:
             ctx.finished_at = time.time()
             if len(req.prompts) > 1:  # some prompts may not have run at all
                 ctx.num_prompt_tokens = tally.billed_prompt_tokens(ctx.num_processed_prompt_tokens)
-            end = time.perf_counter()
-            m.request_finished(ctx.adapter, ctx.lane, first, end - t0, ctx.finish_reason,
-                               None if first else end - t_first, ctx.num_output_tokens)
-            trace.record_engine_phases(t0, *(times or (None, None)), end)
+            obs.finish(ctx.finish_reason, ctx.num_output_tokens)
             if self.hooks is not None:
                 with trace.span("metering"):
                     await self.hooks.finish(ctx)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -30,6 +29,7 @@ from starlette.routing import Route
 from loraplex.engine.engine import RequestOutput
 
 from loraplex.platform.errors import api_error, error_response, mapping_of
+from loraplex.platform.http import ClientDisconnected, json_response, until_disconnected
 from loraplex.platform.serving.gaie import OBJECTIVE_HEADER
 from loraplex.platform.serving.gateway import LANE_HEADER, Gateway
 from loraplex.platform.serving.protocol import GenRequest, parse_chat, parse_completion
@@ -42,16 +42,12 @@ from loraplex.platform.serving.request_limits import (
     parse_json_object,
     read_body,
 )
-from loraplex.platform.serving.streaming import ClientDisconnected, SSEResponse, until_disconnected
-from loraplex.platform.serving.wire import ChunkStream, Collected, render_response
+from loraplex.platform.serving.streaming import SSEResponse
+from loraplex.platform.serving.render import ChunkStream, Collected, render_response
 from loraplex.platform.tenancy.throttle import client_address
 
 log = logging.getLogger(__name__)
 _CLIENT_CLOSED = 499  # nginx's "client closed request", for metrics only
-
-
-def json_response(obj: object, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
 def api_endpoint(endpoint: str) -> Callable:

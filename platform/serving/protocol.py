@@ -1,4 +1,4 @@
-"""OpenAI request parsing: request bodies -> GenRequest (the rendering is in wire.py).
+"""OpenAI request parsing: request bodies -> GenRequest (the rendering is in render.py).
 
 Parsing is hand-written (no pydantic) to keep per-request cost low. Every field is
 honoured or refused with a 400 naming it (openai_fields.py holds the lists, and the few

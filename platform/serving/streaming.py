@@ -1,63 +1,18 @@
-"""Client-disconnect handling and the SSE response.
+"""The SSE response: a disconnect (platform/http.py's watcher) cancels the stream and closes it.
 
-Starlette's StreamingResponse notices a disconnect only when a write fails (ASGI 2.4
-servers), which for a queued request or a slow model can be long after the client left.
-Here every wait on the engine races the connection's `http.disconnect`, so a client that
-goes away aborts its engine request at once (the engine iterator's `finally` aborts it).
-
-A client that stays connected but stops reading makes the server's writes wait (flow
-control): a write that waits longer than `STREAM_WRITE_TIMEOUT` ends the response as if
-the client had left, so the request is aborted and billed for what was sent, and the
-engine's queue for it (bounded too: async_engine.MAX_STREAM_BACKLOG) stops growing.
+A write that waits longer than `STREAM_WRITE_TIMEOUT` (a client that stopped reading) ends
+the response as if the client had left, so the request is aborted and billed for what was
+sent, and the engine's queue for it (bounded too: async_engine.MAX_STREAM_BACKLOG) stops
+growing.
 """
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
 from starlette.types import Receive, Scope, Send
 
-T = TypeVar("T")
-STREAM_WRITE_TIMEOUT = 30.0  # seconds one write to a client that stopped reading may wait
-
-
-class ClientDisconnected(Exception):
-    """The client closed the connection before the response was complete."""
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _cancel(task: asyncio.Future) -> None:
-    if not task.done():
-        task.cancel()
-    try:
-        await task
-    except BaseException:  # noqa: BLE001 - its outcome no longer matters
-        pass
-
-
-async def until_disconnected(receive: Receive, aw: Awaitable[T]) -> T:
-    """Await `aw`, cancelling it (and raising ClientDisconnected) if the client leaves first."""
-    work = asyncio.ensure_future(aw)
-    watch = asyncio.ensure_future(_wait_disconnect(receive))
-    try:
-        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        await _cancel(work)
-        raise
-    finally:
-        if not watch.done():
-            watch.cancel()
-    if work.done():
-        return work.result()
-    await _cancel(work)
-    raise ClientDisconnected()
+from loraplex.platform.http import STREAM_WRITE_TIMEOUT, ClientDisconnected, cancel_and_wait, wait_disconnect
 
 
 SSE_HEADERS = [
@@ -89,13 +44,13 @@ class SSEResponse:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
             pump = asyncio.ensure_future(self._pump(send))
-            watch = asyncio.ensure_future(_wait_disconnect(receive))
+            watch = asyncio.ensure_future(wait_disconnect(receive))
             await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
         finally:
             if watch is not None:
-                await _cancel(watch)
+                await cancel_and_wait(watch)
             if pump is not None:
-                await _cancel(pump)
+                await cancel_and_wait(pump)
             await self.chunks.aclose()
             if self.source is not None:
                 await self.source.aclose()

@@ -27,7 +27,8 @@ from starlette.routing import Route
 
 from loraplex.platform.errors import BadRequestError
 from loraplex.platform.serving.gateway import Gateway
-from loraplex.platform.serving.openai_routes import api_endpoint, json_response
+from loraplex.platform.http import json_response
+from loraplex.platform.serving.openai_routes import api_endpoint
 from loraplex.platform.serving.protocol import chat_prompt
 from loraplex.platform.serving.request_limits import (
     check_chat_shape,

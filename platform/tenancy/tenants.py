@@ -21,7 +21,7 @@ from loraplex.platform.db.database import Database
 from loraplex.platform.errors import BadRequestError, ConflictError, NotFoundError
 from loraplex.platform.db.base import utcnow
 from loraplex.platform.db.tables import ApiKey, Tenant
-from loraplex.platform.lanes import LANES
+from loraplex.platform.lanes import LANES, parse_lane_name
 
 KEY_PREFIX = "lpx_"
 _PREFIX_HEX = 12
@@ -43,13 +43,6 @@ def new_key() -> tuple[str, str]:
     """(key, prefix) for a fresh random key."""
     prefix = secrets.token_hex(_PREFIX_HEX // 2)
     return f"{KEY_PREFIX}{prefix}_{secrets.token_urlsafe(32)}", prefix
-
-
-def parse_lane(value: str) -> str:
-    lane = str(value).strip().lower()
-    if lane not in LANES:
-        raise BadRequestError(f"unknown lane {value!r}; use one of {', '.join(LANES)}")
-    return lane
 
 
 def lanes_at_or_below(lane: str) -> tuple[str, ...]:
@@ -123,8 +116,8 @@ def create_tenant(db: Database, name: str, lane: str = "standard", allowed: list
 def _lanes(lane: str, allowed: list[str] | tuple[str, ...] | None) -> tuple[str, tuple[str, ...]]:
     """(lane, allowed lanes): allowed defaults to the lane and every lower one, may not
     hold a lane above the tenant's, and always holds the tenant's own lane."""
-    lane = parse_lane(lane)
-    lanes = tuple(dict.fromkeys(parse_lane(x) for x in allowed)) if allowed else lanes_at_or_below(lane)
+    lane = parse_lane_name(lane)
+    lanes = tuple(dict.fromkeys(parse_lane_name(x) for x in allowed)) if allowed else lanes_at_or_below(lane)
     if any(LANES.index(x) < LANES.index(lane) for x in lanes):
         raise BadRequestError(f"allowed lanes may not be above the tenant's lane {lane!r}")
     if lane not in lanes:

@@ -1,4 +1,4 @@
-"""`loraplex worker`: the engine alone behind the internal API a gateway drives (WIRE.md).
+"""`loraplex worker`: the engine alone behind the internal API a gateway drives (platform/fleet/WIRE.md).
 
 No tenancy here: the gateway authenticates tenants and sends token ids, a lane and an
 adapter version (name + digest); the worker fetches that version from the shared adapter

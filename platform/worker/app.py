@@ -20,8 +20,9 @@ from loraplex.engine.errors import EngineError
 from loraplex.platform.errors import PlatformError, RateLimitedError, api_error
 from loraplex.platform.observability.request_id import RequestIdMiddleware
 from loraplex.platform.observability.tracing import TraceContextMiddleware
-from loraplex.platform.worker_wire import error_status
-from loraplex.platform.worker.routes import json_response, worker_routes
+from loraplex.platform.fleet.errors import error_status
+from loraplex.platform.http import json_response
+from loraplex.platform.worker.routes import worker_routes
 from loraplex.platform.worker.state import WorkerState
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ Loader = Callable[[], tuple[AsyncEngine, "BlobAdapterSource | None"]]
 
 
 async def _error(request: Request, exc: Exception) -> Response:
-    """Every error leaves as WIRE.md's body; an unexpected one (which Starlette then logs
+    """Every error leaves as platform/fleet/WIRE.md's body; an unexpected one (which Starlette then logs
     with its traceback) says nothing of internals."""
     status, body = error_status(exc)
     response = json_response(body, status)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from loraplex.platform.errors import ConfigError
 from loraplex.platform.settings import DEFAULT_ADAPTER_CACHE_BYTES
-from loraplex.platform.worker_wire import TOKEN_ENV, internal_token
+from loraplex.platform.fleet.wire import TOKEN_ENV, internal_token
 
 
 @dataclass(frozen=True)

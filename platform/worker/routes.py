@@ -1,4 +1,4 @@
-"""The worker's HTTP routes (WIRE.md): /internal/v1/* and /metrics behind the shared
+"""The worker's HTTP routes (platform/fleet/WIRE.md): /internal/v1/* and /metrics behind the shared
 secret, probes open."""
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import hmac
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -17,25 +16,15 @@ from starlette.routing import Route
 from loraplex.engine.errors import InvalidRequestError
 
 from loraplex.platform.errors import AuthenticationError, RateLimitedError
+from loraplex.platform.http import ClientDisconnected, json_body, json_response, unless_disconnected, wait_disconnect
 from loraplex.platform.serving.gaie import FAIRNESS_HEADER, OBJECTIVE_HEADER, fairness_key, lower_lane, objective_lane
 from loraplex.platform.serving.metrics import CONTENT_TYPE
 from loraplex.platform.tenancy.throttle import client_address
-from loraplex.platform.worker_wire import STATS_HEADER, GenerateRequest, adapter_from_json
+from loraplex.platform.fleet.wire import STATS_HEADER, GenerateRequest, adapter_from_json
 from loraplex.platform.worker.state import WorkerState
-from loraplex.platform.worker.stream import ClientGone, NdjsonResponse, Relay, unless_gone, wait_disconnect
+from loraplex.platform.worker.stream import NdjsonResponse, Relay
 
 Handler = Callable[[Request], Awaitable[Response]]
-
-
-def json_response(doc: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(doc), status_code=status, media_type="application/json")
-
-
-async def json_body(request: Request) -> Any:
-    try:
-        return orjson.loads(await request.body())
-    except orjson.JSONDecodeError:
-        raise InvalidRequestError("the request body is not valid JSON") from None
 
 
 def _state(request: Request) -> WorkerState:
@@ -93,14 +82,14 @@ async def generate(request: Request) -> Response:
 
     state.begin()
     try:
-        first = await unless_gone(admit(), watcher)
+        first = await unless_disconnected(admit(), watcher)
     except BaseException as exc:
         watcher.cancel()
         relay.cancel()
         if state.relays.get(req.request_id) is relay:
             del state.relays[req.request_id]
         state.end()
-        if isinstance(exc, ClientGone):
+        if isinstance(exc, ClientDisconnected):
             return Response(status_code=499)  # nobody reads it
         raise
     state.served_prefix(req)

@@ -22,7 +22,7 @@ from loraplex.platform.worker.config import WorkerConfig
 if TYPE_CHECKING:
     from loraplex.adapters.sources import BlobAdapterSource
     from loraplex.platform.worker.stream import Relay
-    from loraplex.platform.worker_wire import GenerateRequest
+    from loraplex.platform.fleet.wire import GenerateRequest
 
 # Files a gateway needs to rebuild the tokenizer and chat template (`Tokenizer(folder)`).
 TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template*", "vocab.json",

@@ -13,52 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 from loraplex.engine.async_engine import MAX_STREAM_BACKLOG, AsyncEngine
 from loraplex.engine.engine import RequestOutput
 from loraplex.engine.errors import StreamStalledError
 
 from loraplex.platform.lanes import lane_name
-from loraplex.platform.serving.streaming import STREAM_WRITE_TIMEOUT
-from loraplex.platform.worker_wire import (
-    NDJSON,
-    GenerateRequest,
-    coalesce_choices,
-    dumps_line,
-    error_status,
-    output_to_json,
-)
+from loraplex.platform.observability.request_observer import RequestObserver
+from loraplex.platform.http import STREAM_WRITE_TIMEOUT, ClientDisconnected
+from loraplex.platform.fleet.errors import error_status
+from loraplex.platform.fleet.wire import NDJSON, GenerateRequest, coalesce_choices, dumps_line, output_to_json
 
 if TYPE_CHECKING:
     from loraplex.platform.worker.state import WorkerState
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The client closed the connection before the response started."""
-
-
-async def wait_disconnect(receive: Callable[[], Awaitable[Mapping[str, Any]]]) -> None:
-    """Returns when the client disconnects (the request body was read already)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_gone(work: Awaitable[T], watcher: asyncio.Future) -> T:
-    """`work`'s result, or ClientGone (work cancelled) if the client leaves first."""
-    task = asyncio.ensure_future(work)
-    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    raise ClientGone
 
 
 class Relay:
@@ -87,26 +59,17 @@ class Relay:
         self._task = asyncio.ensure_future(self._pump(stream))
 
     async def _pump(self, stream) -> None:
-        m, lane = self.state.metrics, self.req.lane
+        lane = self.req.lane
         # Started in the request's context: its spans carry the gateway's x-request-id and
         # continue the gateway's trace (its traceparent).
         trace = self.state.tracing.start_request(lane=lane_name(lane), adapter=self.adapter, tenant=self.req.tenant,
                                                  adapter_digest=self.req.adapter.digest if self.req.adapter else None)
-        t0 = last = time.perf_counter()
-        first, reason, times = True, None, (None, None)
-        m.request_started(self.adapter, lane)
+        obs = RequestObserver(self.state.metrics, trace, self.adapter, lane)
+        reason = None
         try:
             async with aclosing(stream):
                 async for out in stream:
-                    now = time.perf_counter()
-                    if first and out.new_token_ids:
-                        m.first_token(self.adapter, lane, now - t0, out.num_prompt_tokens, out.queue_time,
-                                      out.prefill_time)
-                        first, times = False, (out.queue_time, out.prefill_time)
-                    elif out.new_token_ids:
-                        m.inter_token(now - last)
-                    last = now
-                    m.generated(self.adapter, lane, len(out.new_token_ids))
+                    obs.output(out)
                     reason = out.finish_reason if out.finished else None
                     self.last = out
                     self._buf.append(out)
@@ -124,9 +87,7 @@ class Relay:
         finally:
             self.done = True
             self._ready.set()
-            end = time.perf_counter()
-            m.request_finished(self.adapter, lane, first, end - t0, reason or "abort")
-            trace.record_engine_phases(t0, *times, end)
+            obs.finish(reason or "abort")
             final = self.last
             trace.end(finish_reason=reason or "abort", prompt_tokens=final.num_prompt_tokens if final else None,
                       output_tokens=final.num_output_tokens if final else None)
@@ -175,7 +136,7 @@ class NdjsonResponse:
                 writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
             failed = None if writer.cancelled() else writer.exception()
-            if failed is not None and not isinstance(failed, (OSError, ClientGone)):  # the client left
+            if failed is not None and not isinstance(failed, (OSError, ClientDisconnected)):  # the client left
                 log.error("streaming %s failed", self.relay.req.request_id, exc_info=failed)
         finally:
             self.watcher.cancel()
@@ -188,7 +149,7 @@ class NdjsonResponse:
             try:
                 await asyncio.wait_for(raw_send(message), STREAM_WRITE_TIMEOUT)
             except asyncio.TimeoutError:
-                raise ClientGone from None  # it stopped reading: treated as gone
+                raise ClientDisconnected from None  # it stopped reading: treated as gone
 
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
         relay, items = self.relay, self.first

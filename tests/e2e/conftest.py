@@ -21,7 +21,7 @@ from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, Sched
 from loraplex.platform.tenancy.adapter_registry import add_adapter, open_store
 from loraplex.platform.app import create_app
 from loraplex.platform.db.database import Database, migrate
-from loraplex.platform.serving.engine_factory import build_engine
+from loraplex.platform.assembly.engine_factory import build_engine
 from loraplex.platform.errors import RateLimitedError
 from loraplex.platform.serving.gateway import RequestContext
 from loraplex.platform.settings import Settings

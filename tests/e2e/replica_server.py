@@ -28,7 +28,7 @@ def main() -> None:
     import uvicorn
     from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig
     from loraplex.platform.app import create_app
-    from loraplex.platform.serving.engine_factory import build_engine
+    from loraplex.platform.assembly.engine_factory import build_engine
     from loraplex.platform.settings import Settings
 
     from tests.e2e.usage_support import ChaosEngine

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from loraplex.platform.app import create_app
-from loraplex.platform.serving.engine_factory import build_engine
+from loraplex.platform.assembly.engine_factory import build_engine
 from tests.e2e.conftest import MAX_MODEL_LEN, LiveServer, tiny_engine_config
 
 ERROR_KEYS = {"message", "type", "param", "code", "request_id"}

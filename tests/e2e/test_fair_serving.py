@@ -24,7 +24,7 @@ from loraplex.platform.app import create_app
 from loraplex.platform.db.database import Database, migrate
 from loraplex.platform.db.usage_tables import UsageEvent
 from loraplex.platform.observability.json_logs import JsonFormatter
-from loraplex.platform.serving.engine_factory import build_engine
+from loraplex.platform.assembly.engine_factory import build_engine
 from loraplex.platform.tenancy.tenants import create_key, create_tenant, tenant_info, update_tenant
 from tests.e2e.conftest import tiny_engine_config
 from tests.e2e.usage_support import FAIL_MAX_TOKENS, ChaosEngine, CountingHooks, Server, metered_settings

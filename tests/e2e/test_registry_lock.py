@@ -16,7 +16,7 @@ import pytest
 from loraplex.adapters import AdapterStore, BaseShapes
 from loraplex.platform.app import create_app
 from loraplex.platform.db.database import Database, migrate
-from loraplex.platform.serving.engine_factory import build_engine
+from loraplex.platform.assembly.engine_factory import build_engine
 from loraplex.platform.tenancy.adapter_registry import add_adapter, shared_blob_store
 from loraplex.platform.tenancy.tenants import create_key, create_tenant
 from tests.e2e.conftest import LiveServer

@@ -19,7 +19,7 @@ import pytest
 from loraplex.adapters import AdapterStore, BaseShapes
 from loraplex.platform.app import create_app
 from loraplex.platform.db.database import Database, migrate
-from loraplex.platform.serving.engine_factory import build_engine
+from loraplex.platform.assembly.engine_factory import build_engine
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy.adapter_registry import add_adapter
 from loraplex.platform.tenancy.tenants import create_key, create_tenant

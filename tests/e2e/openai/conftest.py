@@ -11,7 +11,7 @@ import pytest
 from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from loraplex.platform.app import create_app
 from loraplex.platform.db.database import Database, migrate
-from loraplex.platform.serving.engine_factory import build_engine
+from loraplex.platform.assembly.engine_factory import build_engine
 from loraplex.platform.tenancy.tenants import create_key, create_tenant
 from tests.e2e.conftest import Live, LiveServer, RecordingHooks, _populate
 from tests.platform.fixtures import fresh_db_url

@@ -7,7 +7,7 @@ from loraplex.adapters.errors import AdapterNotFoundError, BlobStoreError
 from loraplex.engine.errors import EngineOverloadedError, InvalidRequestError, ModelLoadError, PromptTooLongError
 from loraplex.platform.errors import AuthenticationError, ShuttingDownError, api_error
 from loraplex.platform.fleet.errors import RETRYABLE, WorkerError, error_from_body
-from loraplex.platform.worker_wire import error_status
+from loraplex.platform.fleet.errors import error_status
 
 
 @pytest.mark.parametrize("exc, status", [(InvalidRequestError("bad"), 400), (PromptTooLongError("long"), 413),

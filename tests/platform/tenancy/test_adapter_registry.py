@@ -48,7 +48,7 @@ def test_a_replica_refuses_an_adapter_over_its_rank_limit_by_the_registry_alone(
     from loraplex.engine.config import LoRAConfig
     from loraplex.engine.errors import InvalidRequestError
     from loraplex.engine.lora import LoRAManager
-    from loraplex.platform.serving.shared_adapters import RegistryAdapterSource
+    from loraplex.platform.assembly.shared_adapters import RegistryAdapterSource
     from loraplex.platform.tenancy.adapter_directory import AdapterDirectory
 
     store = AdapterStore(tmp_path / "store", BaseShapes.from_model_dir(tiny_llama_dir))
@@ -75,7 +75,7 @@ def test_an_engine_over_the_registry_refuses_adding_adapters_itself(tmp_path: Pa
     from loraplex.engine.engine import LLMEngine
     from loraplex.engine.errors import InvalidRequestError
     from loraplex.engine.lora import LoRAManager
-    from loraplex.platform.serving.shared_adapters import RegistryAdapterSource
+    from loraplex.platform.assembly.shared_adapters import RegistryAdapterSource
     from loraplex.platform.tenancy.adapter_directory import AdapterDirectory
 
     local = AdapterStore(tmp_path / "store", BaseShapes.from_model_dir(tiny_llama_dir))

@@ -9,8 +9,9 @@ from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.request import SamplingParams
 from loraplex.platform.worker.config import WorkerConfig
 from loraplex.platform.worker.state import WorkerState
-from loraplex.platform.worker.stream import NdjsonResponse, Relay, wait_disconnect
-from loraplex.platform.worker_wire import GenerateRequest
+from loraplex.platform.http import wait_disconnect
+from loraplex.platform.worker.stream import NdjsonResponse, Relay
+from loraplex.platform.fleet.wire import GenerateRequest
 
 
 def test_outputs_a_slow_client_missed_are_coalesced(blob_engine, tmp_path):

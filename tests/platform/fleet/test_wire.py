@@ -13,12 +13,10 @@ from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.structured.spec import StructuredOutput
 from loraplex.platform.errors import ShuttingDownError
 from loraplex.platform.routing import prefix_key
-from loraplex.platform.worker_wire import (
+from loraplex.platform.fleet.errors import WorkerError, decode_error, error_status
+from loraplex.platform.fleet.wire import (
     GenerateRequest,
-    WorkerError,
     coalesce,
-    error_from_body,
-    error_status,
     output_from_json,
     output_to_json,
     sampling_from_json,
@@ -91,7 +89,7 @@ def test_outputs_round_trip_and_coalesce():
 def test_domain_errors_cross_by_class_name(exc, status):
     got_status, body = error_status(exc)
     assert got_status == status and body["error"]["type"] == type(exc).__name__
-    back = error_from_body(body)
+    back = decode_error(body)
     assert type(back) is type(exc) and str(back) == str(exc)
 
 
@@ -100,8 +98,8 @@ def test_internal_errors_are_not_echoed():
     assert status == 500 and "secret" not in str(body) and body["error"]["type"] == "WorkerError"
     status, body = error_status(BlobStoreError("postgresql://user:pw@db failed"))
     assert status == 503 and "pw" not in str(body)
-    assert isinstance(error_from_body({"error": {"type": "NoSuchError", "message": "m"}}), WorkerError)
-    assert isinstance(error_from_body({"nope": 1}), WorkerError)
+    assert isinstance(decode_error({"error": {"type": "NoSuchError", "message": "m"}}), WorkerError)
+    assert isinstance(decode_error({"nope": 1}), WorkerError)
 
 
 def test_tenant_weight_timeout_and_engine_times_cross_the_wire():
@@ -122,7 +120,7 @@ def test_a_tenant_over_its_share_crosses_as_a_429_with_its_message():
 
     status, body = error_status(TenantShareExceededError("7", 3, 3))
     assert status == 429 and body["error"]["type"] == "TenantShareExceededError"
-    back = error_from_body(body)
+    back = decode_error(body)
     assert isinstance(back, TenantShareExceededError) and "its share of the queue is 3" in str(back)
     err = api_error(back)  # what the gateway answers its client
     assert (err.status, err.code) == (429, "tenant_queue_share_exceeded")

@@ -7,7 +7,7 @@ import pytest
 from loraplex.engine.engine import RequestOutput
 from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.request import SamplingParams
-from loraplex.platform.worker_wire import (
+from loraplex.platform.fleet.wire import (
     coalesce_choices,
     output_from_json,
     output_to_json,

@@ -24,7 +24,7 @@ def build_lora_manager(settings: Settings) -> LoRAManager:
     by digest. Either way the database alone decides who may use which name.
     """
     from loraplex.platform.db.database import Database
-    from loraplex.platform.serving.shared_adapters import RegistryAdapterSource
+    from loraplex.platform.assembly.shared_adapters import RegistryAdapterSource
     from loraplex.platform.tenancy.adapter_directory import AdapterDirectory
     from loraplex.platform.tenancy.adapter_registry import open_store, shared_blob_store
 

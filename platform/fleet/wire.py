@@ -1,9 +1,9 @@
-"""The gateway <-> worker wire (WIRE.md): JSON codecs both sides share.
+"""The gateway <-> worker wire (platform/fleet/WIRE.md): JSON codecs both sides share.
 
 Everything here is plain data in, plain data out: a generate request, a sampling
-configuration, a `RequestOutput` line, and the error body `{"error": {"type", "message"}}`
-that carries a domain error's class name across the hop, so the other side raises the
-same typed error. Bad input raises `InvalidRequestError` naming the field at fault.
+configuration and a `RequestOutput` line. The error body that carries a domain error's
+class name across the hop is `platform.fleet.errors`. Bad input raises
+`InvalidRequestError` naming the field at fault.
 """
 from __future__ import annotations
 
@@ -16,37 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from starlette.exceptions import HTTPException
 
-from loraplex.adapters.errors import (
-    AdapterCorruptedError,
-    AdapterNotFoundError,
-    AdapterValidationError,
-    BlobStoreError,
-)
 from loraplex.engine.engine import RequestOutput
-from loraplex.engine.errors import (
-    EngineDeadError,
-    EngineError,
-    EngineOverloadedError,
-    InvalidRequestError,
-    ModelLoadError,
-    PromptTooLongError,
-    StreamStalledError,
-    UnknownAdapterError,
-)
-from loraplex.engine.fairness import TenantShareExceededError
+from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.structured.spec import StructuredOutput
 
-from loraplex.platform.errors import (
-    AuthenticationError,
-    ConfigError,
-    RateLimitedError,
-    ShuttingDownError,
-    WeakSecretError,
-    api_error,
-)
+from loraplex.platform.errors import ConfigError, WeakSecretError
 from loraplex.platform.lanes import lane_name
 from loraplex.platform.routing.view import prefix_key
 
@@ -80,52 +56,6 @@ def internal_token(explicit: str | None = None) -> str | None:
                               f"least {MIN_TOKEN_CHARS} random characters, the same on gateways and workers "
                               "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
     return token
-
-
-class WorkerError(EngineError):
-    """A worker failed in a way it did not name (an unknown error type on the wire)."""
-
-
-# The domain errors that cross the wire by class name; anything else is a WorkerError.
-WIRE_ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (
-    InvalidRequestError, PromptTooLongError, UnknownAdapterError, EngineOverloadedError, EngineDeadError,
-    ModelLoadError, ShuttingDownError, AuthenticationError, AdapterNotFoundError, AdapterValidationError,
-    AdapterCorruptedError, BlobStoreError, WorkerError, TenantShareExceededError, RateLimitedError,
-    StreamStalledError)}
-
-
-# -- errors ------------------------------------------------------------------------------
-def error_status(exc: BaseException) -> tuple[int, dict[str, Any]]:
-    """The HTTP status and error body for `exc`; internals never leave (500: a generic body)."""
-    if isinstance(exc, BlobStoreError):  # the shared store is unreachable: another worker may do
-        return 503, _body("BlobStoreError", "the adapter store is unreachable")
-    if isinstance(exc, AdapterCorruptedError):
-        return 502, _body("AdapterCorruptedError", str(exc))
-    if isinstance(exc, HTTPException):  # no such route or method
-        kind = "InvalidRequestError" if exc.status_code < 500 else "WorkerError"
-        return exc.status_code, _body(kind, str(exc.detail))
-    err = api_error(exc)
-    name = next((c.__name__ for c in type(exc).__mro__ if c.__name__ in WIRE_ERRORS), None)
-    if name is None:
-        return err.status, _body("WorkerError", "the worker failed")
-    # (TenantShareExceededError's `reason` is its code, not a message.)
-    message = (str(exc) if isinstance(exc, TenantShareExceededError) else getattr(exc, "reason", None)) \
-        or str(exc) or name
-    return err.status, _body(name, message)
-
-
-def _body(type_: str, message: str) -> dict[str, Any]:
-    return {"error": {"type": type_, "message": message}}
-
-
-def error_from_body(doc: Any) -> Exception:
-    """The typed error an error body names (a WorkerError for a type this side lacks)."""
-    err = doc.get("error") if isinstance(doc, Mapping) else None
-    if not isinstance(err, Mapping):
-        return WorkerError("the worker answered with a malformed error")
-    message = str(err.get("message") or "the worker failed")
-    cls = WIRE_ERRORS.get(str(err.get("type")), WorkerError)
-    return cls(message)
 
 
 # -- requests ----------------------------------------------------------------------------
@@ -349,15 +279,11 @@ __all__ = [
     "NDJSON",
     "STATS_HEADER",
     "TOKEN_ENV",
-    "WIRE_ERRORS",
     "GenerateRequest",
-    "WorkerError",
     "adapter_from_json",
     "coalesce",
     "coalesce_choices",
     "dumps_line",
-    "error_from_body",
-    "error_status",
     "output_from_json",
     "output_to_json",
     "sampling_from_json",
