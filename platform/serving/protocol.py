@@ -87,7 +87,7 @@ def _get_int(body: dict, name: str, default: int | None, lo: int, hi: int | None
     return v
 
 
-def _get_bool(body: dict, name: str, default: bool = False) -> bool:
+def get_bool(body: dict, name: str, default: bool = False) -> bool:
     v = body.get(name)
     if v is None:
         return default
@@ -120,7 +120,7 @@ def _include_usage(body: dict) -> bool:
         return False
     if not isinstance(opts, dict):
         raise BadRequestError("stream_options must be an object", "stream_options")
-    return _get_bool(opts, "include_usage")
+    return get_bool(opts, "include_usage")
 
 
 def _sampling(body: dict, max_tokens: int, logprobs: int | None, n: int = 1,
@@ -140,7 +140,7 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None, n: int = 1,
             seed=None if seed is None else seed & 0x7FFF_FFFF_FFFF_FFFF,
             stop=_stop(body),
             stop_token_ids=tuple(stop_ids),
-            ignore_eos=_get_bool(body, "ignore_eos"),
+            ignore_eos=get_bool(body, "ignore_eos"),
             logprobs=logprobs,
             min_tokens=_get_int(body, "min_tokens", 0, 0),
             n=n,
@@ -195,14 +195,14 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> GenRequest:
                               "response_format")
     n, _ = choices(body, chat=True)
     logprobs = None
-    if _get_bool(body, "logprobs"):
+    if get_bool(body, "logprobs"):
         logprobs = _get_int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
     elif body.get("top_logprobs") is not None:
         raise BadRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), len(prompt), max_model_len, None,
                              n, logprobs)
     sampling = _sampling(body, max_tokens, logprobs, n, structured or constraint)
-    return GenRequest(True, body.get("model"), prompt, sampling, _get_bool(body, "stream"), _include_usage(body),
+    return GenRequest(True, body.get("model"), prompt, sampling, get_bool(body, "stream"), _include_usage(body),
                       logprobs, body.get("priority"), n, tools=tools)
 
 
@@ -258,5 +258,5 @@ def parse_completion(body: dict, tokenizer, max_model_len: int) -> GenRequest:
     sampling = _sampling(body, max_tokens, engine_logprobs, best_of, response_format(body),
                          logprobs if echo else None)
     echo_texts = [_echo_text(r, ids, tokenizer) for r, ids in zip(raw, prompts)] if echo else None
-    return GenRequest(False, body.get("model"), prompts[0], sampling, _get_bool(body, "stream"),
+    return GenRequest(False, body.get("model"), prompts[0], sampling, get_bool(body, "stream"),
                       _include_usage(body), logprobs, body.get("priority"), n, echo_texts, prompts=prompts)

@@ -29,7 +29,7 @@ from loraplex.platform.errors import BadRequestError
 from loraplex.platform.serving.gateway import Gateway
 from loraplex.platform.http import json_response
 from loraplex.platform.serving.openai_routes import api_endpoint
-from loraplex.platform.serving.protocol import chat_prompt
+from loraplex.platform.serving.protocol import chat_prompt, get_bool
 from loraplex.platform.serving.request_limits import (
     check_chat_shape,
     check_content_length,
@@ -65,32 +65,23 @@ def _check_fields(body: dict, known: frozenset[str]) -> None:
             raise BadRequestError(f"{name} is not supported" + (f": {hint}" if hint else " (unknown field)"), name)
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise BadRequestError(f"{name} must be a boolean", name)
-    return v
-
-
 def tokenize_body(body: dict, tokenizer, max_model_len: int) -> dict[str, Any]:
     """The answer to a tokenize request (runs on the parse pool)."""
-    strs = _flag(body, "return_token_strs", False)
+    strs = get_bool(body, "return_token_strs", False)
     if "messages" in body:
         _check_fields(body, _CHAT_FIELDS)
-        if _flag(body, "continue_final_message", False):
+        if get_bool(body, "continue_final_message", False):
             raise BadRequestError("continue_final_message is not supported", "continue_final_message")
-        if _flag(body, "add_special_tokens", False):
+        if get_bool(body, "add_special_tokens", False):
             raise BadRequestError("add_special_tokens must be false with messages: the chat template writes the "
                                   "special tokens", "add_special_tokens")
-        ids, _ = chat_prompt(body, tokenizer, _flag(body, "add_generation_prompt", True))
+        ids, _ = chat_prompt(body, tokenizer, get_bool(body, "add_generation_prompt", True))
     else:
         _check_fields(body, _PROMPT_FIELDS)
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise BadRequestError("prompt must be a string (or send messages)", "prompt")
-        ids = tokenizer.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
+        ids = tokenizer.encode(prompt, add_special_tokens=get_bool(body, "add_special_tokens", True))
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
             "token_strs": tokenizer.ids_to_tokens(ids, skip_special_tokens=False) if strs else None}
 
