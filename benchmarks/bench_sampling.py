@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from loraplex.engine.config import EngineConfig, ModelConfig, SchedulerConfig
+from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.request import SamplingParams
 from loraplex.engine.sampler import Sampler, SampleRow
@@ -42,8 +42,11 @@ def engine_tok_s(engine: LLMEngine, prompts: list[list[int]], outs: list[int], *
 
 def run_engine(args: argparse.Namespace) -> None:
     prompts, outs = random_workload(args.num_prompts)
+    # Every mode sends the same prompts: without prefix caching each computes them again,
+    # so what differs between modes is the sampling alone.
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype), num_threads=args.threads,
-                                    scheduler=SchedulerConfig(max_num_seqs=args.num_prompts)))
+                                    scheduler=SchedulerConfig(max_num_seqs=args.num_prompts),
+                                    cache=CacheConfig(enable_prefix_caching=False)))
     engine.warm_up()
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     print(f"engine: {len(prompts)} requests at once, prompts {min(map(len, prompts))}-{max(map(len, prompts))}, "
@@ -55,6 +58,8 @@ def run_engine(args: argparse.Namespace) -> None:
                      ("temperature 0.8, top_p 0.95", dict(temperature=0.8, top_p=0.95))):
         tok_s = engine_tok_s(engine, prompts, outs, **kw)
         print(f"  {name:<27} {tok_s:7.1f} output tok/s   {tok_s / greedy:.2f}x greedy", flush=True)
+    again = engine_tok_s(engine, prompts, outs, temperature=0)  # the machine's drift over the run
+    print(f"  greedy again                {again:7.1f} output tok/s   {again / greedy:.2f}x greedy", flush=True)
 
 
 def time_sampler(logits: torch.Tensor, rows: list[SampleRow], repeat: int) -> float:
