@@ -14,17 +14,22 @@ from loraplex.platform.worker.stream import NdjsonResponse, Relay
 from loraplex.platform.fleet.wire import GenerateRequest
 
 
+async def _started_relay(engine: AsyncEngine, tmp_path, rid: str, sampling: SamplingParams):
+    """A worker's relay for one request, started, with its first outputs taken."""
+    state = WorkerState(WorkerConfig("sqlite://", tmp_path), "tiny")
+    state.attach(engine, None)
+    relay = Relay(state, GenerateRequest(rid, [1, 2, 3, 4], sampling))
+    state.begin()
+    relay.start(engine)
+    return state, relay, await relay.take()
+
+
 def test_outputs_a_slow_client_missed_are_coalesced(blob_engine, tmp_path):
     engine = AsyncEngine(blob_engine[0])
     sampling = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
     async def run() -> tuple[list[dict], list[int]]:
-        state = WorkerState(WorkerConfig("sqlite://", tmp_path), "tiny")
-        state.attach(engine, None)
-        relay = Relay(state, GenerateRequest("slow", [1, 2, 3, 4], sampling))
-        state.begin()
-        relay.start(engine)
-        first = await relay.take()
+        state, relay, first = await _started_relay(engine, tmp_path, "slow", sampling)
         reading, chunks = asyncio.Event(), []
 
         async def send(message: dict) -> None:
@@ -70,12 +75,7 @@ def test_a_client_that_stops_reading_has_its_request_aborted(blob_engine, tmp_pa
     sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
     async def run() -> list[dict]:
-        state = WorkerState(WorkerConfig("sqlite://", tmp_path), "tiny")
-        state.attach(engine, None)
-        relay = Relay(state, GenerateRequest("stalled", [1, 2, 3, 4], sampling))
-        state.begin()
-        relay.start(engine)
-        first = await relay.take()
+        state, relay, first = await _started_relay(engine, tmp_path, "stalled", sampling)
         reading, chunks = asyncio.Event(), []
 
         async def send(message: dict) -> None:
