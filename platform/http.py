@@ -65,6 +65,23 @@ async def cancel_and_wait(task: asyncio.Future) -> None:
         pass
 
 
+async def send_within(send: Callable[[Any], Awaitable[None]], message: Any, timeout: float) -> None:
+    """`send(message)`, or ClientDisconnected if it waits longer than `timeout` (the client
+    stopped reading). Not `asyncio.wait_for`: before Python 3.12 it swallows a cancellation
+    that arrives as the send completes, and a stream whose client left would then run on to
+    its end instead of aborting."""
+    task = asyncio.ensure_future(send(message))
+    try:
+        done, _ = await asyncio.wait((task,), timeout=timeout)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        await cancel_and_wait(task)
+        raise ClientDisconnected("the client stopped reading the stream")
+    task.result()
+
+
 async def unless_disconnected(work: Awaitable[T], watcher: asyncio.Future) -> T:
     """`work`'s result, or ClientDisconnected (work cancelled) if `watcher` (a
     `wait_disconnect`) ends first; cancelling the caller cancels `work` too."""
@@ -91,4 +108,5 @@ async def until_disconnected(receive: Callable[[], Awaitable[Mapping[str, Any]]]
 
 
 __all__ = ["NO_STORE", "STREAM_WRITE_TIMEOUT", "ClientDisconnected", "cancel_and_wait", "json_body",
-           "json_response", "no_store_json", "unless_disconnected", "until_disconnected", "wait_disconnect"]
+           "json_response", "no_store_json", "send_within", "unless_disconnected", "until_disconnected",
+           "wait_disconnect"]

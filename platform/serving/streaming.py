@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from starlette.types import Receive, Scope, Send
 
-from loraplex.platform.http import STREAM_WRITE_TIMEOUT, ClientDisconnected, cancel_and_wait, wait_disconnect
+from loraplex.platform.http import STREAM_WRITE_TIMEOUT, cancel_and_wait, send_within, wait_disconnect
 
 
 SSE_HEADERS = [
@@ -59,8 +59,5 @@ class SSEResponse:
 
     async def _pump(self, send: Send) -> None:
         async for chunk in self.chunks:
-            try:
-                await asyncio.wait_for(send({"type": "http.response.body", "body": chunk, "more_body": True}),
-                                       self.write_timeout)
-            except asyncio.TimeoutError:
-                raise ClientDisconnected("the client stopped reading the stream") from None
+            await send_within(send, {"type": "http.response.body", "body": chunk, "more_body": True},
+                              self.write_timeout)

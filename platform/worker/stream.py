@@ -23,7 +23,7 @@ from loraplex.engine.errors import StreamStalledError
 
 from loraplex.platform.lanes import lane_name
 from loraplex.platform.observability.request_observer import RequestObserver
-from loraplex.platform.http import STREAM_WRITE_TIMEOUT, ClientDisconnected
+from loraplex.platform.http import STREAM_WRITE_TIMEOUT, ClientDisconnected, send_within
 from loraplex.platform.fleet.errors import error_status
 from loraplex.platform.fleet.wire import NDJSON, GenerateRequest, coalesce_choices, dumps_line, output_to_json
 
@@ -132,7 +132,8 @@ class NdjsonResponse:
         writer = asyncio.ensure_future(self._write(send))
         try:
             await asyncio.wait({writer, self.watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not writer.done():  # the client left: stop writing, abort in the engine
+            if not writer.done():  # the client left: abort in the engine, stop writing
+                self.relay.cancel()
                 writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
             failed = None if writer.cancelled() else writer.exception()
@@ -146,10 +147,7 @@ class NdjsonResponse:
 
     async def _write(self, raw_send) -> None:
         async def send(message: dict) -> None:
-            try:
-                await asyncio.wait_for(raw_send(message), STREAM_WRITE_TIMEOUT)
-            except asyncio.TimeoutError:
-                raise ClientDisconnected from None  # it stopped reading: treated as gone
+            await send_within(raw_send, message, STREAM_WRITE_TIMEOUT)  # stopped reading: treated as gone
 
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
         relay, items = self.relay, self.first
