@@ -27,7 +27,10 @@ from tests.platform.fixtures import pg_schema_url, tiny_adapters  # noqa: F401
 
 TOKEN = "worker-test-secret"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-ENGINE_ARGS = ["--dtype", "float32", "--threads", "1", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "64",
+# Longer than the oracle's context, so a request meant to be cut short (aborted, or
+# holding a seat while others queue) cannot run to its end first on a fast machine.
+WORKER_MAX_LEN = 2048
+ENGINE_ARGS = ["--dtype", "float32", "--threads", "1", "--max-model-len", str(WORKER_MAX_LEN), "--num-kv-blocks", "160",
                "--max-num-seqs", "8", "--max-loras", "2", "--max-lora-rank", "16"]
 
 
@@ -257,7 +260,7 @@ def test_the_token_is_read_without_its_newline_and_a_short_one_is_refused(tmp_pa
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LORAPLEX_INTERNAL_TOKEN", TOKEN + "\n")
         info = fetch_model_info(FleetConfig(workers=worker.url, startup_wait_s=30), tmp_path / "model")
-    assert info.max_model_len == MAX_MODEL_LEN
+    assert info.max_model_len == WORKER_MAX_LEN
     secret = tmp_path / "token"
     secret.write_text(TOKEN + "\n")
     file_env = {k: v for k, v in env.items() if k != "LORAPLEX_INTERNAL_TOKEN"}
@@ -309,7 +312,7 @@ def test_other_malformed_bodies_and_unknown_digests(worker):
     r = worker.http.post("/internal/v1/generate", json=gen_body("ghost", [1, 2], adapter=missing), headers=AUTH)
     assert r.status_code == 404 and r.json()["error"]["type"] == "AdapterNotFoundError"
     assert worker.http.get("/internal/v1/nothing", headers=AUTH).status_code == 404
-    r = worker.http.post("/internal/v1/generate", json=gen_body("long", [1] * (MAX_MODEL_LEN + 1)), headers=AUTH)
+    r = worker.http.post("/internal/v1/generate", json=gen_body("long", [1] * (WORKER_MAX_LEN + 1)), headers=AUTH)
     assert r.status_code == 413 and r.json()["error"]["type"] == "PromptTooLongError"
 
 
@@ -333,7 +336,7 @@ def _aborts(http: httpx.Client) -> float:
 def test_closing_the_connection_aborts_the_request(worker, oracle):
     before = _aborts(worker.http)
     ids = oracle.tokenizer.encode("a long answer nobody waits for")
-    body = gen_body("gone", ids, MAX_MODEL_LEN - len(ids) - 1)
+    body = gen_body("gone", ids, WORKER_MAX_LEN - len(ids) - 1)
     with worker.http.stream("POST", "/internal/v1/generate", json=body, headers=AUTH) as r:
         first = next(line for line in r.iter_lines() if line)
         assert orjson.loads(first)["type"] == "output"
@@ -343,7 +346,7 @@ def test_closing_the_connection_aborts_the_request(worker, oracle):
 
 def test_abort_route_ends_the_stream(worker, oracle):
     ids = oracle.tokenizer.encode("stop me")
-    body = gen_body("to-abort", ids, MAX_MODEL_LEN - len(ids) - 1)
+    body = gen_body("to-abort", ids, WORKER_MAX_LEN - len(ids) - 1)
     with worker.http.stream("POST", "/internal/v1/generate", json=body, headers=AUTH) as r:
         lines = r.iter_lines()
         assert orjson.loads(next(line for line in lines if line))["type"] == "output"
@@ -416,7 +419,7 @@ def test_metrics_tell_an_endpoint_picker_where_adapters_sit(tmp_path, tiny_llama
         first = scrape()
         assert first["levels"] == {} and first["counts"] == {"gpu": 0, "cpu": 0}
         (cache,) = first["families"]["vllm:cache_config_info"].samples
-        assert cache.labels == {"block_size": "16", "num_gpu_blocks": "64"} and cache.value == 1
+        assert cache.labels == {"block_size": "16", "num_gpu_blocks": "160"} and cache.value == 1
         (info,) = first["families"]["vllm:lora_requests_info"].samples
         assert info.labels == {"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": "1"}
         for name in ("ad1", "ad2"):
@@ -438,7 +441,7 @@ def test_model_route_gives_the_gateway_a_tokenizer(worker, oracle, tmp_path):
     from loraplex.engine.tokenizer import Tokenizer
 
     doc = worker.http.get("/internal/v1/model", headers=AUTH).json()
-    assert doc["max_model_len"] == MAX_MODEL_LEN and doc["eos_token_ids"] == list(oracle.tokenizer.eos_token_ids)
+    assert doc["max_model_len"] == WORKER_MAX_LEN and doc["eos_token_ids"] == list(oracle.tokenizer.eos_token_ids)
     for name, data in doc["tokenizer_files"].items():
         (tmp_path / name).write_bytes(base64.b64decode(data))
     text = "Tokenized the same on both sides"
@@ -451,7 +454,7 @@ def test_sigterm_drains_then_exits_0(tmp_path, tiny_llama_dir, oracle):
     try:
         w.wait_ready()
         ids = oracle.tokenizer.encode("finish what you started")
-        body = gen_body("in-flight", ids, MAX_MODEL_LEN - len(ids) - 1)
+        body = gen_body("in-flight", ids, WORKER_MAX_LEN // 2)  # still running when SIGTERM comes
         with w.http.stream("POST", "/internal/v1/generate", json=body, headers=AUTH) as r:
             lines = r.iter_lines()
             assert orjson.loads(next(line for line in lines if line))["type"] == "output"

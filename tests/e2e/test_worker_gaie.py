@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.e2e.test_worker import AUTH, ENGINE_ARGS, MAX_MODEL_LEN, Worker, gen_body
+from tests.e2e.test_worker import AUTH, ENGINE_ARGS, WORKER_MAX_LEN, Worker, gen_body
 
 ONE_SEQ = [a for a in ENGINE_ARGS]
 ONE_SEQ[ONE_SEQ.index("--max-num-seqs") + 1] = "1"
@@ -80,7 +80,7 @@ def test_fairness_ids_take_turns_and_an_objective_lowers_the_lane(worker):
     s = Streams(worker.url)
     # a1 holds the one seat until the queue is set up, however fast the machine: it runs
     # to the context's end unless aborted, and is aborted once the others wait.
-    s.send("a1", MAX_MODEL_LEN - 4, **{fid: "team-a"})
+    s.send("a1", WORKER_MAX_LEN - 4, **{fid: "team-a"})
     _wait_for(lambda: "a1" in s.started)
     for rid in ("a2", "a3"):
         s.send(rid, 4, **{fid: "team-a"})
