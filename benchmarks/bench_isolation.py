@@ -11,6 +11,7 @@ turn, for `--seconds` each:
   json_schema   A sends a huge response_format json_schema (about 3 MiB)
   logit_bias    A sends n=64 with a logit_bias table over the whole vocabulary
   tools         A sends a 3.5 MiB tools list
+  (A's big bodies soon get 429 from its request body budget, `--max-body-rate`)
   slow reader   A holds 4 long streams and reads each a few bytes a second
 
 Each attacker runs in a process of its own (no share of this process's GIL), at the
@@ -243,11 +244,12 @@ def slow_bodies(t: Target, stop, got: Counter, count: int = 200) -> None:
 
 
 def _schema(target_bytes: int) -> dict:
-    props, i = {}, 0
-    while len(json.dumps(props)) < target_bytes:
-        props[f"field_{i}"] = {"type": "object", "properties": {
+    props, i, size = {}, 0, 0
+    while size < target_bytes:  # sized as it grows: measuring the whole each time is quadratic
+        props[f"field_{i}"] = field = {"type": "object", "properties": {
             "v": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},{i % 13 + 9}}}$"},
             "k": {"enum": [f"choice_{i}_{j}" for j in range(20)]}}, "required": ["v", "k"]}
+        size += len(json.dumps(field)) + len(f"field_{i}") + 4
         i += 1
     return {"type": "object", "properties": props, "required": list(props)}
 

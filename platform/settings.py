@@ -45,6 +45,9 @@ class ServerLimits:
     # Request bodies: the OpenAI routes, and the admin API's JSON (the adapter upload has
     # Settings.admin_max_upload_bytes); the unauthenticated sign-in gets the small one.
     max_body_bytes: int = 4 * 2**20
+    # Request body bytes one tenant may send per second (every route it reaches with its
+    # key), past a burst of one largest body: what its JSON costs to parse is bounded.
+    body_bytes_per_second: int = 1 * 2**20
     max_admin_body_bytes: int = 1 * 2**20
     max_sign_in_body_bytes: int = 4096
     # Shape of a request's JSON.
@@ -58,7 +61,7 @@ class ServerLimits:
 
     def __post_init__(self) -> None:
         for name in ("header_timeout", "body_timeout", "body_min_rate", "max_connections",
-                     "max_connections_per_client", "max_header_bytes", "max_body_bytes",
+                     "max_connections_per_client", "max_header_bytes", "max_body_bytes", "body_bytes_per_second",
                      "max_admin_body_bytes", "max_sign_in_body_bytes", "max_json_depth", "max_messages",
                      "max_content_parts", "max_prompts", "max_choices"):
             if getattr(self, name) <= 0:

@@ -111,6 +111,9 @@ def server_options(p: argparse.ArgumentParser) -> None:
                    help="connections from one address (trusted proxies excepted); past it, 429")
     g.add_argument("--max-body-size", type=parse_size, default=d.max_body_bytes, metavar="SIZE",
                    help="request bodies of the OpenAI routes (default 4MiB)")
+    g.add_argument("--max-body-rate", type=parse_size, default=d.body_bytes_per_second, metavar="SIZE",
+                   help="request body bytes per second one tenant may send, past a burst of one "
+                        "--max-body-size body; past it, 429 (default 1MiB)")
     g.add_argument("--max-upload-size", type=parse_size, default=Settings.admin_max_upload_bytes, metavar="SIZE",
                    help="adapter uploads through the admin API (default 1GiB)")
     p.add_argument("--inference-objective", action="append", type=objective_arg, default=[],
@@ -124,7 +127,7 @@ def server_settings(args: argparse.Namespace) -> dict:
                           body_min_rate=args.body_min_rate, keep_alive_timeout=args.keep_alive_timeout,
                           max_connections=args.max_connections,
                           max_connections_per_client=args.max_connections_per_client,
-                          max_body_bytes=args.max_body_size)
+                          max_body_bytes=args.max_body_size, body_bytes_per_second=args.max_body_rate)
     return {"limits": limits, "metrics_host": args.metrics_host, "metrics_port": args.metrics_port or None,
             "forwarded_allow_ips": args.forwarded_allow_ips, "admin_max_upload_bytes": args.max_upload_size,
             "auth_failure_burst": args.auth_failure_burst, "auth_failure_rate": args.auth_failure_rate,

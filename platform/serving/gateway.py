@@ -27,6 +27,7 @@ from loraplex.platform.serving.gaie import lower_lane, objective_lane, parse_obj
 from loraplex.platform.serving.metrics import Metrics
 from loraplex.platform.serving.prompt_batch import PromptTally, merge_prompt_streams
 from loraplex.platform.serving.protocol import GenRequest
+from loraplex.platform.serving.request_limits import BodyBudget
 from loraplex.platform.serving.render import TokenText
 from loraplex.platform.settings import Settings
 
@@ -107,6 +108,8 @@ class Gateway:
         self._lookups: dict[str, asyncio.Future] = {}
         self._lookup_pool = ThreadPoolExecutor(ADAPTER_LOOKUP_THREADS, thread_name_prefix="loraplex-adapter-lookup")
         self.objectives = {name: parse_objective(v) for name, v in settings.inference_objectives}
+        limits = settings.limits
+        self.body_budget = BodyBudget(limits.body_bytes_per_second, limits.max_body_bytes)
 
     # -- resolution -----------------------------------------------------------------
     def resolve_model(self, principal: Principal, model: object, path_adapter: str | None) -> str | None:

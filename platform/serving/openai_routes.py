@@ -33,14 +33,12 @@ from loraplex.platform.http import ClientDisconnected, json_response, until_disc
 from loraplex.platform.serving.gaie import OBJECTIVE_HEADER
 from loraplex.platform.serving.gateway import LANE_HEADER, Gateway
 from loraplex.platform.serving.protocol import GenRequest, parse_chat, parse_completion
+from loraplex.platform.serving.auth import Principal
 from loraplex.platform.serving.request_limits import (
-    check_chat_shape,
     check_choices,
     check_content_length,
-    check_prompt_chars,
-    check_prompt_count,
-    parse_json_object,
-    read_body,
+    parse_request_json,
+    read_charged_body,
 )
 from loraplex.platform.serving.streaming import SSEResponse
 from loraplex.platform.serving.render import ChunkStream, Collected, render_response
@@ -77,16 +75,13 @@ def api_endpoint(endpoint: str) -> Callable:
     return deco
 
 
-async def _body(request: Request, gw: Gateway, chat: bool) -> dict:
-    """The body read within its size limit, its JSON within its shape limits."""
+async def _body(request: Request, gw: Gateway, principal: Principal, chat: bool) -> dict:
+    """The body read within its size limit and the tenant's byte budget, its JSON within
+    its shape limits (parsed on the parse pool)."""
     limits = gw.settings.limits
-    body = parse_json_object(await read_body(request, limits.max_body_bytes), limits)
-    if chat:
-        check_chat_shape(body, limits)
-    else:
-        check_prompt_count(body, limits)
-    check_prompt_chars(body, chat, gw.max_model_len, gw.tokenizer.max_token_chars)
-    return body
+    raw = await read_charged_body(request, principal.tenant, gw.body_budget, limits.max_body_bytes)
+    return await request.app.state.parse_pool.run(parse_request_json, raw, limits, chat, gw.max_model_len,
+                                                  gw.tokenizer.max_token_chars)
 
 
 async def _generate(request: Request, gw: Gateway, chat: bool) -> Response:
@@ -96,7 +91,7 @@ async def _generate(request: Request, gw: Gateway, chat: bool) -> Response:
     check_content_length(request, gw.settings.limits.max_body_bytes)
     principal = await gw.auth.authenticate(request.headers.get("authorization"), client_address(request))
     gw.check_serving()
-    body = await _body(request, gw, chat)
+    body = await _body(request, gw, principal, chat)
     adapter = gw.resolve_model(principal, body.get("model"), request.path_params.get("adapter"))
     lane = gw.lane_for(principal, request.headers.get(LANE_HEADER), body.get("priority"),
                        request.headers.get(OBJECTIVE_HEADER))

@@ -8,12 +8,18 @@
   whose length in characters cannot fit `max_model_len` tokens (each
   token spells at most `Tokenizer.max_token_chars` characters, with a margin for
   normalizers that merge characters) is refused with 413 before it is tokenized.
-- Tokenizing and the chat template run on a small pool of threads of their own
-  (`ParsePool`), so the event loop, and `/health`, never wait for them.
+- Parsing the JSON, checking it, tokenizing and the chat template run on a small pool of
+  threads of their own (`ParsePool`), so the event loop, and `/health`, never wait for them.
+- The bytes: each tenant may send `ServerLimits.body_bytes_per_second` of request body
+  (`BodyBudget`, a token bucket holding one largest body). Parsing JSON holds the
+  interpreter lock whichever thread does it (orjson does not release it), so bytes are
+  what a tenant's requests cost everyone else before they are admitted: past its budget
+  a request gets 429 from its Content-Length, before its body is read.
 """
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -23,7 +29,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from loraplex.engine.errors import PromptTooLongError
 
-from loraplex.platform.errors import BadRequestError, PayloadTooLargeError
+from loraplex.platform.errors import BadRequestError, PayloadTooLargeError, RateLimitedError
 from loraplex.platform.settings import ServerLimits
 
 T = TypeVar("T")
@@ -150,6 +156,65 @@ def check_choices(num_sequences: int, limits: ServerLimits) -> None:
     if num_sequences > limits.max_choices:
         raise BadRequestError(f"n: prompts x n (or best_of) is {num_sequences}, over the cap of "
                               f"{limits.max_choices} sequences per request", "n")
+
+
+def parse_request_json(raw: bytes, limits: ServerLimits, chat: bool | None, max_model_len: int,
+                       max_token_chars: int) -> dict:
+    """An OpenAI request's JSON within every bound that needs no tokenizer (on the parse
+    pool): its shape, and its text against the context. `chat` None: a chat if it has
+    `messages` (/tokenize takes either)."""
+    body = parse_json_object(raw, limits)
+    chat = "messages" in body if chat is None else chat
+    if chat:
+        check_chat_shape(body, limits)
+    else:
+        check_prompt_count(body, limits)
+    check_prompt_chars(body, chat, max_model_len, max_token_chars)
+    return body
+
+
+class BodyBudget:
+    """Bytes of request body each tenant may send per second: a token bucket per tenant
+    holding at most `burst` bytes (at least one largest body, so any body that fits the
+    size limit gets in once the bucket has refilled)."""
+
+    def __init__(self, rate: int, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self._clock = rate, max(burst, rate), clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (bytes left, when)
+
+    def _left(self, tenant: str) -> tuple[float, float]:
+        now = self._clock()
+        left, at = self._buckets.get(tenant, (self.burst, now))
+        return min(self.burst, left + (now - at) * self.rate), now
+
+    def admit(self, tenant: str, declared: int) -> None:
+        """Charge a body of `declared` bytes before it is read, or 429 with the seconds
+        until the bucket holds it."""
+        left, now = self._left(tenant)
+        if declared > left:
+            self._buckets[tenant] = (left, now)
+            raise RateLimitedError(f"this tenant's request bodies are over {self.rate} bytes per second; "
+                                   f"retry later", retry_after=max(1.0, (declared - left) / self.rate))
+        self._buckets[tenant] = (left - declared, now)
+
+    def debit(self, tenant: str, size: int) -> None:
+        """Charge a body already read (one sent without a Content-Length): the bucket may
+        go below zero, and the tenant's next bodies wait for it."""
+        left, now = self._left(tenant)
+        self._buckets[tenant] = (left - size, now)
+
+
+async def read_charged_body(request: Request, tenant: str, budget: BodyBudget, max_bytes: int) -> bytes:
+    """The body within its size limit, charged to `tenant`'s budget (before it is read when
+    its length is declared)."""
+    check_content_length(request, max_bytes)
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        budget.admit(tenant, int(declared))
+    raw = await read_body(request, max_bytes)
+    if declared is None:
+        budget.debit(tenant, len(raw))
+    return raw
 
 
 class ParsePool:

@@ -31,11 +31,10 @@ from loraplex.platform.http import json_response
 from loraplex.platform.serving.openai_routes import api_endpoint
 from loraplex.platform.serving.protocol import chat_prompt, get_bool
 from loraplex.platform.serving.request_limits import (
-    check_chat_shape,
     check_content_length,
-    check_prompt_chars,
     parse_json_object,
-    read_body,
+    parse_request_json,
+    read_charged_body,
 )
 from loraplex.platform.tenancy.throttle import client_address
 
@@ -48,12 +47,18 @@ _REFUSED_HINTS = {"chat_template": "the model's own chat template is used",
                   "mm_processor_kwargs": "this model takes text only"}
 
 
-async def _authorized_body(request: Request, gw: Gateway) -> dict:
-    """The caller's key checked, its body read within the limits, and `model` resolved."""
+async def _authorized_body(request: Request, gw: Gateway, prompt: bool) -> dict:
+    """The caller's key checked, its body read within the limits (with the bounds on a
+    prompt's shape and text when it carries one), and `model` resolved."""
     limits = gw.settings.limits
     check_content_length(request, limits.max_body_bytes)
     principal = await gw.auth.authenticate(request.headers.get("authorization"), client_address(request))
-    body = parse_json_object(await read_body(request, limits.max_body_bytes), limits)
+    raw = await read_charged_body(request, principal.tenant, gw.body_budget, limits.max_body_bytes)
+    pool = request.app.state.parse_pool
+    if prompt:
+        body = await pool.run(parse_request_json, raw, limits, None, gw.max_model_len, gw.tokenizer.max_token_chars)
+    else:
+        body = await pool.run(parse_json_object, raw, limits)
     gw.resolve_model(principal, body.get("model"), request.path_params.get("adapter"))  # 404 unless allowed
     return body
 
@@ -101,17 +106,13 @@ def detokenize_body(body: dict, tokenizer, max_model_len: int) -> dict[str, Any]
 
 @api_endpoint("tokenize")
 async def tokenize(request: Request, gw: Gateway) -> Response:
-    body = await _authorized_body(request, gw)
-    chat = "messages" in body
-    if chat:
-        check_chat_shape(body, gw.settings.limits)
-    check_prompt_chars(body, chat, gw.max_model_len, gw.tokenizer.max_token_chars)
+    body = await _authorized_body(request, gw, prompt=True)
     return json_response(await request.app.state.parse_pool.run(tokenize_body, body, gw.tokenizer, gw.max_model_len))
 
 
 @api_endpoint("detokenize")
 async def detokenize(request: Request, gw: Gateway) -> Response:
-    body = await _authorized_body(request, gw)
+    body = await _authorized_body(request, gw, prompt=False)
     return json_response(await request.app.state.parse_pool.run(detokenize_body, body, gw.tokenizer,
                                                                  gw.max_model_len))
 

@@ -1,7 +1,7 @@
 """A real `loraplex serve` on the tiny Llama with two tenants (`acme`, `beta`) for the
 cost-isolation suite. No address is a trusted proxy, so every loopback address
 (127.0.0.1, 127.0.0.2, ...) is a client of its own; small caps make each one reachable:
-4 connections per address, 24 in all, a 2 s body deadline (the head gets 30 s, so idle
+4 connections per address, 24 in all, 64 KiB/s of request body per tenant, a 2 s body deadline (the head gets 30 s, so idle
 connections stay open while a test needs them), and an address that failed to
 authenticate 5 times stays throttled for the whole suite."""
 from __future__ import annotations
@@ -28,6 +28,7 @@ ADMIN_TOKEN = "isolation-suite-admin-token-" + "i" * 16
 PER_CLIENT = 4
 MAX_CONNECTIONS = 24
 MAX_BODY = 1 << 20
+BODY_RATE = 64 << 10  # bytes per second per tenant, past a burst of one MAX_BODY
 
 
 @dataclass
@@ -74,6 +75,7 @@ def isolated(tmp_path_factory, tiny_llama_dir) -> Iterator[Isolated]:
            "--model", str(tiny_llama_dir), "--data-dir", str(root / "data"), "--database-url", url,
            "--dtype", "float32", "--threads", "1", "--max-model-len", "256", "--num-kv-blocks", "400",
            "--no-demo", "--port", str(port), "--metrics-port", "0", "--max-body-size", str(MAX_BODY),
+           "--max-body-rate", str(BODY_RATE),
            "--forwarded-allow-ips", "192.0.2.1", "--header-timeout", "30", "--body-timeout", "2",
            "--max-connections", str(MAX_CONNECTIONS), "--max-connections-per-client", str(PER_CLIENT),
            "--auth-failure-burst", "5", "--auth-failure-rate", "0.001"]

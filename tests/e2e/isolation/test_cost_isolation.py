@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from loraplex.platform.tenancy.tenants import create_key
-from tests.e2e.isolation.conftest import ADMIN_TOKEN, MAX_BODY, MAX_CONNECTIONS, PER_CLIENT, Isolated
+from tests.e2e.isolation.conftest import ADMIN_TOKEN, BODY_RATE, MAX_BODY, MAX_CONNECTIONS, PER_CLIENT, Isolated
 from tests.e2e.resources.test_resources import _read_response
 
 JUNK = "lpx_0123456789ab_" + "j" * 43
@@ -193,3 +193,21 @@ def test_health_and_ready_answer_while_the_tenant_port_is_full(isolated: Isolate
     key = {"Authorization": f"Bearer {isolated.keys['beta']}"}
     with isolated.http("127.0.2.1") as http:
         _until(lambda: http.get("/v1/models", headers=key).status_code == 200, "the port to have room again")
+
+
+def test_a_tenant_over_its_body_budget_is_refused_before_its_body_is_read(isolated: Isolated):
+    """Parsing JSON holds the interpreter lock whatever thread does it: a tenant sending
+    big bodies back to back gets 429 from the Content-Length once its bytes per second are
+    spent (the body is not read: the connection closes), and the other tenant is served."""
+    big = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * (MAX_BODY * 3 // 4)}]}).encode()
+    head = {"Authorization": f"Bearer {isolated.keys['acme']}", "Content-Type": "application/json"}
+    with isolated.http("127.0.3.1") as http:
+        first = http.post("/v1/chat/completions", content=big, headers=head)
+        assert first.status_code == 413  # read, parsed, and too long for the context
+        second = http.post("/v1/chat/completions", content=big, headers=head)
+    assert second.status_code == 429 and second.json()["error"]["type"] == "rate_limit_error"
+    assert f"over {BODY_RATE} bytes per second" in second.json()["error"]["message"]
+    assert float(second.headers["retry-after"]) >= 1
+    assert second.headers.get("connection") == "close"
+    beta = isolated.openai("beta", "127.0.3.2").chat.completions.create(model=isolated.model, **CHAT)
+    assert beta.choices[0].finish_reason in {"length", "stop"}

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from loraplex.engine.errors import PromptTooLongError
-from loraplex.platform.errors import BadRequestError
+from loraplex.platform.errors import BadRequestError, RateLimitedError
 from loraplex.platform.serving.request_limits import (
+    BodyBudget,
     check_chat_shape,
     check_choices,
     check_depth,
@@ -89,3 +90,44 @@ def test_prompt_lists_and_choices_are_capped():
     with pytest.raises(BadRequestError, match="over the cap of 8 sequences") as err:
         check_choices(9, limits)
     assert err.value.param == "n"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_tenants_body_budget_holds_one_largest_body_and_refills_at_its_rate():
+    clock = Clock()
+    budget = BodyBudget(rate=1000, burst=4000, clock=clock)
+    budget.admit("a", 4000)  # a full bucket takes the largest body at once
+    with pytest.raises(RateLimitedError) as e:
+        budget.admit("a", 1500)
+    assert e.value.retry_after == pytest.approx(1.5)  # until 1500 bytes have come back
+    budget.admit("b", 4000)  # another tenant's bucket is its own
+    clock.now += 1.5
+    budget.admit("a", 1500)
+    with pytest.raises(RateLimitedError):
+        budget.admit("a", 1)
+    clock.now += 100  # never more than the burst
+    budget.admit("a", 4000)
+    with pytest.raises(RateLimitedError):
+        budget.admit("a", 1)
+
+
+def test_a_body_read_without_a_length_is_charged_after_it_and_can_leave_a_debt():
+    clock = Clock()
+    budget = BodyBudget(rate=1000, burst=1000, clock=clock)
+    budget.debit("a", 3000)  # a chunked body: known only once read
+    clock.now += 2.5
+    with pytest.raises(RateLimitedError):
+        budget.admit("a", 600)  # 2,000 bytes owed, 2,500 earned back: 500 in the bucket
+    clock.now += 0.5  # 1,000 in the bucket
+    budget.admit("a", 1000)
+
+
+def test_the_burst_is_never_below_one_second_of_the_rate():
+    assert BodyBudget(rate=5000, burst=10).burst == 5000
