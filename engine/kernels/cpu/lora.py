@@ -13,6 +13,7 @@ import ctypes
 import torch
 
 from ...lora.backend import LoRAHook
+from ...lora.epilogue import EpilogueBatch
 from ...lora.stacks import SlotStacks
 from ...lora.torch_backend import TorchLoRABackend
 from . import build
@@ -59,15 +60,19 @@ def cpu_lora_segments(x: torch.Tensor, out: torch.Tensor, segments: torch.Tensor
 
 
 class CLoRABatch:
-    """One step's segments, cut into pieces once; `apply` is one kernel call."""
+    """One step's segments, cut into pieces once; `apply` is one kernel call, then the
+    epilogues (DoRA, lora_bias) of the rows whose adapters have one, as torch ops."""
 
     def __init__(self, stacks: SlotStacks, segments: list[tuple[int, int, int]]) -> None:
         self.stacks = stacks
         self.pieces = pieces(segments)
+        self.epilogue = EpilogueBatch.of(stacks.epilogues, segments)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         s = self.stacks
         cpu_lora_segments(x, out, self.pieces, s.a[group], s.c_modules(group), s.ranks_t[group], layer)
+        if self.epilogue is not None:
+            self.epilogue.apply(layer, group, out)
 
 
 class CLoRABackend(TorchLoRABackend):
