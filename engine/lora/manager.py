@@ -315,7 +315,8 @@ class LoRAManager:
             return known
         per_layer = sum(self.config.max_lora_rank * (self.in_sizes[g] + sum(self.out_sizes[m] for m in mods))
                         for g, mods in GROUPS.items())
-        return per_layer * self.num_layers * self.dtype.itemsize
+        epilogue = 8 * sum(self.out_sizes.values())  # fp32 scale and shift (DoRA, lora_bias)
+        return (per_layer * self.dtype.itemsize + epilogue) * self.num_layers
 
     # -- device rows -----------------------------------------------------------------
     def load(self, loads: list[tuple[int, AdapterRef]]) -> None:
