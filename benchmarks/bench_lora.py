@@ -8,6 +8,9 @@ bf16 on 2 threads, the in-process engine with its default LoRA settings:
     uniformly (round-robin over a seeded shuffle) or by Zipf popularity (s=1.1),
   * 1,000 adapters of mixed ranks (8, 16, 32, 64) on q_proj and v_proj, uniform.
 Prints output tokens/s and TTFT p50 of each as ratios to the base model's.
+`--kinds N` adds N rank-8 adapters on all seven projections of each PEFT kind served
+(plain LoRA, DoRA, lora_bias), uniform, and prints each kind's mean step time as a
+ratio to plain LoRA's in the same run.
 
 Adapters: PEFT writes one template per target set (make_random_peft_adapter); the rest
 reuse its config and tensor names with the rank changed and seeded random bf16 values
@@ -24,6 +27,7 @@ On a 2-core machine others keep busy, --threads 1 and --repeat-base show the dri
     python benchmarks/bench_lora.py                       # the full matrix (a few minutes)
     python benchmarks/bench_lora.py --quick
     python benchmarks/bench_lora.py --scenarios 32:uniform,1000:mixed --workdir /tmp/adapters
+    python benchmarks/bench_lora.py --scenarios '' --kinds 8      # DoRA and lora_bias vs plain LoRA
 """
 from __future__ import annotations
 
@@ -56,21 +60,29 @@ DEFAULT_SCENARIOS = "32:uniform,32:zipf,128:uniform,128:zipf,1000:mixed"
 QUICK_SCENARIOS = "3:uniform,5:mixed"
 
 
+KINDS = {"plain": {}, "dora": {"use_dora": True}, "lora_bias": {"lora_bias": True}}
+
+
 def make_adapters(model_dir: Path, root: Path, n: int, ranks: tuple[int, ...], targets: tuple[str, ...],
-                  seed: int = 0) -> list[Path]:
+                  seed: int = 0, kind: str = "plain") -> list[Path]:
     """n valid PEFT folders, adapter i of rank ranks[i % len(ranks)]: PEFT writes a
-    rank-1 template, the rest reuse its config and tensor names at their own rank."""
+    rank-1 template of `kind` (KINDS), the rest reuse its config and tensor names at
+    their own rank (DoRA's magnitudes and lora_B's biases: seeded random vectors)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     template = make_random_peft_adapter(model_dir, root / "template", rank=1, alpha=2, target_modules=list(targets),
-                                        seed=seed, init_scale=0.01)
+                                        seed=seed, init_scale=0.01, lora_config=KINDS[kind])
     config = json.loads((template / "adapter_config.json").read_text())
     with safe_open(str(template / "adapter_model.safetensors"), framework="pt") as f:
         layout = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     gen = torch.Generator().manual_seed(seed + 1)
     # One random pool per rank, sliced per adapter at a seeded offset: distinct content
     # (and digests) without drawing every tensor afresh.
+    vectors = {k: v for k, v in layout.items() if len(v) == 1}  # magnitudes, biases: kept from the template
+    layout = {k: v for k, v in layout.items() if k not in vectors}
+    with safe_open(str(template / "adapter_model.safetensors"), framework="pt") as f:
+        vectors = {k: f.get_tensor(k) for k in vectors}
     need = {r: sum(a * b for a, b in layout.values()) * r for r in set(ranks)}
     pools = {r: (torch.randn(n_el + n, generator=gen) * 0.01).to(torch.bfloat16) for r, n_el in need.items()}
     dirs = []
@@ -85,6 +97,8 @@ def make_adapters(model_dir: Path, root: Path, n: int, ranks: tuple[int, ...], t
             size = shape[0] * shape[1]
             tensors[k] = pools[r][pos:pos + size].view(shape).clone()
             pos += size
+        for k, v in vectors.items():
+            tensors[k] = (v.float() * (1 + 0.01 * torch.randn(v.shape, generator=gen))).to(torch.bfloat16)
         save_file(tensors, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
         dirs.append(d)
     return dirs
@@ -195,7 +209,7 @@ def run_hf(model_dir: Path, wl: Workload, adapters: list[Path | None], dtype: to
 
 def parse_scenarios(text: str) -> list[tuple[int, str]]:
     out = []
-    for item in text.split(","):
+    for item in filter(None, text.split(",")):
         n, _, pop = item.partition(":")
         if pop not in ("uniform", "zipf", "mixed") or not n.isdigit() or int(n) < 1:
             raise SystemExit(f"bad scenario {item!r}: use N:uniform, N:zipf or N:mixed")
@@ -203,15 +217,18 @@ def parse_scenarios(text: str) -> list[tuple[int, str]]:
     return out
 
 
-def build_store(model_dir: Path, root: Path, scenarios: list[tuple[int, str]]
+def build_store(model_dir: Path, root: Path, scenarios: list[tuple[int, str]], kinds: int = 0
                 ) -> tuple[dict[str, tuple[list[str], list[Path]]], AdapterStore]:
     """Adapter names and folders per adapter set ("rank8": every projection at rank 8;
-    "mixed": q_proj and v_proj at ranks 8-64), as many as the largest scenario of each uses."""
+    "mixed": q_proj and v_proj at ranks 8-64; "kind-<kind>": `kinds` rank-8 adapters of
+    each of KINDS), as many as the largest scenario of each uses."""
     store = AdapterStore(root / "store", BaseShapes.from_model_dir(model_dir))
     sets = {"rank8": ((8,), ALL_MODULES), "mixed": (MIXED_RANKS, ("q_proj", "v_proj"))}
+    sets |= {f"kind-{k}": ((8,), ALL_MODULES) for k in KINDS}
     out = {}
     for key, (ranks, targets) in sets.items():
-        n = max((c for c, pop in scenarios if (pop == "mixed") == (key == "mixed")), default=0)
+        n = kinds if key.startswith("kind-") else max(
+            (c for c, pop in scenarios if (pop == "mixed") == (key == "mixed")), default=0)
         if not n:
             continue
         folder = root / key
@@ -221,7 +238,8 @@ def build_store(model_dir: Path, root: Path, scenarios: list[tuple[int, str]]
             continue
         shutil.rmtree(folder, ignore_errors=True)
         t = time.perf_counter()
-        dirs = make_adapters(model_dir, folder, n, ranks, targets)
+        dirs = make_adapters(model_dir, folder, n, ranks, targets, kind=key.removeprefix("kind-")
+                             if key.startswith("kind-") else "plain")
         made = time.perf_counter() - t
         t = time.perf_counter()
         names = [store.add(f"{key}-{d.name}", d).name for d in dirs]
@@ -244,6 +262,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--scenarios", default=None, help=f"N:uniform|zipf|mixed, comma-separated ({DEFAULT_SCENARIOS})")
     ap.add_argument("--zipf-s", type=float, default=1.1)
+    ap.add_argument("--kinds", type=int, default=0,
+                    help="N adapters of each PEFT kind (plain, DoRA, lora_bias): step time vs plain LoRA")
     ap.add_argument("--quick", action="store_true", help="6 short requests, small adapter sets: a smoke run")
     ap.add_argument("--hf-prompts", type=int, default=None,
                     help="serve only the first N requests with transformers + PEFT (its tok/s is on those)")
@@ -271,7 +291,7 @@ def main() -> None:
     tmp = Path(args.workdir or tempfile.mkdtemp(prefix="bench-lora-"))
     tmp.mkdir(parents=True, exist_ok=True)
     try:
-        sets, store = build_store(model_dir, tmp, scenarios)
+        sets, store = build_store(model_dir, tmp, scenarios, args.kinds)
 
         def engine() -> LLMEngine:
             lora = LoRAConfig()
@@ -287,7 +307,9 @@ def main() -> None:
             base = rows[0] if rows else res
             res = {**res, "config": label, "tok_s_ratio": res["tok_s"] / base["tok_s"],
                    "ttft_p50_ratio": res["ttft_p50"] / base["ttft_p50"]}
-            line = (f"{label:<22} {res['tok_s']:7.1f} tok/s = {res['tok_s_ratio']:.2f}x base | TTFT p50 "
+            res["step_ms"] = 1000 * res["elapsed"] / res["steps"]
+            line = (f"{label:<22} {res['tok_s']:7.1f} tok/s = {res['tok_s_ratio']:.2f}x base | step "
+                    f"{res['step_ms']:6.1f} ms | TTFT p50 "
                     f"{res['ttft_p50']:5.2f} s = {res['ttft_p50_ratio']:.2f}x base (p99 {res['ttft_p99']:5.2f} s) | "
                     f"{res['elapsed']:5.1f} s, {res['steps']} steps, {res['preemptions']} preemptions, "
                     f"warm-up {res['warm']:4.1f} s")
@@ -315,9 +337,19 @@ def main() -> None:
             run(f"{n:>4} adapters, {pop}", [names[i] for i in idx], [dirs[i] for i in idx])
             print(f"{'':<22} {len(used)} distinct adapters used, the hottest serves {max(used.values())}/{len(idx)} "
                   f"requests", flush=True)
+        if args.kinds:
+            idx = assign_adapters(len(wl.prompts), args.kinds, "uniform", args.zipf_s)
+            for kind in KINDS:
+                names, dirs = sets[f"kind-{kind}"]
+                run(f"{args.kinds:>4} rank-8 {kind}", [names[i] for i in idx], [dirs[i] for i in idx])
+            plain = rows[-len(KINDS)]["step_ms"]
+            for r, kind in zip(rows[-len(KINDS):], KINDS):
+                r["step_vs_plain"] = r["step_ms"] / plain
+                print(f"{kind:<10} mean step {r['step_ms']:6.1f} ms = {r['step_vs_plain']:.3f}x plain LoRA's "
+                      f"(rank 8, same workload)", flush=True)
         if args.repeat_base:
             run("base model, again", [None] * len(wl.prompts), [None] * len(wl.prompts))
-        keys = ("config", "tok_s", "tok_s_ratio", "ttft_p50", "ttft_p50_ratio")
+        keys = ("config", "tok_s", "tok_s_ratio", "ttft_p50", "ttft_p50_ratio", "step_ms", "step_vs_plain")
         summary = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
                     if k in keys or k.startswith("hf_")} for r in rows]
         print(json.dumps(summary))
