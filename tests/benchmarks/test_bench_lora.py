@@ -49,16 +49,16 @@ def test_quick_run_prints_ratios_against_the_base_model(tmp_path):
     out = tmp_path / "summary.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p))
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_lora.py"), "--quick", "--threads", "1",
-                           "--kinds", "2", "--workdir", str(tmp_path / "work"), "--json", str(out)],
+                           "--kinds", "2", "--kind-rounds", "1", "--workdir", str(tmp_path / "work"), "--json", str(out)],
                           env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [r["config"].split()[0:2] for r in rows] == [["base", "model"], ["3", "adapters,"], ["5", "adapters,"],
                                                         ["2", "rank-8"], ["2", "rank-8"], ["2", "rank-8"]]
     assert [r["config"].split()[-1] for r in rows[3:]] == ["plain", "dora", "lora_bias"]
-    assert rows[3]["step_vs_plain"] == 1.0 and all(r["step_vs_plain"] > 0 for r in rows[4:])
+    assert rows[3]["step_vs_plain"] == 1.0 and all(r["step_vs_plain"] > 0 and r["step_ms"] > 0 for r in rows[3:])
     assert "x plain LoRA's" in proc.stdout
     assert rows[0]["tok_s_ratio"] == 1.0 and rows[0]["ttft_p50_ratio"] == 1.0
-    for r in rows:
+    for r in rows[:3]:
         assert r["tok_s"] > 0 and r["ttft_p50"] > 0
     assert "x base" in proc.stdout and "TTFT p50" in proc.stdout
