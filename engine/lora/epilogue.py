@@ -121,6 +121,15 @@ class EpilogueStacks:
         self.scale = {g: torch.ones(s, dtype=torch.float32, device=self.device) for g, s in shapes.items()}
         self.shift = {g: torch.zeros(s, dtype=torch.float32, device=self.device) for g, s in shapes.items()}
         self.flags_t = {g: torch.zeros(s[:2], dtype=torch.int32, device=self.device) for g, s in shapes.items()}
+        # Per group and layer (flags [slots], scale and shift [slots, width]): the kernels'
+        # argument, as views made once, not per call.
+        self._layers = {g: [(self.flags_t[g][i], self.scale[g][i], self.shift[g][i]) for i in range(self.num_layers)]
+                        for g in shapes}
+
+    def layer(self, group: str, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(flags int32 [slots], scale fp32 [slots, width], shift fp32 [slots, width]) of one
+        layer and group: what the C and Triton kernels take (allocated stacks only)."""
+        return self._layers[group][layer]
 
     def ensure_rows(self, n: int) -> None:
         """At least `n` slots, keeping every slot's epilogue."""

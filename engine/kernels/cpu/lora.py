@@ -80,8 +80,7 @@ class CLoRABatch:
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         s = self.stacks
-        e = s.epilogues
-        epi = (e.flags_t[group][layer], e.scale[group][layer], e.shift[group][layer]) if self.epilogue else None
+        epi = s.epilogues.layer(group, layer) if self.epilogue else None
         cpu_lora_segments(x, out, self.pieces, s.a[group], s.c_modules(group), s.ranks_t[group], layer, epi)
 
 

@@ -273,8 +273,7 @@ class StackedLoRAWeights(LoRABackend):
 
     def epilogue(self, group: str, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`lora_expand`'s epilogue argument for one layer and group."""
-        e = self.epilogues
-        return e.flags_t[group][layer], e.scale[group][layer], e.shift[group][layer]
+        return self.epilogues.layer(group, layer)
 
     @torch.no_grad()
     def set_slot(self, slot: int, packed: list[dict[str, PackedGroup]]) -> None:
