@@ -139,3 +139,13 @@ def test_full_rank_dora_fits_the_upload_bound(make_adapter: Callable[..., Path],
     store = AdapterStore(tmp_path / "store", base, max_rank=8)
     assert store.add("dora", lora).rank == 8
 
+
+
+def test_blob_verification_digests_the_kinds_as_loading_does(dora_dir: Path, bias_dir: Path,
+                                                             base: BaseShapes) -> None:
+    """A worker verifies a fetched blob by its tensors' normalized names: magnitudes and
+    biases included, so a DoRA or lora_bias version verifies as its upload digested."""
+    from loraplex.adapters.blobs import verify_blob
+
+    for folder in (dora_dir, bias_dir):
+        verify_blob(folder, load_peft_adapter(folder, base).digest)
