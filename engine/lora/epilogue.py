@@ -14,8 +14,8 @@ output feature after the expand step:
 where scale_f and shift_f are fixed per adapter, layer and module: computed once when
 the adapter enters the CPU tier (`module_epilogues`, fp32, from the base weights as
 served), kept with its packed weights, and stacked per device slot (`EpilogueStacks`).
-`EpilogueBatch` applies them to a step's rows of those adapters, after the backend's
-kernel has added the LoRA deltas; the Triton expand kernel fuses the same map instead.
+The C and Triton expand kernels apply the map as they write a row's deltas; on the torch
+path `EpilogueBatch` applies it to a step's rows of those adapters after the deltas.
 """
 from __future__ import annotations
 
