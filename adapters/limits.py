@@ -1,6 +1,7 @@
 """How large an adapter for a given base model can be: the bound every upload is held to.
 
-A LoRA adapter holds, per layer and projection, A [rank, in] and B [out, rank]. So for a
+A LoRA adapter holds, per layer and projection, A [rank, in], B [out, rank] and at most one
+vector [out] (DoRA's magnitude or lora_B's bias: PEFT refuses both at once). So for a
 base model and a rank cap its safetensors file has a hard upper size; a file (or a zip
 member inflating to one) past that size cannot be a valid adapter and is refused before
 it is read or written whole.
@@ -19,8 +20,8 @@ MAX_CONFIG_BYTES = 1 << 20
 
 
 def max_tensor_count(base: BaseShapes) -> int:
-    """Every projection of every layer, A and B."""
-    return 2 * len(LORA_MODULES) * base.num_layers
+    """Every projection of every layer: A, B and a magnitude or bias vector."""
+    return 3 * len(LORA_MODULES) * base.num_layers
 
 
 def max_header_bytes(base: BaseShapes) -> int:
@@ -31,12 +32,12 @@ def max_header_bytes(base: BaseShapes) -> int:
 def max_adapter_bytes(base: BaseShapes, max_rank: int, dtype: torch.dtype = torch.float32) -> int:
     """Upper size of `adapter_model.safetensors` for `base` at rank `max_rank` in `dtype`.
 
-    Every projection of every layer at the full rank, plus the largest header. Pass the
+    Every projection of every layer at the full rank with a vector, plus the largest header. Pass the
     widest dtype uploads may use (float32 by default: PEFT saves float32 unless told to
     save in the training dtype, which is narrower).
     """
     if max_rank < 1:
         raise ValueError(f"max_rank must be at least 1, not {max_rank}")
     itemsize = torch.empty((), dtype=dtype).element_size()
-    per_layer = sum(max_rank * sum(base.module_dims(m)) for m in LORA_MODULES)
+    per_layer = sum(max_rank * sum(base.module_dims(m)) + base.module_dims(m)[1] for m in LORA_MODULES)
     return 8 + max_header_bytes(base) + per_layer * base.num_layers * itemsize

@@ -51,17 +51,29 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # to the first form.
 _TENSOR_RE = re.compile(
     r"(?:base_model\.model\.)?model\.layers\.(?P<layer>\d+)\.(?P<parent>\w+)\.(?P<module>\w+)"
-    r"\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight"
+    r"\.(?:lora_(?P<ab>[AB])(?:\.[^.]+)?\.(?P<kind>weight|bias)"
+    r"|lora_magnitude_vector(?:\.[^.]+\.weight|\.weight)?)"
 )
+# A tensor's role: "A", "B", "bias" (lora_B's, with lora_bias=true) or "magnitude" (DoRA),
+# and the name PEFT saves it under, relative to the module.
+_ROLE_SUFFIX = {"A": "lora_A.weight", "B": "lora_B.weight", "bias": "lora_B.bias",
+                "magnitude": "lora_magnitude_vector"}
 
 
 @dataclass(frozen=True, eq=False)
 class LoRAWeight:
-    """One projection's low-rank delta: `y += (x @ a.T) @ b.T * scale`."""
+    """One projection's low-rank delta: `y += ((x @ a.T) @ b.T + bias) * scale`; with DoRA
+    (`magnitude`) the projection's output is then rescaled per output feature (PEFT's
+    `DoraLinearLayer`: magnitude / ||W + scale * b @ a|| per row of W)."""
 
     a: torch.Tensor  # [rank, in_features]
     b: torch.Tensor  # [out_features, rank]
     scale: float
+    bias: torch.Tensor | None = None  # [out_features], lora_B's bias (lora_bias=true)
+    magnitude: torch.Tensor | None = None  # [out_features], DoRA's lora_magnitude_vector
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.a, self.b, self.bias, self.magnitude) if t is not None]
 
     @property
     def rank(self) -> int:
@@ -103,27 +115,22 @@ def load_peft_adapter(
             f"{WEIGHTS_NAME} is {size} bytes, over the {max_weights_bytes} byte limit for this base model"
         )
     header = read_header(weights_path, max_header_bytes(base))
-    pairs = _pair_tensors(header, base, spec)
-    for (layer, module), (a_name, b_name) in pairs.items():
-        rank = spec.targets[(layer, module)].rank
-        in_f, out_f = base.module_dims(module)
-        _check_declared(a_name, header[a_name], [rank, in_f])
-        _check_declared(b_name, header[b_name], [out_f, rank])
+    names = _pair_tensors(header, base, spec)
+    for key, roles in names.items():
+        for role, name in roles.items():
+            _check_declared(name, header[name], _expected_shape(role, key, spec, base))
     tensors = _read_safetensors(weights_path)
     normalized: dict[str, torch.Tensor] = {}
     weights: dict[tuple[int, str], LoRAWeight] = {}
-    for (layer, module), (a_name, b_name) in sorted(pairs.items()):
-        a, b = tensors[a_name], tensors[b_name]
-        rank = spec.targets[(layer, module)].rank
-        in_f, out_f = base.module_dims(module)
-        _check_tensor(a_name, a, [rank, in_f])
-        _check_tensor(b_name, b, [out_f, rank])
-        prefix = f"base_model.model.{module_key(layer, module)}"
-        normalized[f"{prefix}.lora_A.weight"] = a
-        normalized[f"{prefix}.lora_B.weight"] = b
-        weights[(layer, module)] = LoRAWeight(
-            a=_cast(a_name, a, dtype), b=_cast(b_name, b, dtype), scale=spec.targets[(layer, module)].scale
-        )
+    for key, roles in sorted(names.items()):
+        loaded = {}
+        for role, name in roles.items():
+            t = tensors[name]
+            _check_tensor(name, t, _expected_shape(role, key, spec, base))
+            normalized[f"base_model.model.{module_key(*key)}.{_ROLE_SUFFIX[role]}"] = t
+            loaded[role] = _cast(name, t, dtype)
+        weights[key] = LoRAWeight(a=loaded["A"], b=loaded["B"], scale=spec.targets[key].scale,
+                                  bias=loaded.get("bias"), magnitude=loaded.get("magnitude"))
     present = {m for _, m in weights}
     return LoRAAdapter(
         digest=adapter_digest(raw, normalized),
@@ -131,10 +138,16 @@ def load_peft_adapter(
         target_modules=tuple(m for m in LORA_MODULES if m in present),
         alpha=spec.alpha,
         use_rslora=spec.use_rslora,
-        size_bytes=sum(w.a.nbytes + w.b.nbytes for w in weights.values()),
+        size_bytes=sum(t.nbytes for w in weights.values() for t in w.tensors()),
         weights=weights,
         resolved_targets=targets_to_json(spec),
     )
+
+
+def _expected_shape(role: str, key: tuple[int, str], spec: LoraSpec, base: BaseShapes) -> list[int]:
+    rank = spec.targets[key].rank
+    in_f, out_f = base.module_dims(key[1])
+    return {"A": [rank, in_f], "B": [out_f, rank]}.get(role, [out_f])
 
 
 def write_resolved_targets(folder: Path, adapter: LoRAAdapter) -> None:
@@ -197,16 +210,11 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def _pair_tensors(
     tensors: dict[str, TensorInfo], base: BaseShapes, spec: LoraSpec
-) -> dict[tuple[int, str], tuple[str, str]]:
-    """Map every tensor to its (layer, module) and A/B role; refuse extras, gaps and duplicates."""
+) -> dict[tuple[int, str], dict[str, str]]:
+    """Map every tensor to its (layer, module) and role; refuse extras, gaps and duplicates."""
     found: dict[tuple[int, str, str], str] = {}
     for name in tensors:
-        m = _TENSOR_RE.fullmatch(name)
-        if m is None:
-            raise AdapterValidationError(_explain_unexpected(name))
-        layer, module = int(m.group("layer")), m.group("module")
-        if MODULE_PARENT.get(module) != m.group("parent"):
-            raise AdapterValidationError(_explain_unexpected(name))
+        layer, module, role = _parse_name(name)
         if layer >= base.num_layers:
             raise AdapterValidationError(
                 f"layer {layer} does not exist in the base model ({base.num_layers} layers)"
@@ -215,36 +223,53 @@ def _pair_tensors(
             raise AdapterValidationError(
                 f"unexpected tensor {name}: {module_key(layer, module)} is not targeted by {CONFIG_NAME}"
             )
-        key = (layer, module, m.group("ab"))
+        if role == "magnitude" and not spec.use_dora:
+            raise AdapterValidationError(f"{name} is a DoRA magnitude vector but {CONFIG_NAME} has use_dora=false")
+        if role == "bias" and not spec.lora_bias:
+            raise AdapterValidationError(f"{name} is a lora_B bias but {CONFIG_NAME} has lora_bias=false")
+        key = (layer, module, role)
         if key in found:
             raise AdapterValidationError(f"tensors {found[key]} and {name} hold the same weight")
         found[key] = name
-    pairs: dict[tuple[int, str], tuple[str, str]] = {}
+    roles = ["A", "B"] + ["magnitude"] * spec.use_dora + ["bias"] * spec.lora_bias
+    out: dict[tuple[int, str], dict[str, str]] = {}
     for layer, module in spec.targets:
-        for ab in "AB":
-            if (layer, module, ab) not in found:
-                raise AdapterValidationError(f"missing lora_{ab} for {module_key(layer, module)}")
-        pairs[(layer, module)] = (found[(layer, module, "A")], found[(layer, module, "B")])
-    return pairs
+        for role in roles:
+            if (layer, module, role) not in found:
+                what = {"magnitude": "lora_magnitude_vector (use_dora=true)",
+                        "bias": "the lora_B bias (lora_bias=true)"}.get(role, f"lora_{role}")
+                raise AdapterValidationError(f"missing {what} for {module_key(layer, module)}")
+        out[(layer, module)] = {role: found[(layer, module, role)] for role in roles}
+    return out
+
+
+def _parse_name(name: str) -> tuple[int, str, str]:
+    """(layer, module, role) of a tensor name, or AdapterValidationError."""
+    m = _TENSOR_RE.fullmatch(name)
+    if m is None or MODULE_PARENT.get(m.group("module")) != m.group("parent"):
+        raise AdapterValidationError(_explain_unexpected(name))
+    if m.group("ab") is None:
+        role = "magnitude"
+    elif m.group("kind") == "bias":
+        if m.group("ab") == "A":
+            raise AdapterValidationError(f"unexpected tensor {name} (PEFT never saves a bias on lora_A)")
+        role = "bias"
+    else:
+        role = m.group("ab")
+    return int(m.group("layer")), m.group("module"), role
 
 
 def normalized_tensor_name(name: str) -> str:
     """The PEFT file name of a tensor (`base_model.model.<module>.lora_A.weight`), as digested."""
-    m = _TENSOR_RE.fullmatch(name)
-    if m is None or MODULE_PARENT.get(m.group("module")) != m.group("parent"):
-        raise AdapterValidationError(_explain_unexpected(name))
-    return f"base_model.model.{module_key(int(m.group('layer')), m.group('module'))}.lora_{m.group('ab')}.weight"
+    layer, module, role = _parse_name(name)
+    return f"base_model.model.{module_key(layer, module)}.{_ROLE_SUFFIX[role]}"
 
 
 def _explain_unexpected(name: str) -> str:
-    if "lora_magnitude_vector" in name:
-        return f"DoRA (use_dora=true) is not supported (found {name})"
     if "embed_tokens" in name or "lm_head" in name or "lora_embedding" in name:
         return f"unexpected tensor {name} (LoRA on embeddings/lm_head is not supported)"
     if "modules_to_save" in name:
         return f"modules_to_save is not supported (found {name})"
-    if re.search(r"\.lora_B(\.[^.]+)?\.bias$", name):
-        return f"lora_bias=true (a bias on lora_B) is not supported (found {name})"
     return f"unexpected tensor {name}"
 
 

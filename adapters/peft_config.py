@@ -49,6 +49,8 @@ class LoraSpec:
     alpha: float
     use_rslora: bool
     targets: dict[tuple[int, str], ModuleSpec]
+    use_dora: bool = False  # every target carries a magnitude vector (DoRA)
+    lora_bias: bool = False  # every target's lora_B carries a bias
 
 
 def parse_lora_config(
@@ -70,12 +72,14 @@ def parse_lora_config(
     _refuse_unsupported(raw)
     r = _rank(raw.get("r", 8), "r", max_rank)
     alpha = _alpha(raw.get("lora_alpha", 8), "lora_alpha")
-    use_rslora = raw.get("use_rslora", False)
-    if not isinstance(use_rslora, bool):
-        raise AdapterValidationError(f"use_rslora must be true or false, not {use_rslora!r}")
+    use_rslora, use_dora, lora_bias = (_flag(raw, name) for name in ("use_rslora", "use_dora", "lora_bias"))
+    if use_dora and lora_bias:
+        raise AdapterValidationError("use_dora=true with lora_bias=true is not supported (PEFT refuses the "
+                                     "combination too)")
+    kinds = dict(use_rslora=use_rslora, use_dora=use_dora, lora_bias=lora_bias)
     if resolved is not None:
         stored = _targets_from_json(resolved, base, max_rank, use_rslora)
-        return LoraSpec(r=r, alpha=alpha, use_rslora=use_rslora, targets=stored)
+        return LoraSpec(r=r, alpha=alpha, targets=stored, **kinds)
     matcher = PatternMatcher(budget_s)
     rank_pattern = _pattern_dict(raw, "rank_pattern", matcher)
     alpha_pattern = _pattern_dict(raw, "alpha_pattern", matcher)
@@ -90,7 +94,7 @@ def parse_lora_config(
         if (ak := _pattern_key(alpha_pattern, key, matcher, "alpha_pattern")) is not None:
             ma = _alpha(alpha_pattern[ak], f"alpha_pattern[{ak!r}] for {key}")
         targets[(layer, module)] = ModuleSpec(rank=mr, alpha=ma, scale=_scale(ma, mr, use_rslora))
-    return LoraSpec(r=r, alpha=alpha, use_rslora=use_rslora, targets=targets)
+    return LoraSpec(r=r, alpha=alpha, targets=targets, **kinds)
 
 
 def targets_to_json(spec: LoraSpec) -> list[list[Any]]:
@@ -128,15 +132,20 @@ def _check_kind(raw: dict[str, Any]) -> None:
         raise AdapterValidationError(f"task_type {task_type!r} is not supported; only CAUSAL_LM adapters are")
 
 
+def _flag(raw: dict[str, Any], name: str) -> bool:
+    value = raw.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise AdapterValidationError(f"{name} must be true or false, not {value!r}")
+    return value
+
+
 def _refuse_unsupported(raw: dict[str, Any]) -> None:
-    if raw.get("use_dora"):
-        raise AdapterValidationError("DoRA (use_dora=true) is not supported")
     if raw.get("modules_to_save"):
         raise AdapterValidationError(
             f"modules_to_save is not supported (it ships full copies of {raw['modules_to_save']!r})"
         )
-    if raw.get("lora_bias"):
-        raise AdapterValidationError("lora_bias=true (a bias on lora_B) is not supported")
     if raw.get("bias", "none") not in (None, "none"):
         raise AdapterValidationError(f"bias={raw['bias']!r} is not supported (it retrains base model biases)")
     for name in ("trainable_token_indices", "target_parameters", "layer_replication"):

@@ -1,8 +1,10 @@
 """Make real PEFT adapters with random weights, for tests and benchmarks.
 
 The adapter is written by PEFT itself (`get_peft_model` + `save_pretrained`), so its format is
-exactly what users upload. PEFT initialises lora_B to zero (a no-op adapter); both A and B
-are refilled with random values so the adapter visibly changes the model's output.
+exactly what users upload. PEFT initialises lora_B to zero (a no-op adapter); A, B and
+lora_B's bias (lora_bias=true) are refilled with random values so the adapter visibly
+changes the model's output, and DoRA's magnitude vectors (use_dora=true) are perturbed
+around their initial column norms, so that the rescale matters too.
 """
 from __future__ import annotations
 
@@ -51,6 +53,8 @@ def make_random_peft_adapter(
         for name, param in sorted(peft_model.named_parameters()):
             if ".lora_A." in name or ".lora_B." in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * init_scale)
+            elif ".lora_magnitude_vector." in name:
+                param.mul_(1 + torch.randn(param.shape, generator=gen) * init_scale)
     out = Path(out_dir)
     peft_model.save_pretrained(str(out))
     return out

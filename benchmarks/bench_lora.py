@@ -8,6 +8,10 @@ bf16 on 2 threads, the in-process engine with its default LoRA settings:
     uniformly (round-robin over a seeded shuffle) or by Zipf popularity (s=1.1),
   * 1,000 adapters of mixed ranks (8, 16, 32, 64) on q_proj and v_proj, uniform.
 Prints output tokens/s and TTFT p50 of each as ratios to the base model's.
+`--kinds N` adds N rank-8 adapters on all seven projections of each PEFT kind served
+(plain LoRA, DoRA, lora_bias), uniform, one engine per kind (prefix caching off), timed
+in turn for --kind-rounds rounds, and prints each kind's mean step time (the fastest
+round: the least disturbed by a busy machine) as a ratio to plain LoRA's.
 
 Adapters: PEFT writes one template per target set (make_random_peft_adapter); the rest
 reuse its config and tensor names with the rank changed and seeded random bf16 values
@@ -24,6 +28,7 @@ On a 2-core machine others keep busy, --threads 1 and --repeat-base show the dri
     python benchmarks/bench_lora.py                       # the full matrix (a few minutes)
     python benchmarks/bench_lora.py --quick
     python benchmarks/bench_lora.py --scenarios 32:uniform,1000:mixed --workdir /tmp/adapters
+    python benchmarks/bench_lora.py --scenarios '' --kinds 8      # DoRA and lora_bias vs plain LoRA
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ from workload import Workload, left_padded, percentile, random_lengths  # noqa: 
 
 from loraplex.adapters import AdapterStore, BaseShapes  # noqa: E402
 from loraplex.adapters.synth import make_random_peft_adapter  # noqa: E402
-from loraplex.engine.config import EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from loraplex.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from loraplex.engine.engine import LLMEngine  # noqa: E402
 from loraplex.engine.loader import resolve_model_dir  # noqa: E402
 from loraplex.engine.lora import LoRAManager  # noqa: E402
@@ -56,21 +61,29 @@ DEFAULT_SCENARIOS = "32:uniform,32:zipf,128:uniform,128:zipf,1000:mixed"
 QUICK_SCENARIOS = "3:uniform,5:mixed"
 
 
+KINDS = {"plain": {}, "dora": {"use_dora": True}, "lora_bias": {"lora_bias": True}}
+
+
 def make_adapters(model_dir: Path, root: Path, n: int, ranks: tuple[int, ...], targets: tuple[str, ...],
-                  seed: int = 0) -> list[Path]:
+                  seed: int = 0, kind: str = "plain") -> list[Path]:
     """n valid PEFT folders, adapter i of rank ranks[i % len(ranks)]: PEFT writes a
-    rank-1 template, the rest reuse its config and tensor names at their own rank."""
+    rank-1 template of `kind` (KINDS), the rest reuse its config and tensor names at
+    their own rank (DoRA's magnitudes and lora_B's biases: seeded random vectors)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     template = make_random_peft_adapter(model_dir, root / "template", rank=1, alpha=2, target_modules=list(targets),
-                                        seed=seed, init_scale=0.01)
+                                        seed=seed, init_scale=0.01, lora_config=KINDS[kind])
     config = json.loads((template / "adapter_config.json").read_text())
     with safe_open(str(template / "adapter_model.safetensors"), framework="pt") as f:
         layout = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     gen = torch.Generator().manual_seed(seed + 1)
     # One random pool per rank, sliced per adapter at a seeded offset: distinct content
     # (and digests) without drawing every tensor afresh.
+    vectors = {k: v for k, v in layout.items() if len(v) == 1}  # magnitudes, biases: kept from the template
+    layout = {k: v for k, v in layout.items() if k not in vectors}
+    with safe_open(str(template / "adapter_model.safetensors"), framework="pt") as f:
+        vectors = {k: f.get_tensor(k) for k in vectors}
     need = {r: sum(a * b for a, b in layout.values()) * r for r in set(ranks)}
     pools = {r: (torch.randn(n_el + n, generator=gen) * 0.01).to(torch.bfloat16) for r, n_el in need.items()}
     dirs = []
@@ -85,6 +98,8 @@ def make_adapters(model_dir: Path, root: Path, n: int, ranks: tuple[int, ...], t
             size = shape[0] * shape[1]
             tensors[k] = pools[r][pos:pos + size].view(shape).clone()
             pos += size
+        for k, v in vectors.items():
+            tensors[k] = (v.float() * (1 + 0.01 * torch.randn(v.shape, generator=gen))).to(torch.bfloat16)
         save_file(tensors, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
         dirs.append(d)
     return dirs
@@ -134,6 +149,25 @@ def run_engine(engine: LLMEngine, wl: Workload, adapters: list[str | None]) -> d
     return {"tok_s": wl.num_output_tokens / elapsed, "elapsed": elapsed, "warm": warm, "steps": steps,
             "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
             "preemptions": engine.scheduler.num_preemptions}
+
+
+def compare_kinds(make_engine, wl: Workload, sets: dict, n: int, rounds: int) -> dict[str, float]:
+    """Mean step time (ms) of each of KINDS over the same requests and adapter assignment,
+    the fastest of `rounds` runs taken in turn; printed as ratios to plain LoRA's."""
+    idx = assign_adapters(len(wl.prompts), n, "uniform", 0.0)
+    engines = {k: make_engine(enable_prefix_caching=False) for k in KINDS}  # every round does the same work
+    times: dict[str, list[float]] = {k: [] for k in KINDS}
+    for r in range(rounds):
+        for kind in list(KINDS)[r % len(KINDS):] + list(KINDS)[:r % len(KINDS)]:
+            res = run_engine(engines[kind], wl, [sets[f"kind-{kind}"][0][i] for i in idx])
+            times[kind].append(1000 * res["elapsed"] / res["steps"])
+    best = {k: min(v) for k, v in times.items()}
+    for kind, ms in best.items():
+        print(f"{n} rank-8 {kind:<10} mean step {ms:6.1f} ms = {ms / best['plain']:.3f}x plain LoRA's "
+              f"(rounds: {', '.join(f'{t:.1f}' for t in times[kind])} ms)", flush=True)
+    for e in engines.values():
+        e.lora.close()
+    return best
 
 
 def _hf_generate(model, prompts: list[list[int]], outs: list[int], **kw) -> None:
@@ -195,7 +229,7 @@ def run_hf(model_dir: Path, wl: Workload, adapters: list[Path | None], dtype: to
 
 def parse_scenarios(text: str) -> list[tuple[int, str]]:
     out = []
-    for item in text.split(","):
+    for item in filter(None, text.split(",")):
         n, _, pop = item.partition(":")
         if pop not in ("uniform", "zipf", "mixed") or not n.isdigit() or int(n) < 1:
             raise SystemExit(f"bad scenario {item!r}: use N:uniform, N:zipf or N:mixed")
@@ -203,15 +237,18 @@ def parse_scenarios(text: str) -> list[tuple[int, str]]:
     return out
 
 
-def build_store(model_dir: Path, root: Path, scenarios: list[tuple[int, str]]
+def build_store(model_dir: Path, root: Path, scenarios: list[tuple[int, str]], kinds: int = 0
                 ) -> tuple[dict[str, tuple[list[str], list[Path]]], AdapterStore]:
     """Adapter names and folders per adapter set ("rank8": every projection at rank 8;
-    "mixed": q_proj and v_proj at ranks 8-64), as many as the largest scenario of each uses."""
+    "mixed": q_proj and v_proj at ranks 8-64; "kind-<kind>": `kinds` rank-8 adapters of
+    each of KINDS), as many as the largest scenario of each uses."""
     store = AdapterStore(root / "store", BaseShapes.from_model_dir(model_dir))
     sets = {"rank8": ((8,), ALL_MODULES), "mixed": (MIXED_RANKS, ("q_proj", "v_proj"))}
+    sets |= {f"kind-{k}": ((8,), ALL_MODULES) for k in KINDS}
     out = {}
     for key, (ranks, targets) in sets.items():
-        n = max((c for c, pop in scenarios if (pop == "mixed") == (key == "mixed")), default=0)
+        n = kinds if key.startswith("kind-") else max(
+            (c for c, pop in scenarios if (pop == "mixed") == (key == "mixed")), default=0)
         if not n:
             continue
         folder = root / key
@@ -221,7 +258,8 @@ def build_store(model_dir: Path, root: Path, scenarios: list[tuple[int, str]]
             continue
         shutil.rmtree(folder, ignore_errors=True)
         t = time.perf_counter()
-        dirs = make_adapters(model_dir, folder, n, ranks, targets)
+        dirs = make_adapters(model_dir, folder, n, ranks, targets, kind=key.removeprefix("kind-")
+                             if key.startswith("kind-") else "plain")
         made = time.perf_counter() - t
         t = time.perf_counter()
         names = [store.add(f"{key}-{d.name}", d).name for d in dirs]
@@ -244,6 +282,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--scenarios", default=None, help=f"N:uniform|zipf|mixed, comma-separated ({DEFAULT_SCENARIOS})")
     ap.add_argument("--zipf-s", type=float, default=1.1)
+    ap.add_argument("--kinds", type=int, default=0,
+                    help="N adapters of each PEFT kind (plain, DoRA, lora_bias): step time vs plain LoRA")
+    ap.add_argument("--kind-rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="6 short requests, small adapter sets: a smoke run")
     ap.add_argument("--hf-prompts", type=int, default=None,
                     help="serve only the first N requests with transformers + PEFT (its tok/s is on those)")
@@ -255,7 +296,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.num_prompts, args.input_len, args.input_range, args.output_len, args.output_range = 6, 32, 16, 6, 3
-    scenarios = parse_scenarios(args.scenarios or (QUICK_SCENARIOS if args.quick else DEFAULT_SCENARIOS))
+    scenarios = parse_scenarios(args.scenarios if args.scenarios is not None else
+                                (QUICK_SCENARIOS if args.quick else DEFAULT_SCENARIOS))
     torch.set_num_threads(args.threads)
     modes = [m for m in args.hf_modes.split(",") if m]
     wl = random_lengths(args.num_prompts, args.input_len, args.input_range, args.output_len, args.output_range)
@@ -271,11 +313,12 @@ def main() -> None:
     tmp = Path(args.workdir or tempfile.mkdtemp(prefix="bench-lora-"))
     tmp.mkdir(parents=True, exist_ok=True)
     try:
-        sets, store = build_store(model_dir, tmp, scenarios)
+        sets, store = build_store(model_dir, tmp, scenarios, args.kinds)
 
-        def engine() -> LLMEngine:
+        def engine(**cache) -> LLMEngine:
             lora = LoRAConfig()
             cfg = EngineConfig(model=ModelConfig(model=str(model_dir), dtype=args.dtype), num_threads=args.threads,
+                               cache=CacheConfig(**cache),
                                # --quick: fewer batch widths to warm up
                                scheduler=SchedulerConfig(max_num_seqs=8) if args.quick else SchedulerConfig(),
                                lora=lora)
@@ -287,7 +330,9 @@ def main() -> None:
             base = rows[0] if rows else res
             res = {**res, "config": label, "tok_s_ratio": res["tok_s"] / base["tok_s"],
                    "ttft_p50_ratio": res["ttft_p50"] / base["ttft_p50"]}
-            line = (f"{label:<22} {res['tok_s']:7.1f} tok/s = {res['tok_s_ratio']:.2f}x base | TTFT p50 "
+            res["step_ms"] = 1000 * res["elapsed"] / res["steps"]
+            line = (f"{label:<22} {res['tok_s']:7.1f} tok/s = {res['tok_s_ratio']:.2f}x base | step "
+                    f"{res['step_ms']:6.1f} ms | TTFT p50 "
                     f"{res['ttft_p50']:5.2f} s = {res['ttft_p50_ratio']:.2f}x base (p99 {res['ttft_p99']:5.2f} s) | "
                     f"{res['elapsed']:5.1f} s, {res['steps']} steps, {res['preemptions']} preemptions, "
                     f"warm-up {res['warm']:4.1f} s")
@@ -315,11 +360,14 @@ def main() -> None:
             run(f"{n:>4} adapters, {pop}", [names[i] for i in idx], [dirs[i] for i in idx])
             print(f"{'':<22} {len(used)} distinct adapters used, the hottest serves {max(used.values())}/{len(idx)} "
                   f"requests", flush=True)
+        kinds = compare_kinds(engine, wl, sets, args.kinds, args.kind_rounds) if args.kinds else {}
         if args.repeat_base:
             run("base model, again", [None] * len(wl.prompts), [None] * len(wl.prompts))
-        keys = ("config", "tok_s", "tok_s_ratio", "ttft_p50", "ttft_p50_ratio")
+        keys = ("config", "tok_s", "tok_s_ratio", "ttft_p50", "ttft_p50_ratio", "step_ms")
         summary = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
                     if k in keys or k.startswith("hf_")} for r in rows]
+        summary += [{"config": f"{args.kinds} rank-8 {k}", "step_ms": round(ms, 3),
+                     "step_vs_plain": round(ms / kinds["plain"], 3)} for k, ms in kinds.items()]
         print(json.dumps(summary))
         if args.json:
             Path(args.json).write_text(json.dumps(summary, indent=1))

@@ -170,8 +170,9 @@ class StaticLoRAHook:
 
         w = self.weights
         s = lora_shrink(x, w.a[group][layer], w.ranks[group][layer], self.tiles, self.BLOCK_M, w.max_rank)
+        # The epilogue (DoRA, lora_bias) always: whether a row's adapter has one is read on the device.
         lora_expand(s, w.b[group][layer], w.ranks[group][layer], self.tiles, w.col_tiles[group], out,
-                    self.BLOCK_M, w.BLOCK_N)
+                    self.BLOCK_M, w.BLOCK_N, w.epilogue(group, layer))
 
 
 class LlamaDecodeForward:

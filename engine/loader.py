@@ -347,3 +347,25 @@ def load_state_dict(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torc
         except SafetensorError as exc:
             raise ModelLoadError(f"cannot read {file}: {exc}") from None
     return state
+
+
+def read_tensors(model_dir: str | Path, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Only the named tensors of a safetensors folder (names it lacks are left out),
+    floating ones cast to `dtype`: what one module's weights cost, not the model's."""
+    from safetensors import SafetensorError, safe_open
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    weight_map = (_read_json(index, required=True) or {}).get("weight_map", {}) if index.is_file() else None
+    files = _weight_files(model_dir) if weight_map is None else sorted(
+        {model_dir / weight_map[n] for n in names if n in weight_map})
+    out: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as reader:
+                for name in set(names) & set(reader.keys()):
+                    tensor = reader.get_tensor(name)
+                    out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        except SafetensorError as exc:
+            raise ModelLoadError(f"cannot read {file}: {exc}") from None
+    return out

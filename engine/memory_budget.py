@@ -148,10 +148,14 @@ def kv_bytes_per_block(shape: ModelShape, block_size: int, dtype_bytes: int) -> 
 
 def adapter_slot_bytes(shape: ModelShape, rows: int, max_lora_rank: int, dtype_bytes: int) -> int:
     """Device bytes of `rows` adapter rows of rank `max_lora_rank` on every target projection:
-    A [rank, in] and B [out, rank] per projection and layer, plus the int32 rank table."""
-    per_layer = sum(max_lora_rank * (fin + fout) for fin, fout in shape.projection_sizes().values())
+    A [rank, in] and B [out, rank] per projection and layer, the int32 rank table, and the
+    epilogue maps (lora/epilogue.py: fp32 scale and shift per output feature, an int32
+    flag per group)."""
+    sizes = shape.projection_sizes().values()
+    per_layer = sum(max_lora_rank * (fin + fout) for fin, fout in sizes)
     ranks = 4 * len(LORA_TARGETS)
-    return rows * shape.num_layers * (per_layer * dtype_bytes + ranks)
+    epilogue = 8 * sum(fout for _, fout in sizes) + 4 * 4
+    return rows * shape.num_layers * (per_layer * dtype_bytes + ranks + epilogue)
 
 
 # Preallocated adapter rows (a backend that cannot grow) take at most this share of the

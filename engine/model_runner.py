@@ -12,6 +12,7 @@ from .cpu_tuning import keep_freed_memory_in_heap
 from .cuda_graphs import CUDAGraphRunner, DecodeInputs, GraphPolicy, LlamaDecodeForward
 from .kernels import create_backend, select_backend
 from .loader import ModelArch, load_state_dict
+from .lora.epilogue import CheckpointWeights
 from .memory_budget import (DeviceMemory, MemoryPlanConfig, ModelShape, default_adapter_rows, device_memory,
                             kv_bytes_per_block, plan_fixed_kv, plan_on_device)
 from .models.llama import LlamaModel
@@ -67,7 +68,8 @@ class ModelRunner:
         self.lora = lora_manager
         if lora_manager is not None:  # adapter rows before sizing the KV cache and capturing
             lora_manager.bind(arch, self.dtype, self.device, self.backend.lora_backend,
-                              fixed_rows=self._fixed_adapter_rows(at_start))
+                              fixed_rows=self._fixed_adapter_rows(at_start),
+                              base_weights=CheckpointWeights(model_dir, self.dtype))
         self.num_blocks = self._plan_kv(at_start)
         self.kv_caches = self._allocate_kv(self.num_blocks)
         # Bytes of one block of the pool: KV for block_size tokens, or one adapter page.

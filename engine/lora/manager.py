@@ -25,6 +25,7 @@ from ..config import LoRAConfig
 from ..errors import InvalidRequestError, UnknownAdapterError
 from ..request import AdapterRef
 from .backend import LoRABackend, LoRAHook
+from .epilogue import BaseWeights, module_epilogues
 from .packing import GROUPS, pack_adapter, projection_sizes, segments_of
 from .staging import CudaStager, StagedAdapter, Stager
 from .torch_backend import TorchLoRABackend
@@ -98,7 +99,8 @@ class LoRAManager:
                  stager: Stager | None = None) -> None:
         self.store = store
         self.config = config or LoRAConfig()
-        self._cpu: OrderedDict[str, object] = OrderedDict()  # digest -> LoRAAdapter (LRU)
+        # digest -> (LoRAAdapter, its epilogues: epilogue.module_epilogues), LRU
+        self._cpu: OrderedDict[str, tuple] = OrderedDict()
         self._live: dict[str, int] = {}  # digest -> requests holding it (never evicted)
         self._pending: dict[str, object] = {}  # digest -> Future of a background load
         self._failed: dict[str, str] = {}  # digest -> why loading failed
@@ -109,6 +111,7 @@ class LoRAManager:
         self._bytes: dict[str, int] = {}  # digest -> device bytes of its weights (CPU-tier adapters)
         self._names: dict[str, str] = {}  # digest -> the name a request last used it by
         self.backend: LoRABackend | None = None
+        self.base_weights: BaseWeights | None = None  # what DoRA's rescale is computed from
         # The most adapters resident at once: None, bounded by memory (the backend's rows
         # grow); else `max_loras`, or a preallocated backend's row count.
         self.max_rows: int | None = self.config.max_loras
@@ -119,10 +122,13 @@ class LoRAManager:
         self.max_staged = self.config.max_loras or INITIAL_ROWS
 
     def bind(self, arch, dtype: torch.dtype, device: torch.device,
-             backend: type[LoRABackend] = TorchLoRABackend, fixed_rows: int | None = None) -> None:
+             backend: type[LoRABackend] = TorchLoRABackend, fixed_rows: int | None = None,
+             base_weights: BaseWeights | None = None) -> None:
         """Make the device rows for `arch`; `backend`: the kernel backend's LoRA backend.
         A backend that cannot grow (`grows` False: CUDA graphs read its rows by address)
-        gets `max_loras` rows, else `fixed_rows`."""
+        gets `max_loras` rows, else `fixed_rows`. `base_weights`: the base model's
+        projections, read once per DoRA adapter (None: DoRA adapters are refused)."""
+        self.base_weights = base_weights
         self.in_sizes, self.out_sizes = projection_sizes(arch)
         self.num_layers, self.dtype, self.device = arch.num_layers, dtype, device
         if backend.grows:
@@ -231,9 +237,17 @@ class LoRAManager:
         with self._lock:
             return dict(self._failed)
 
+    def _fetch(self, digest: str) -> tuple:
+        """A CPU-tier entry from the source: the adapter and its epilogues, computed once."""
+        adapter = self.store.load(digest, dtype=self.dtype)
+        return adapter, module_epilogues(adapter, self.base_weights)
+
+    def _pack(self, entry: tuple, device: torch.device):
+        return pack_adapter(entry[0], self.out_sizes, self.num_layers, self.dtype, device, entry[1])
+
     def _load_to_cpu(self, digest: str) -> None:
         try:
-            adapter = self.store.load(digest, dtype=self.dtype)
+            adapter = self._fetch(digest)
         except Exception as exc:  # the request fails, the engine does not
             self._load_failed(digest, "loading", exc)
             raise  # into the future, for prefetch() callers
@@ -260,8 +274,7 @@ class LoRAManager:
     def _stage(self, digest: str, adapter) -> None:
         """The loader thread: issue the reserved copy of `adapter` to the device."""
         try:
-            staged = self.stager.stage(pack_adapter(adapter, self.out_sizes, self.num_layers, self.dtype,
-                                                    torch.device("cpu")))
+            staged = self.stager.stage(self._pack(adapter, torch.device("cpu")))
         except Exception as exc:
             self._load_failed(digest, "copying to the device", exc)
             return
@@ -302,7 +315,8 @@ class LoRAManager:
             return known
         per_layer = sum(self.config.max_lora_rank * (self.in_sizes[g] + sum(self.out_sizes[m] for m in mods))
                         for g, mods in GROUPS.items())
-        return per_layer * self.num_layers * self.dtype.itemsize
+        epilogue = 8 * sum(self.out_sizes.values())  # fp32 scale and shift (DoRA, lora_bias)
+        return (per_layer * self.dtype.itemsize + epilogue) * self.num_layers
 
     # -- device rows -----------------------------------------------------------------
     def load(self, loads: list[tuple[int, AdapterRef]]) -> None:
@@ -320,8 +334,8 @@ class LoRAManager:
                 packed = self.stager.take(staged)
             else:
                 if adapter is None:  # not prefetched (e.g. evicted meanwhile): load inline
-                    adapter = self.store.load(ref.digest, dtype=self.dtype)
-                packed = pack_adapter(adapter, self.out_sizes, self.num_layers, self.dtype, self.device)
+                    adapter = self._fetch(ref.digest)
+                packed = self._pack(adapter, self.device)
             self.backend.set_slot(row, packed)
             with self._lock:
                 old = self._rows.get(row)
@@ -368,9 +382,12 @@ class LoRAManager:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _device_bytes(adapter, dtype: torch.dtype) -> int:
-    """Bytes of an adapter's A and B over every layer and module, in `dtype`."""
-    return sum(w.a.numel() + w.b.numel() for w in adapter.weights.values()) * dtype.itemsize
+def _device_bytes(entry: tuple, dtype: torch.dtype) -> int:
+    """Bytes of an adapter's A and B over every layer and module, in `dtype`, and of its
+    fp32 epilogues (DoRA, lora_bias)."""
+    adapter, epilogues = entry
+    epilogue = sum(t.numel() for parts in epilogues.values() for t in parts if t is not None) * 4
+    return sum(w.a.numel() + w.b.numel() for w in adapter.weights.values()) * dtype.itemsize + epilogue
 
 
 def _follow(shared: Future) -> Future:

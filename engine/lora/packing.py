@@ -27,6 +27,10 @@ class PackedGroup:
     # Per module: (output column offset, output width, rank offset, rank, B*scale [out, r]).
     parts: list[tuple[int, int, int, int, torch.Tensor]]
     width: int  # the group's output features, every module's (targeted or not)
+    # The epilogue (epilogue.py: DoRA, lora_bias) over the group's width, fp32, identity
+    # (1, 0) on modules without one; None when no module has that part.
+    scale: torch.Tensor | None = None
+    shift: torch.Tensor | None = None
     _b_fused: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -42,13 +46,17 @@ class PackedGroup:
         return self._b_fused
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the adapter's data (A, then each module's B)."""
-        return [self.a] + [p[4] for p in self.parts]
+        """Every tensor of the adapter's data (A, each module's B, then scale and shift if any)."""
+        return [self.a] + [p[4] for p in self.parts] + [t for t in (self.scale, self.shift) if t is not None]
 
     def with_tensors(self, tensors: list[torch.Tensor]) -> PackedGroup:
         """The same group over `tensors` (as `tensors()` lists them, e.g. copied to a device)."""
-        parts = [(c, w, r0, r, b) for (c, w, r0, r, _), b in zip(self.parts, tensors[1:], strict=True)]
-        return PackedGroup(tensors[0], parts, self.width)
+        n = 1 + len(self.parts)
+        parts = [(c, w, r0, r, b) for (c, w, r0, r, _), b in zip(self.parts, tensors[1:n], strict=True)]
+        rest = iter(tensors[n:])
+        scale = None if self.scale is None else next(rest)
+        shift = None if self.shift is None else next(rest)
+        return PackedGroup(tensors[0], parts, self.width, scale, shift)
 
 
 def projection_sizes(arch) -> tuple[dict[str, int], dict[str, int]]:
@@ -60,13 +68,15 @@ def projection_sizes(arch) -> tuple[dict[str, int], dict[str, int]]:
 
 
 def pack_adapter(adapter, out_sizes: dict[str, int], num_layers: int, dtype: torch.dtype,
-                 device: torch.device) -> list[dict[str, PackedGroup]]:
-    """Per layer, per group: the adapter's weights in the layout the LoRA backends copy from."""
+                 device: torch.device, epilogues: dict | None = None) -> list[dict[str, PackedGroup]]:
+    """Per layer, per group: the adapter's weights in the layout the LoRA backends copy from.
+    `epilogues`: `epilogue.module_epilogues(adapter, ...)`, required when it has any."""
+    epilogues = epilogues or {}
     layers: list[dict[str, PackedGroup]] = []
     for layer in range(num_layers):
         groups = {}
         for g, modules in GROUPS.items():
-            a_parts, parts, col, roff = [], [], 0, 0
+            a_parts, parts, col, roff, epi = [], [], 0, 0, []
             for m in modules:
                 w = adapter.weights.get((layer, m))
                 if w is not None:
@@ -74,11 +84,29 @@ def pack_adapter(adapter, out_sizes: dict[str, int], num_layers: int, dtype: tor
                     a_parts.append(w.a.to(dtype=dtype, device=device))
                     parts.append((col, out_sizes[m], roff, w.rank, b))
                     roff += w.rank
+                    if (layer, m) in epilogues:
+                        epi.append((col, out_sizes[m], *epilogues[(layer, m)]))
+                    elif getattr(w, "magnitude", None) is not None or getattr(w, "bias", None) is not None:
+                        raise ValueError(f"layer {layer} {m} needs its epilogue (epilogue.module_epilogues)")
                 col += out_sizes[m]
             if parts:
-                groups[g] = PackedGroup(torch.cat(a_parts).contiguous(), parts, col)
+                scale, shift = _group_epilogue(epi, col, device)
+                groups[g] = PackedGroup(torch.cat(a_parts).contiguous(), parts, col, scale, shift)
         layers.append(groups)
     return layers
+
+
+def _group_epilogue(parts: list, width: int, device: torch.device):
+    """(scale, shift) over a group's width from its modules' (col, width, scale, shift)."""
+    scale = shift = None
+    for col, w, sc, sh in parts:
+        if sc is not None:
+            scale = torch.ones(width, dtype=torch.float32) if scale is None else scale
+            scale[col:col + w] = sc
+        if sh is not None:
+            shift = torch.zeros(width, dtype=torch.float32) if shift is None else shift
+            shift[col:col + w] = sh
+    return tuple(None if t is None else t.to(device) for t in (scale, shift))
 
 
 def segments_of(seqs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .epilogue import EpilogueStacks
 from .packing import GROUPS, PackedGroup
 
 
@@ -22,7 +23,8 @@ class SlotStacks:
     it). b[g][m]: [layers, slots, rank[g][m], out_m], (B·scale)ᵀ per module: expanding per
     module reads half the bytes of a block-diagonal B, and decode steps are memory bound;
     transposed, each rank's row is contiguous for bmm and for the C kernel (kernels/cpu/lora.c).
-    Missing modules and groups are zeros.
+    Missing modules and groups are zeros. `epilogues`: DoRA's and lora_bias's per-feature
+    maps (epilogue.py), allocated at the first adapter that has one.
     """
 
     def __init__(self, num_slots: int, num_layers: int, in_sizes: dict[str, int],
@@ -42,6 +44,8 @@ class SlotStacks:
         self._mods: dict[str, tuple[int, torch.Tensor]] = {}
         self._gathered_key: tuple | None = None
         self._gathered: dict[tuple[int, str], tuple] = {}
+        widths = {g: sum(out_sizes[m] for m in mods) for g, mods in GROUPS.items()}
+        self.epilogues = EpilogueStacks(num_slots, num_layers, widths, device)
 
     def ensure_rows(self, n: int) -> None:
         """At least `n` slots; growing doubles them, keeping every slot's weights."""
@@ -50,6 +54,7 @@ class SlotStacks:
         old = self.num_slots
         self.num_slots = max(n, 2 * old)
         self.generation += 1
+        self.epilogues.ensure_rows(self.num_slots)
         for g, mods in GROUPS.items():
             a, self.a[g] = self.a[g], self._a(g)
             self.a[g][:, :old] = a
@@ -89,6 +94,7 @@ class SlotStacks:
         """Copy one adapter (as `pack_adapter` made it) into `slot`, replacing what was there."""
         self.ensure_rows(slot + 1)
         self.generation += 1
+        self.epilogues.set_slot(slot, packed)
         for g in GROUPS:
             per_layer = [self._module_parts(g, layer.get(g)) for layer in packed]
             need = [max((parts[k][0] for parts in per_layer), default=0) for k in range(len(GROUPS[g]))]

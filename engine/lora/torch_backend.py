@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .backend import LoRABackend, LoRAHook
+from .epilogue import EpilogueBatch, apply_epilogue
 from .packing import PackedGroup
 from .stacks import SlotStacks
 
@@ -38,12 +39,15 @@ RANGE_MIN_FILL = 0.5
 
 
 class LoRABatch:
-    """One step's segments, a shrink and an expand per segment: the reference of every
-    LoRA backend, and the torch path for long segments."""
+    """One step's segments, a shrink and an expand per segment, then the adapter's
+    epilogue (epilogue.py): the reference of every LoRA backend, and the torch path for
+    long segments (`epilogue=False`: the caller applies the epilogues of the whole step)."""
 
-    def __init__(self, slots: list[list[dict[str, PackedGroup]] | None], segments: list[tuple[int, int, int]]):
+    def __init__(self, slots: list[list[dict[str, PackedGroup]] | None], segments: list[tuple[int, int, int]],
+                 epilogue: bool = True):
         self.slots = slots
         self.segments = segments  # (start row, end row, slot), slot >= 0 only
+        self.epilogue = epilogue
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         for start, end, slot in self.segments:
@@ -55,6 +59,8 @@ class LoRABatch:
             # at most triple a LoRA expand (under 1% of the base projections' work even for
             # a 1024-token chunk), while each extra call costs tens of microseconds.
             out[start:end].addmm_(s, packed.b_fused.T)
+            if self.epilogue and (packed.scale is not None or packed.shift is not None):
+                apply_epilogue(out[start:end], packed.scale, packed.shift)
 
 
 @dataclass
@@ -98,8 +104,9 @@ class GroupedLoRABatch:
         self.segments = segments  # (start row, end row, slot), slot >= 0 only
         short = [s for s in segments if s[1] - s[0] <= GROUPED_MAX_ROWS]
         long = [s for s in segments if s[1] - s[0] > GROUPED_MAX_ROWS]
-        self.long = LoRABatch(slots, long) if long else None
+        self.long = LoRABatch(slots, long, epilogue=False) if long else None
         self.plan = _plan(short, stacks.dtype, stacks.device) if short else None
+        self.epilogue = EpilogueBatch.of(stacks.epilogues, segments)
         # Per (layer, group): each module's largest rank over the grouped slots.
         self._ranks: dict[tuple[int, str], tuple[int, ...]] = {}
 
@@ -113,8 +120,12 @@ class GroupedLoRABatch:
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         if self.long is not None:
             self.long.apply(layer, group, x, out)
-        if self.plan is None:
-            return
+        if self.plan is not None:
+            self._grouped(layer, group, x, out)
+        if self.epilogue is not None:
+            self.epilogue.apply(layer, group, out)
+
+    def _grouped(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         ranks = self._active_ranks(layer, group)
         if not any(ranks):
             return  # no grouped adapter targets this group in this layer

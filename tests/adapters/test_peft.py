@@ -177,13 +177,6 @@ def test_missing_weights_file(lora_copy: Path, base: BaseShapes) -> None:
     reject(lora_copy, base, "adapter_model.safetensors is missing")
 
 
-def test_dora_is_refused(make_adapter: Callable[..., Path], base: BaseShapes, files: Any) -> None:
-    lora = make_adapter(rank=4, lora_config={"use_dora": True})
-    reject(lora, base, "DoRA (use_dora=true) is not supported")
-    files.write_config(lora, use_dora=False)  # the magnitude vectors still give it away
-    reject(lora, base, "DoRA (use_dora=true) is not supported (found ")
-
-
 def test_modules_to_save_is_refused(make_adapter: Callable[..., Path], base: BaseShapes) -> None:
     lora = make_adapter(rank=4, target_modules=["q_proj"], lora_config={"modules_to_save": ["lm_head"]})
     reject(lora, base, "modules_to_save is not supported")
@@ -295,11 +288,6 @@ def test_non_lora_peft_type(lora_copy: Path, base: BaseShapes, files: Any) -> No
 def test_non_causal_lm_task(lora_copy: Path, base: BaseShapes, files: Any) -> None:
     files.write_config(lora_copy, task_type="SEQ_CLS")
     reject(lora_copy, base, "task_type 'SEQ_CLS' is not supported")
-
-
-def test_lora_bias(lora_copy: Path, base: BaseShapes, files: Any) -> None:
-    files.write_config(lora_copy, lora_bias=True)
-    reject(lora_copy, base, "lora_bias=true (a bias on lora_B) is not supported")
 
 
 def test_base_rewriting_init(lora_copy: Path, base: BaseShapes, files: Any) -> None:

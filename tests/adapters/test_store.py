@@ -117,7 +117,7 @@ def test_invalid_adapter_changes_nothing(store: AdapterStore, lora_dir: Path, lo
     store.add("good", lora_dir)
     before = snapshot(store)
     files.write_config(lora_copy, use_dora=True)
-    with pytest.raises(AdapterValidationError, match="DoRA"):
+    with pytest.raises(AdapterValidationError, match="missing lora_magnitude_vector"):
         store.add("bad", lora_copy)
     assert snapshot(store) == before
 

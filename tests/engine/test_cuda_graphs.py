@@ -110,8 +110,11 @@ def decode_setup(tiny_llama_dir):
         w = {(layer, m): SimpleNamespace(a=torch.randn(rank, sizes[m][0], generator=gen) * 0.2,
                                          b=torch.randn(sizes[m][1], rank, generator=gen) * 0.2, scale=1.5, rank=rank)
              for layer in range(arch.num_layers) for m in mods}
+        # Slot 2 is DoRA-like (lora/epilogue.py): the captured forward reads its flag on the device.
+        epi = {k: (1 + 0.2 * torch.randn(sizes[k[1]][1], generator=gen), torch.randn(sizes[k[1]][1], generator=gen))
+               for k in w} if slot == 2 else None
         stacks.set_slot(slot, pack_adapter(SimpleNamespace(weights=w), {m: o for m, (_, o) in sizes.items()},
-                                           arch.num_layers, torch.float32, "cpu"))
+                                           arch.num_layers, torch.float32, "cpu", epi))
     kv = [(torch.randn(arch.num_kv_heads, 16 * 8, arch.head_dim, generator=gen),
            torch.randn(arch.num_kv_heads, 16 * 8, arch.head_dim, generator=gen)) for _ in range(arch.num_layers)]
     return model, stacks, kv

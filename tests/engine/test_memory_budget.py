@@ -30,7 +30,7 @@ def test_bytes_per_block():
 
 def test_adapter_slot_bytes_match_the_triton_weight_stacks():
     # A rank-16 adapter on all seven projections of Llama-3-8B is the familiar ~84 MB in bf16.
-    assert adapter_slot_bytes(LLAMA_8B, 1, 16, 2) == 83_886_976
+    assert adapter_slot_bytes(LLAMA_8B, 1, 16, 2) == 83_886_976 + 11_010_560  # A/B and ranks, epilogues
     assert adapter_slot_bytes(LLAMA_8B, 0, 16, 2) == 0
     # The figure is what StackedLoRAWeights really allocates for the slots.
     from loraplex.engine.kernels.triton.lora import StackedLoRAWeights
@@ -53,10 +53,10 @@ def test_80g_llama_8b_blocks_with_and_without_adapters():
     assert plan.kv_bytes == 54 * GIB and plan.min_blocks == 512 and plan.adapter_bytes == 0
     with_adapters = plan_kv_cache(LLAMA_8B, MemoryPlanConfig(gpu_memory_utilization=0.9, max_model_len=8192,
                                                              adapter_rows=32, max_lora_rank=16), GPU_80G, measured)
-    # 32 slots x 83,886,976 bytes = 1280.0004 blocks of 2 MiB: 1281 fewer blocks
-    assert with_adapters.adapter_bytes == 32 * 83_886_976
-    assert with_adapters.num_blocks == 27_648 - 1281
-    assert "26367 blocks" in with_adapters.describe()
+    # 32 slots x 94,897,536 bytes (A/B, ranks, epilogues) = 1448.0005 blocks of 2 MiB: 1449 fewer blocks
+    assert with_adapters.adapter_bytes == 32 * 94_897_536
+    assert with_adapters.num_blocks == 27_648 - 1449
+    assert "26199 blocks" in with_adapters.describe()
 
 
 def test_141g_llama_1b():
@@ -74,8 +74,9 @@ def test_24g_smollm2_with_eight_rank_64_adapters():
     assert base.num_blocks == 60_725
     adapters = plan_kv_cache(SMOLLM2_135M, MemoryPlanConfig(max_model_len=8192, adapter_rows=8, max_lora_rank=64),
                              GPU_24G, measured)
-    assert adapters.adapter_bytes == 8 * 39_076_680  # 30 layers x (64 x 10,176 x 2 + 28) per slot
-    assert adapters.num_blocks == 59_877
+    # 30 layers x (64 x 10,176 x 2 + 28 + 8 x 5,184 + 16: A/B, ranks, epilogues) per slot
+    assert adapters.adapter_bytes == 8 * 40_321_320
+    assert adapters.num_blocks == 59_850
 
 
 def test_24g_refuses_llama_8b_when_one_sequence_cannot_fit():
@@ -93,8 +94,8 @@ def test_refuses_when_the_weights_alone_exceed_the_budget():
     measured = Measured(weight_bytes=16 * GIB, activation_peak_bytes=2 * GIB)
     with pytest.raises(DeviceMemoryError, match=r"0 blocks.*Raise gpu_memory_utilization"):
         plan_kv_cache(LLAMA_8B, MemoryPlanConfig(gpu_memory_utilization=0.7), GPU_24G, measured)
-    # 32 rank-64 adapter rows (10.7 GiB) push an 8B model off a 24 GiB card at 0.95 too.
-    with pytest.raises(DeviceMemoryError, match=r"adapter rows 10\.00 GiB \(32 x rank 64\)"):
+    # 32 rank-64 adapter rows (11.1 GB) push an 8B model off a 24 GiB card at 0.95 too.
+    with pytest.raises(DeviceMemoryError, match=r"adapter rows 10\.33 GiB \(32 x rank 64\)"):
         plan_kv_cache(LLAMA_8B, MemoryPlanConfig(gpu_memory_utilization=0.95, adapter_rows=32, max_lora_rank=64),
                       GPU_24G, measured)
 
@@ -177,11 +178,11 @@ def test_default_adapter_rows_one_per_sequence_unless_memory_is_short():
     # SmolLM2 on a 141 GB card: 128 rank-64 rows (39 MB each) are a sliver: one per sequence.
     left = int(GPU_141G.total * 0.9) - 270_000_000
     assert default_adapter_rows(SMOLLM2_135M, 64, 2, left, max_num_seqs=128) == 128
-    # Llama-3-8B at rank 64 (336 MB a row) on 80 GiB: a fifth of the 56 GiB left after the weights.
+    # Llama-3-8B at rank 64 (347 MB a row) on 80 GiB: a fifth of the 56 GiB left after the weights.
     per_row = adapter_slot_bytes(LLAMA_8B, 1, 64, 2)
     left = int(80 * GIB * 0.9) - 16 * GIB
     rows = default_adapter_rows(LLAMA_8B, 64, 2, left, max_num_seqs=128)
-    assert rows == int(ADAPTER_ROWS_SHARE * left) // per_row == 35 and rows * per_row <= ADAPTER_ROWS_SHARE * left
+    assert rows == int(ADAPTER_ROWS_SHARE * left) // per_row == 34 and rows * per_row <= ADAPTER_ROWS_SHARE * left
     # On a 24 GiB card the share holds 3 rows: the floor keeps 8, as many as before.
     assert default_adapter_rows(LLAMA_8B, 64, 2, int(24 * GIB * 0.9) - 16 * GIB, 128) == MIN_ADAPTER_ROWS
 

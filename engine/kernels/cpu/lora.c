@@ -18,6 +18,11 @@
  * holds {A row offset, r_alloc, output column, out_m, B^T base address, B^T layer
  * stride}; `ranks` [slots, modules] the rank each slot really has for the layer.
  * Work items are pieces [begin, end), shared out by OpenMP (torch's own runtime).
+ *
+ * The epilogue of DoRA and lora_bias adapters (lora/epilogue.py), when `epi_flags` is
+ * not NULL: for a slot whose flag is set, each module's rows then become
+ * round(out * scale + shift) over its columns, scale and shift fp32 [slots, group width]
+ * at the slot stride `epi_stride`.
  */
 /* As in gemm.c: keep every block accumulator in a register. */
 #pragma GCC optimize("ira-loop-pressure")
@@ -190,10 +195,11 @@ DEFINE_EXPAND(expand_bf16, uint16_t, bf16_load, bf16_store, vload_bf16)
 
 /* One piece of n rows: full blocks of RB rows, then single rows (a decode row computes
  * for itself only). */
-#define DEFINE_LORA(NAME, T, SHRINK, EXPAND)                                                       \
+#define DEFINE_LORA(NAME, T, LOAD, STORE, SHRINK, EXPAND)                                          \
 int NAME(const T *x, int64_t x_stride, T *out, int64_t out_stride, const int32_t *segs,            \
          const T *a_base, int64_t a_layer_stride, int64_t a_slot_stride, int in_dim, int n_mod,     \
-         const int64_t *mods, const int32_t *ranks, int layer, int begin, int end) {                \
+         const int64_t *mods, const int32_t *ranks, int layer, const int32_t *epi_flags,            \
+         const float *epi_scale, const float *epi_shift, int64_t epi_stride, int begin, int end) {  \
     int rc = 0;                                                                                     \
     _Pragma("omp parallel for schedule(dynamic) if (end - begin >= 2) reduction(|: rc)")              \
     for (int i = begin; i < end; i++) {                                                             \
@@ -215,10 +221,18 @@ int NAME(const T *x, int64_t x_stride, T *out, int64_t out_stride, const int32_t
             for (; i0 < n; i0++) SHRINK##_r1(xs, x_stride, i0, a, r, in_dim, s);                    \
             for (i0 = 0; i0 + RB <= n; i0 += RB) EXPAND##_rb(s, i0, r, bt, width, o, out_stride);   \
             for (; i0 < n; i0++) EXPAND##_r1(s, i0, r, bt, width, o, out_stride);                   \
+            if (epi_flags && epi_flags[slot]) {                                                     \
+                const float *sc = epi_scale + slot * epi_stride + md[2];                            \
+                const float *sh = epi_shift + slot * epi_stride + md[2];                            \
+                for (int ii = 0; ii < n; ii++) {                                                    \
+                    T *oo = o + (int64_t)ii * out_stride;                                           \
+                    for (int c = 0; c < width; c++) oo[c] = STORE(LOAD(oo[c]) * sc[c] + sh[c]);     \
+                }                                                                                   \
+            }                                                                                       \
         }                                                                                           \
     }                                                                                               \
     return rc;                                                                                      \
 }
 
-DEFINE_LORA(lora_segments_bf16, uint16_t, shrink_bf16, expand_bf16)
-DEFINE_LORA(lora_segments_f32, float, shrink_f32, expand_f32)
+DEFINE_LORA(lora_segments_bf16, uint16_t, bf16_load, bf16_store, shrink_bf16, expand_bf16)
+DEFINE_LORA(lora_segments_f32, float, f32_load, f32_store, shrink_f32, expand_f32)

@@ -18,7 +18,7 @@ from ...lora.torch_backend import TorchLoRABackend
 from . import build
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-_ARGTYPES = [_P, _L, _P, _L, _P, _P, _L, _L, _I, _I, _P, _P, _I, _I, _I]
+_ARGTYPES = [_P, _L, _P, _L, _P, _P, _L, _L, _I, _I, _P, _P, _I, _P, _P, _P, _L, _I, _I]
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 MAX_ROWS = 64  # the kernel's per-piece row limit (lora.c MAX_ROWS)
 # Rows per work item: long segments are cut into pieces of this size so both threads
@@ -38,12 +38,15 @@ def pieces(segments: list[tuple[int, int, int]], rows: int = PIECE_ROWS) -> torc
 
 
 def cpu_lora_segments(x: torch.Tensor, out: torch.Tensor, segments: torch.Tensor, a: torch.Tensor,
-                      mods: torch.Tensor, ranks: torch.Tensor, layer: int) -> None:
+                      mods: torch.Tensor, ranks: torch.Tensor, layer: int,
+                      epilogue: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """out[rows] += LoRA delta of each piece (start, end, slot) over a group's modules.
 
     a: [layers, slots, RA, in] stacked A; mods: int64 [modules, 6] (A row offset, r_alloc,
     output column, out width, B^T base address, B^T layer stride); ranks: int32
-    [layers, slots, modules]."""
+    [layers, slots, modules]. `epilogue`: the layer's (flags int32 [slots], scale and
+    shift fp32 [slots, group width]) of lora/epilogue.py: rows of a flagged slot then
+    become out * scale + shift."""
     lib = load_library()
     assert lib is not None, "load_library() returned None: use the torch path"
     assert x.dtype == out.dtype == a.dtype and x.dtype in _SUFFIX, (x.dtype, out.dtype, a.dtype)
@@ -52,22 +55,33 @@ def cpu_lora_segments(x: torch.Tensor, out: torch.Tensor, segments: torch.Tensor
     assert mods.dtype == torch.int64 and mods.shape[1] == 6 and mods.is_contiguous()
     assert ranks.dtype == torch.int32 and ranks.is_contiguous() and ranks.shape == (a.shape[0], a.shape[1], mods.shape[0])
     assert 0 <= layer < a.shape[0]
+    epi = (0, 0, 0, 0)
+    if epilogue is not None:
+        flags, scale, shift = epilogue
+        assert flags.dtype == torch.int32 and flags.shape == (a.shape[1],) and flags.is_contiguous()
+        assert scale.dtype == shift.dtype == torch.float32 and scale.shape == shift.shape == (a.shape[1], out.shape[1])
+        assert scale.stride() == shift.stride() and scale.stride(1) == 1
+        epi = (flags.data_ptr(), scale.data_ptr(), shift.data_ptr(), scale.stride(0))
     fn = getattr(lib, f"lora_segments_{_SUFFIX[x.dtype]}")
     args = (x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), segments.data_ptr(), a.data_ptr(),
-            a.stride(0), a.stride(1), a.shape[3], mods.shape[0], mods.data_ptr(), ranks[layer].data_ptr(), layer)
+            a.stride(0), a.stride(1), a.shape[3], mods.shape[0], mods.data_ptr(), ranks[layer].data_ptr(), layer,
+            *epi)
     build.run(fn, args, segments.shape[0])
 
 
 class CLoRABatch:
-    """One step's segments, cut into pieces once; `apply` is one kernel call."""
+    """One step's segments, cut into pieces once; `apply` is one kernel call, the
+    epilogues (DoRA, lora_bias) of the rows whose adapters have one included."""
 
     def __init__(self, stacks: SlotStacks, segments: list[tuple[int, int, int]]) -> None:
         self.stacks = stacks
         self.pieces = pieces(segments)
+        self.epilogue = any(slot in stacks.epilogues.slots for *_, slot in segments)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         s = self.stacks
-        cpu_lora_segments(x, out, self.pieces, s.a[group], s.c_modules(group), s.ranks_t[group], layer)
+        epi = s.epilogues.layer(group, layer) if self.epilogue else None
+        cpu_lora_segments(x, out, self.pieces, s.a[group], s.c_modules(group), s.ranks_t[group], layer, epi)
 
 
 class CLoRABackend(TorchLoRABackend):

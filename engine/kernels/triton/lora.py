@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ...lora.backend import LoRABackend
+from ...lora.epilogue import EpilogueStacks
 from ...lora.packing import GROUPS, PackedGroup
 
 __all__ = ["StackedLoRAWeights", "TritonLoRABatch", "lora_shrink", "lora_expand", "row_tiles",
@@ -73,9 +74,10 @@ def _lora_shrink_kernel(x_ptr, a_ptr, ranks_ptr, tiles_ptr, s_ptr, K,
 
 @triton.jit
 def _lora_expand_kernel(s_ptr, b_ptr, ranks_ptr, tiles_ptr, col_tiles_ptr, out_ptr,
-                        stride_st, stride_sm, stride_bs, stride_br, stride_ot,
+                        epi_ptr, scale_ptr, shift_ptr,
+                        stride_st, stride_sm, stride_bs, stride_br, stride_ot, stride_es,
                         NUM_MODULES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+                        BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, HAS_EPILOGUE: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     row0 = tl.load(tiles_ptr + pid_t * 3)
@@ -101,8 +103,15 @@ def _lora_expand_kernel(s_ptr, b_ptr, ranks_ptr, tiles_ptr, col_tiles_ptr, out_p
     delta = tl.dot(s, b, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
     o_off = out_ptr + rows64[:, None] * stride_ot + cols[None, :]
     o_mask = row_mask[:, None] & col_mask[None, :]
-    o = tl.load(o_off, mask=o_mask, other=0.0).to(tl.float32)
-    tl.store(o_off, (o + delta).to(out_ptr.dtype.element_ty), mask=o_mask)
+    o = tl.load(o_off, mask=o_mask, other=0.0).to(tl.float32) + delta
+    if HAS_EPILOGUE:
+        # DoRA / lora_bias (lora/epilogue.py): o * scale + shift per output column, fp32.
+        if tl.load(epi_ptr + slot) != 0:
+            e_off = slot.to(tl.int64) * stride_es + cols
+            sc = tl.load(scale_ptr + e_off, mask=col_mask, other=1.0)
+            sh = tl.load(shift_ptr + e_off, mask=col_mask, other=0.0)
+            o = o * sc[None, :] + sh[None, :]
+    tl.store(o_off, o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -173,8 +182,11 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, tiles: to
 
 
 def lora_expand(s: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor, tiles: torch.Tensor,
-                col_tiles: torch.Tensor, out: torch.Tensor, block_m: int, block_n: int) -> None:
-    """out[rows, cols] += s[rows, module, :rank] @ b[slot, :rank, cols] over `tiles` x `col_tiles`."""
+                col_tiles: torch.Tensor, out: torch.Tensor, block_m: int, block_n: int,
+                epilogue: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """out[rows, cols] += s[rows, module, :rank] @ b[slot, :rank, cols] over `tiles` x `col_tiles`;
+    `epilogue` (flags int32 [slots], scale and shift fp32 [slots, N]): then, for slots
+    whose flag is set, out = out * scale + shift on those columns."""
     T, M, br = s.shape
     S, R, N = b.shape
     assert s.dtype == torch.float32 and ranks.shape == (S, M) and ranks.dtype == torch.int32, (s.shape, ranks.shape)
@@ -184,13 +196,19 @@ def lora_expand(s: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor, tiles: to
     assert col_tiles.dtype == tiles.dtype == torch.int32 and col_tiles.is_contiguous() and tiles.is_contiguous()
     assert br >= 16 and block_m >= 16 and block_n >= 16
     assert s.device == b.device == out.device == tiles.device == col_tiles.device
+    if epilogue is not None:
+        flags, scale, shift = epilogue
+        assert flags.shape == (S,) and flags.dtype == torch.int32 and scale.shape == shift.shape == (S, N)
+        assert scale.dtype == shift.dtype == torch.float32 and scale.stride() == shift.stride()
+        assert scale.stride(1) == 1 and flags.device == scale.device == shift.device == out.device
     if tiles.shape[0] == 0:
         return
+    flags, scale, shift = epilogue if epilogue is not None else (ranks, out, out)  # unread without one
     _lora_expand_kernel[(tiles.shape[0], col_tiles.shape[0])](
-        s, b, ranks, tiles, col_tiles, out,
-        s.stride(0), s.stride(1), b.stride(0), b.stride(1), out.stride(0),
+        s, b, ranks, tiles, col_tiles, out, flags, scale, shift,
+        s.stride(0), s.stride(1), b.stride(0), b.stride(1), out.stride(0), scale.stride(0),
         NUM_MODULES=M, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=br, PRECISION=_precision(out.dtype),
-        num_warps=4)
+        HAS_EPILOGUE=epilogue is not None, num_warps=4)
 
 
 # -- torch references on the stacked layout ------------------------------------------
@@ -206,7 +224,7 @@ def reference_lora_shrink(x, a, ranks, segments) -> torch.Tensor:
     return s
 
 
-def reference_lora_expand(s, b, ranks, widths, segments, out) -> None:
+def reference_lora_expand(s, b, ranks, widths, segments, out, epilogue=None) -> None:
     M = len(widths)
     for start, end, slot in segments:
         col = 0
@@ -214,8 +232,10 @@ def reference_lora_expand(s, b, ranks, widths, segments, out) -> None:
             r = int(ranks[slot, m])
             w = widths[m]
             if r:
-                delta = s[start:end, m, :r].float() @ b[slot, :r, col:col + w].float()
-                out[start:end, col:col + w] = (out[start:end, col:col + w].float() + delta).to(out.dtype)
+                o = out[start:end, col:col + w].float() + s[start:end, m, :r].float() @ b[slot, :r, col:col + w].float()
+                if epilogue is not None and int(epilogue[0][slot]):
+                    o = o * epilogue[1][slot, col:col + w] + epilogue[2][slot, col:col + w]
+                out[start:end, col:col + w] = o.to(out.dtype)
             col += w
 
 
@@ -242,14 +262,24 @@ class StackedLoRAWeights(LoRABackend):
             self.ranks[g] = torch.zeros(num_layers, num_slots, len(mods), dtype=torch.int32, device=device)
             self.col_tiles[g] = column_tiles(self.widths[g], self.BLOCK_N, device)
             self.host_rank[g] = [[0] * num_slots for _ in range(num_layers)]
+        # DoRA's and lora_bias's per-column maps, fused into the expand (allocated now: graphs read them).
+        widths = {g: sum(w) for g, w in self.widths.items()}
+        self.epilogues = EpilogueStacks(num_slots, num_layers, widths, self.device, eager=True)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.a, self.b, self.ranks) for t in d.values())
+        e = self.epilogues
+        return sum(t.numel() * t.element_size()
+                   for d in (self.a, self.b, self.ranks, e.scale, e.shift, e.flags_t) for t in d.values())
+
+    def epilogue(self, group: str, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`lora_expand`'s epilogue argument for one layer and group."""
+        return self.epilogues.layer(group, layer)
 
     @torch.no_grad()
     def set_slot(self, slot: int, packed: list[dict[str, PackedGroup]]) -> None:
         """Copy one adapter (as `pack_adapter` made it) into `slot`, replacing what was there."""
         assert len(packed) == self.num_layers, (len(packed), self.num_layers)
+        self.epilogues.set_slot(slot, packed)
         for g, mods in GROUPS.items():
             starts = {}
             col = 0
@@ -289,6 +319,7 @@ class TritonLoRABatch:
         # Decode segments are a few rows: 16-row tiles (the tl.dot minimum); prefill: 64.
         self.block_m = 16 if longest <= 16 else 64
         self.tiles = row_tiles(segments, self.block_m, weights.device)
+        self.epilogue = any(slot in weights.epilogues.slots for slot in self.slots)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         w = self.weights
@@ -298,4 +329,4 @@ class TritonLoRABatch:
             return  # no adapter of this batch targets this group in this layer
         s = lora_shrink(x, w.a[group][layer], w.ranks[group][layer], self.tiles, self.block_m, max_rank)
         lora_expand(s, w.b[group][layer], w.ranks[group][layer], self.tiles, w.col_tiles[group], out,
-                    self.block_m, w.BLOCK_N)
+                    self.block_m, w.BLOCK_N, w.epilogue(group, layer) if self.epilogue else None)

@@ -103,3 +103,15 @@ def same_on_one_and_four_threads(fn) -> None:
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+
+
+def random_epilogues(adapter, seed: int, dora: bool = True, bias: bool = True) -> dict:
+    """Per module of `adapter`: a DoRA-like scale near 1 and/or a bias-like shift, fp32, as
+    `lora.epilogue.module_epilogues` returns them (`pack_adapter`'s `epilogues`)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for key, w in sorted(adapter.weights.items()):
+        n = w.b.shape[0]
+        out[key] = (1 + 0.2 * torch.randn(n, generator=gen) if dora else None,
+                    torch.randn(n, generator=gen) if bias else None)
+    return out

@@ -10,7 +10,7 @@ from loraplex.engine.kernels.cpu import lora as cpu_lora
 from loraplex.engine.kernels.cpu.lora import CLoRABackend, CLoRABatch
 from loraplex.engine.lora import GROUPS, pack_adapter, segments_of
 from loraplex.engine.lora.torch_backend import GROUPED_MAX_ROWS, GroupedLoRABatch, LoRABatch, TorchLoRABackend
-from tests.engine.kernels.kernel_cases import llama_shapes, random_adapter
+from tests.engine.kernels.kernel_cases import llama_shapes, random_adapter, random_epilogues
 
 HIDDEN, Q, KV, INTER, LAYERS = 48, 48, 16, 80, 2
 OUT, IN, GROUP_IN = llama_shapes(HIDDEN, Q, KV, INTER)
@@ -179,3 +179,66 @@ def test_rows_grow_past_the_initial_count_keeping_every_adapter(backend):
     got = _run(lora.batch(segments), x, out)
     for key in ref:
         torch.testing.assert_close(got[key], ref[key], **TOL[dtype])
+
+
+# Slots with DoRA-like (scale and shift), lora_bias-like (shift) and plain adapters side by side.
+EPILOGUE_KINDS = {0: (True, True), 1: (True, False), 3: (False, True), 6: (True, False)}
+
+
+def _loaded_with_epilogues(dtype, backend) -> TorchLoRABackend:
+    lora = backend(NUM_SLOTS, LAYERS, GROUP_IN, OUT, 64, dtype, torch.device("cpu"))
+    for i, ranks in enumerate(ADAPTERS):
+        adapter = random_adapter(ranks, IN, OUT, LAYERS, seed=i + 1)
+        epi = random_epilogues(adapter, i, *EPILOGUE_KINDS[i]) if i in EPILOGUE_KINDS else None
+        lora.set_slot(i, pack_adapter(adapter, OUT, LAYERS, dtype, torch.device("cpu"), epi))
+    return lora
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_epilogues_match_per_segment_loop(dtype, case, backend):
+    """DoRA's rescale and lora_bias's shift (lora/epilogue.py): gathered for short
+    segments, per segment for long ones, as the per-segment reference applies them."""
+    lora = _loaded_with_epilogues(dtype, backend)
+    assert lora.stacks.epilogues.slots == set(EPILOGUE_KINDS)
+    seqs, rows = _batch(*CASES[case])
+    segments = segments_of(seqs)
+    x, out = _inputs(rows, dtype)
+    for g in GROUPS:  # base rows must keep their exact bits, even -0.0
+        out[g][[r for r, slot in enumerate(s for n, s in seqs for _ in range(n)) if slot < 0]] = -0.0
+    ref = _run(LoRABatch(lora.packed, segments), x, out)
+    plain = _run(LoRABatch([_without_epilogue(p) for p in lora.packed], segments), x, out)
+    got = _run(lora.batch(segments), x, out)
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], **TOL[dtype], msg=lambda m: f"{case} {key}: {m}")
+        base = [r for r, slot in enumerate(s for n, s in seqs for _ in range(n)) if slot < 0]
+        assert torch.equal(got[key][base].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           out[key[1]][base].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    if any(slot in EPILOGUE_KINDS for *_, slot in segments):
+        assert any(not torch.equal(ref[k], plain[k]) for k in ref), "the epilogues changed nothing"
+
+
+def test_epilogue_reload_and_growth(backend):
+    """A slot reloaded with a plain adapter loses its epilogue; rows grown keep theirs."""
+    dtype = torch.float32
+    lora = _loaded_with_epilogues(dtype, backend)
+    lora.set_slot(0, pack_adapter(random_adapter({"q_proj": 4}, IN, OUT, LAYERS, seed=50), OUT, LAYERS, dtype,
+                                  torch.device("cpu")))
+    adapter = random_adapter({m: 8 for m in ALL}, IN, OUT, LAYERS, seed=51)
+    lora.set_slot(20, pack_adapter(adapter, OUT, LAYERS, dtype, torch.device("cpu"), random_epilogues(adapter, 9)))
+    assert lora.stacks.epilogues.slots == {1, 3, 6, 20}
+    seqs, rows = _batch([0, 1, 3, 20, 20], [(30, 0), (20, 20)])
+    segments = segments_of(seqs)
+    x, out = _inputs(rows, dtype)
+    ref = _run(LoRABatch(lora.packed, segments), x, out)
+    got = _run(lora.batch(segments), x, out)
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], **TOL[dtype])
+
+
+def _without_epilogue(packed):
+    from loraplex.engine.lora.packing import PackedGroup
+
+    if packed is None:
+        return None
+    return [{g: PackedGroup(p.a, p.parts, p.width) for g, p in layer.items()} for layer in packed]

@@ -100,3 +100,21 @@ def test_piece_longer_than_the_kernel_takes_is_refused():
     with pytest.raises(ValueError, match="refused"):
         cpu_lora.cpu_lora_segments(x, out, segs, a, mods, ranks, 0)
     assert torch.equal(out, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("flag", [1, 0], ids=["flagged", "unflagged"])
+def test_epilogue_rescales_flagged_slots(dtype, flag, code_path):
+    """DoRA / lora_bias (lora/epilogue.py): out = round(round(out + delta) * scale + shift),
+    on a flagged slot's columns only, at any width (vector tails included)."""
+    x, out, segs, a, mods, ranks, bt = _args(rows=5, dtype=dtype, k=48, r=5, w=70)
+    gen = torch.Generator().manual_seed(1)
+    flags = torch.tensor([0, flag], dtype=torch.int32)
+    scale, shift = 1 + 0.2 * torch.randn(2, 70, generator=gen), torch.randn(2, 70, generator=gen)
+    expected = _expected(x, out, a, bt)
+    if flag:
+        expected = (expected.float() * scale[1] + shift[1]).to(dtype)
+    cpu_lora.cpu_lora_segments(x, out, segs, a, mods, ranks, 0, (flags, scale, shift))
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(AssertionError):  # the maps are fp32, one row per slot
+        cpu_lora.cpu_lora_segments(x, out, segs, a, mods, ranks, 0, (flags, scale[:1], shift[:1]))

@@ -63,3 +63,25 @@ def test_triton_engine_matches_torch(tiny_llama_dir, tmp_path, adapter_dirs, blo
     assert isinstance(engine.lora.batch([(1, 0)]), TritonLoRABatch)
     assert got == expect
     assert all(len(t) == n for t, n in zip(got, MAX_TOKENS))
+
+
+def test_triton_engine_serves_dora_and_lora_bias_as_peft(tiny_qwen2_dir, tmp_path):
+    """DoRA and lora_bias adapters (saved by real PEFT), a plain adapter and base requests
+    in one batch: the fused expand epilogue gives PEFT's greedy tokens."""
+    from tests.engine.lora.test_oracle_kinds import ASSIGN, MAX_TOKENS, kind_prompts, make_kind_adapters
+    from tests.engine.oracle import hf_greedy, run_greedy_with_adapters
+
+    dirs = make_kind_adapters(tiny_qwen2_dir, tmp_path / "kinds")
+    prompts = kind_prompts()
+    ref = [hf_greedy(tiny_qwen2_dir, [p], [n], adapter_dir=dirs[a] if a else None)[0]
+           for p, n, a in zip(prompts, MAX_TOKENS, ASSIGN)]
+    store = AdapterStore(tmp_path / "store", BaseShapes.from_model_dir(tiny_qwen2_dir))
+    for name, path in dirs.items():
+        store.add(name, path)
+    cfg = EngineConfig(model=ModelConfig(model=str(tiny_qwen2_dir), dtype="float32"),
+                       cache=CacheConfig(block_size=16, num_blocks=128),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=64),
+                       lora=LoRAConfig(max_loras=4, max_cpu_loras=4, max_lora_rank=16), kernels="triton")
+    engine = LLMEngine(cfg, LoRAManager(store, cfg.lora))
+    assert isinstance(engine.lora.backend, StackedLoRAWeights)
+    assert run_greedy_with_adapters(engine, prompts, list(ASSIGN), list(MAX_TOKENS)) == ref

@@ -17,7 +17,7 @@ from loraplex.engine.kernels.triton.lora import (  # noqa: E402
 )
 from loraplex.engine.lora import GROUPS, pack_adapter  # noqa: E402
 from loraplex.engine.lora.torch_backend import LoRABatch  # noqa: E402
-from tests.engine.kernels.kernel_cases import llama_shapes, random_adapter  # noqa: E402
+from tests.engine.kernels.kernel_cases import llama_shapes, random_adapter, random_epilogues  # noqa: E402
 
 # A small Llama: hidden 64, 4 heads x 16, 2 KV heads, intermediate 96 (not a multiple of
 # the 64-column expand tile), 2 layers.
@@ -145,3 +145,56 @@ def test_launchers_reject_bad_inputs():
         lora_shrink(torch.randn(2, HIDDEN), a, ranks, tiles, 8, 8)  # tile below the tl.dot minimum
     with pytest.raises(AssertionError):
         lora_shrink(torch.randn(2, HIDDEN), a, ranks, tiles, 16, 65)  # rank above the stacked maximum
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("segments", SEGMENTS, ids=["decode", "prefill"])
+def test_epilogues_fused_in_expand_match_torch_path(dtype, segments):
+    """DoRA's rescale and lora_bias's shift (lora/epilogue.py), fused into the expand
+    kernel, give what the torch path's per-segment epilogue gives; base rows untouched."""
+    kinds = {0: (True, True), 1: (True, False), 3: (False, True)}  # slots 2 and 4 plain
+    packed = []
+    for i, r in enumerate(ADAPTERS):
+        adapter = random_adapter(r, IN, OUT, LAYERS, seed=i + 1)
+        epi = random_epilogues(adapter, i, *kinds[i]) if i in kinds else None
+        packed.append(pack_adapter(adapter, OUT, LAYERS, dtype, torch.device("cpu"), epi))
+    stacked = StackedLoRAWeights(len(ADAPTERS) + 1, LAYERS, GROUP_IN, OUT, 64, dtype, "cpu")
+    for slot, p in enumerate(packed):
+        stacked.set_slot(slot, p)
+    assert stacked.epilogues.flags_t["qkv"][:, :len(ADAPTERS)].tolist() == [[1, 1, 0, 1, 0]] * LAYERS
+    gen = torch.Generator().manual_seed(9)
+    T = segments[-1][1] + 2
+    for group in GROUPS:
+        x = torch.randn(T, GROUP_IN[group], generator=gen).to(dtype)
+        out = torch.randn(T, sum(OUT[m] for m in GROUPS[group]), generator=gen).to(dtype)
+        expect, got = out.clone(), out.clone()
+        LoRABatch(packed, segments).apply(1, group, x, expect)
+        batch = stacked.batch(segments)
+        assert batch.epilogue
+        batch.apply(1, group, x, got)
+        torch.testing.assert_close(got.float(), expect.float(), **TOL[dtype], msg=lambda m: f"{group}: {m}")
+        base = torch.ones(T, dtype=torch.bool)
+        for start, end, _ in segments:
+            base[start:end] = False
+        assert torch.equal(got[base], out[base]), "rows of base-model requests were touched"
+
+
+def test_expand_kernel_epilogue_matches_reference():
+    _, stacked = _setup(torch.float32)
+    segments = SEGMENTS[1]
+    T = segments[-1][1]
+    gen = torch.Generator().manual_seed(4)
+    b, ranks = stacked.b["qkv"][0], stacked.ranks["qkv"][0]
+    S, N = b.shape[0], b.shape[2]
+    s = torch.randn(T, 3, 64, generator=gen)
+    flags = torch.tensor([1, 0, 1, 0, 1, 0], dtype=torch.int32)
+    epilogue = (flags, 1 + 0.2 * torch.randn(S, N, generator=gen), torch.randn(S, N, generator=gen))
+    out = torch.randn(T, N, generator=gen)
+    expect = out.clone()
+    reference_lora_expand(s, b, ranks, stacked.widths["qkv"], segments, expect, epilogue)
+    lora_expand(s, b, ranks, row_tiles(segments, 16, "cpu"), stacked.col_tiles["qkv"], out, 16, stacked.BLOCK_N,
+                epilogue)
+    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+    with pytest.raises(AssertionError):  # the epilogue's maps are fp32
+        lora_expand(s, b, ranks, row_tiles(segments, 16, "cpu"), stacked.col_tiles["qkv"], out, 16,
+                    stacked.BLOCK_N, (flags, epilogue[1].half(), epilogue[2].half()))
