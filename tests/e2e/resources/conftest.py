@@ -75,7 +75,9 @@ def served(tmp_path_factory, tiny_llama_dir) -> Iterator[Served]:
            "--model", str(tiny_llama_dir), "--data-dir", str(root / "data"), "--database-url", url,
            "--dtype", "float32", "--threads", "1", "--max-model-len", "256", "--num-kv-blocks", "1200",
            "--max-num-seqs", "64", "--no-demo", "--port", str(port), "--metrics-port", str(metrics_port),
-           "--max-body-size", str(MAX_BODY), *SERVE_TIMEOUTS]
+           # One tenant sends several huge bodies back to back here, to reach the caps
+           # behind the body budget (tests/e2e/isolation/ has the budget's own tests).
+           "--max-body-size", str(MAX_BODY), "--max-body-rate", str(4 * MAX_BODY), *SERVE_TIMEOUTS]
     env = {**os.environ, "LORAPLEX_ADMIN_TOKEN": ADMIN_TOKEN, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
