@@ -67,19 +67,14 @@ async def cancel_and_wait(task: asyncio.Future) -> None:
 
 async def send_within(send: Callable[[Any], Awaitable[None]], message: Any, timeout: float) -> None:
     """`send(message)`, or ClientDisconnected if it waits longer than `timeout` (the client
-    stopped reading). Not `asyncio.wait_for`: before Python 3.12 it swallows a cancellation
-    that arrives as the send completes, and a stream whose client left would then run on to
-    its end instead of aborting."""
-    task = asyncio.ensure_future(send(message))
+    stopped reading). `asyncio.timeout`, not `asyncio.wait_for`: before Python 3.12 the
+    latter swallows a cancellation that arrives as the send completes, and a stream whose
+    client left would then run on to its end instead of aborting."""
     try:
-        done, _ = await asyncio.wait((task,), timeout=timeout)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if not done:
-        await cancel_and_wait(task)
-        raise ClientDisconnected("the client stopped reading the stream")
-    task.result()
+        async with asyncio.timeout(timeout):
+            await send(message)
+    except TimeoutError:
+        raise ClientDisconnected("the client stopped reading the stream") from None
 
 
 async def unless_disconnected(work: Awaitable[T], watcher: asyncio.Future) -> T:

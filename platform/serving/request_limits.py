@@ -31,6 +31,7 @@ from loraplex.engine.errors import PromptTooLongError
 
 from loraplex.platform.errors import BadRequestError, PayloadTooLargeError, RateLimitedError
 from loraplex.platform.settings import ServerLimits
+from loraplex.platform.tenancy.throttle import TokenBuckets
 
 T = TypeVar("T")
 # Characters a normalizer may fold into one (e.g. NFC composing a letter and its accents).
@@ -178,30 +179,24 @@ class BodyBudget:
     holding at most `burst` bytes (at least one largest body, so any body that fits the
     size limit gets in once the bucket has refilled)."""
 
-    def __init__(self, rate: int, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.rate, self.burst, self._clock = rate, max(burst, rate), clock
-        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (bytes left, when)
-
-    def _left(self, tenant: str) -> tuple[float, float]:
-        now = self._clock()
-        left, at = self._buckets.get(tenant, (self.burst, now))
-        return min(self.burst, left + (now - at) * self.rate), now
+    def __init__(self, rate: int, burst: int, clock: Callable[[], float] = time.monotonic,
+                 max_tenants: int = 65_536) -> None:
+        self.rate, self.burst = rate, max(burst, rate)
+        self._buckets = TokenBuckets(self.burst, rate, max_tenants, clock)
 
     def admit(self, tenant: str, declared: int) -> None:
         """Charge a body of `declared` bytes before it is read, or 429 with the seconds
         until the bucket holds it."""
-        left, now = self._left(tenant)
+        left = self._buckets.level(tenant)
         if declared > left:
-            self._buckets[tenant] = (left, now)
             raise RateLimitedError(f"this tenant's request bodies are over {self.rate} bytes per second; "
                                    f"retry later", retry_after=max(1.0, (declared - left) / self.rate))
-        self._buckets[tenant] = (left - declared, now)
+        self._buckets.take(tenant, declared)
 
     def debit(self, tenant: str, size: int) -> None:
         """Charge a body already read (one sent without a Content-Length): the bucket may
         go below zero, and the tenant's next bodies wait for it."""
-        left, now = self._left(tenant)
-        self._buckets[tenant] = (left - size, now)
+        self._buckets.take(tenant, size, floor=None)
 
 
 async def read_charged_body(request: Request, tenant: str, budget: BodyBudget, max_bytes: int) -> bytes:

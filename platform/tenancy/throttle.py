@@ -25,6 +25,44 @@ class ThrottleConfig:
     max_clients: int = 65_536
 
 
+class TokenBuckets:
+    """Token buckets by key, each holding at most `burst` and refilled at `rate` a second;
+    at most `max_keys` remembered (least recently spent from forgotten first: a forgotten
+    key starts full again). Thread-safe."""
+
+    def __init__(self, burst: float, rate: float, max_keys: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst, self.rate, self.max_keys, self._clock = burst, rate, max_keys, clock
+        self._lock = threading.Lock()
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (tokens, stamp)
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def _level(self, key: str, now: float) -> float:
+        tokens, stamp = self._buckets.get(key, (self.burst, now))
+        return min(self.burst, tokens + (now - stamp) * self.rate)
+
+    def level(self, key: str) -> float:
+        """The tokens `key` holds now (`burst` for a key never spent from)."""
+        with self._lock:
+            return self._level(key, self._clock())
+
+    def take(self, key: str, amount: float, floor: float | None = 0.0) -> float:
+        """Spend `amount` of `key`'s tokens, never below `floor` (None: a debt may build);
+        returns the tokens left."""
+        with self._lock:
+            now = self._clock()
+            left = self._level(key, now) - amount
+            if floor is not None:
+                left = max(floor, left)
+            self._buckets[key] = (left, now)
+            self._buckets.move_to_end(key)
+            while len(self._buckets) > self.max_keys:
+                self._buckets.popitem(last=False)
+            return left
+
+
 class FailureThrottle:
     """Thread-safe: used from the event loop and from worker threads."""
 
@@ -33,13 +71,7 @@ class FailureThrottle:
         if config.burst < 1 or config.per_second <= 0:
             raise ValueError("a throttle needs burst >= 1 and per_second > 0")
         self.config = config
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # client -> (tokens, stamp)
-
-    def _tokens(self, client: str, now: float) -> float:
-        tokens, stamp = self._buckets.get(client, (float(self.config.burst), now))
-        return min(float(self.config.burst), tokens + (now - stamp) * self.config.per_second)
+        self._buckets = TokenBuckets(float(config.burst), config.per_second, config.max_clients, clock)
 
     def __len__(self) -> int:
         """Client addresses remembered now."""
@@ -47,21 +79,12 @@ class FailureThrottle:
 
     def retry_after(self, client: str) -> float:
         """0 when `client` may try now; else the seconds until its next attempt."""
-        with self._lock:
-            if client not in self._buckets:
-                return 0.0
-            tokens = self._tokens(client, self._clock())
+        tokens = self._buckets.level(client)
         return 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.config.per_second
 
     def failed(self, client: str) -> None:
         """Spend one attempt of `client`'s allowance."""
-        with self._lock:
-            now = self._clock()
-            tokens = self._tokens(client, now)
-            self._buckets[client] = (max(0.0, tokens - 1.0), now)
-            self._buckets.move_to_end(client)
-            while len(self._buckets) > self.config.max_clients:
-                self._buckets.popitem(last=False)
+        self._buckets.take(client, 1.0)
 
 
 def client_address(request: Request) -> str | None:

@@ -9,7 +9,8 @@ from loraplex.platform.http import ClientDisconnected, send_within
 
 async def _writer(sent: list[int]) -> None:
     async def send(message: int) -> None:
-        sent.append(message)  # completes at once, as a write to a connection with room does
+        await asyncio.sleep(0)  # one turn of the loop, as a write that lets others run does
+        sent.append(message)
 
     for n in range(1000):  # a long stream, ended early only by the cancel
         await send_within(send, n, timeout=30)

@@ -15,6 +15,7 @@ from loraplex.platform.serving.request_limits import (
     parse_json_object,
 )
 from loraplex.platform.settings import ServerLimits
+from tests.platform.tenancy.test_throttle import Clock
 
 LIMITS = ServerLimits(max_json_depth=8, max_messages=3, max_content_parts=2)
 
@@ -90,14 +91,6 @@ def test_prompt_lists_and_choices_are_capped():
     with pytest.raises(BadRequestError, match="over the cap of 8 sequences") as err:
         check_choices(9, limits)
     assert err.value.param == "n"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_tenants_body_budget_holds_one_largest_body_and_refills_at_its_rate():
