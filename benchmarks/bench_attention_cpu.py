@@ -1,5 +1,5 @@
 """Paged attention on the CPU: the C kernels (engine/kernels/cpu/prefill.c, decode.c)
-against the torch path (engine/attention.py: gathered blocks, SDPA / batched matmuls).
+against the torch path (engine/kernels/torch/attention.py: gathered blocks, SDPA / batched matmuls).
 
 One run, same threads, same cache (SmolLM2's 9 query heads over 3 KV heads of 64,
 blocks scattered through the cache as in a running engine). Per batch shape: time per
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from loraplex.engine.attention import paged_attention
+from loraplex.engine.kernels.torch.attention import paged_attention
 from loraplex.engine.kernels.cpu.metadata import build_cpu_metadata
 from loraplex.engine.kernels.cpu import decode as cpu_decode, prefill as cpu_prefill
 

@@ -6,7 +6,7 @@
 1. Kernels (benchmarks/bench_kernels_gpu.py's table): paged-attention decode bandwidth
    and LoRA shrink/expand FLOP/s, as fractions of the device's peak (spec sheet by
    device name; `--peak-gbs/--peak-tflops` for GPUs not in the table).
-2. Decode-step time, eager vs CUDA graphs (engine/cuda_graphs.py), per batch width, on
+2. Decode-step time, eager vs CUDA graphs (engine/runner/cuda_graphs.py), per batch width, on
    SmolLM2-135M and on a 1B-class Llama with 8 rank-16 adapters on the rows.
 3. Output tokens/s of the seeded heavy-tailed workload (benchmarks/workload.py) through
    the engine (Triton kernels, bf16) with 0, 8 and 32 rank-16 adapters, and transformers
@@ -73,7 +73,7 @@ def assign_adapters(num_requests: int, names: list[str]) -> list[str | None]:
 def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
     from loraplex.engine.kernels.triton.kv_write import triton_write_kv
     from loraplex.engine.kernels.triton.paged_attention import triton_paged_attention
-    from loraplex.engine.loader import ModelArch, load_state_dict
+    from loraplex.engine.checkpoint import ModelArch, load_state_dict
     from loraplex.engine.models.llama import LlamaModel
 
     arch = ModelArch.from_dir(model_dir)
@@ -87,7 +87,7 @@ def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
 
 def _random_slots(arch, num_slots: int, rank: int, dtype: torch.dtype, device: torch.device):
     from loraplex.engine.kernels.triton.lora import StackedLoRAWeights
-    from loraplex.engine.memory_budget import ModelShape
+    from loraplex.engine.runner.memory_budget import ModelShape
 
     in_sizes, out_sizes = ModelShape.from_arch(arch).lora_stack_sizes()
     stacks = StackedLoRAWeights(num_slots, arch.num_layers, in_sizes, out_sizes, rank, dtype, device)
@@ -104,7 +104,7 @@ def decode_steps(model_dir: Path, widths: list[int], ctx: int, num_adapters: int
     """Per width: ms of one decode step (every row at context `ctx`, rows spread over
     `num_adapters` slots) run eagerly and replayed from a CUDA graph, and their largest
     difference. Both run the same forward (cuda_graphs.LlamaDecodeForward)."""
-    from loraplex.engine.cuda_graphs import CUDAGraphRunner, DecodeInputs, GraphPolicy, LlamaDecodeForward
+    from loraplex.engine.runner.cuda_graphs import CUDAGraphRunner, DecodeInputs, GraphPolicy, LlamaDecodeForward
 
     arch, model = _load_model(model_dir, dtype, device)
     bs, per_seq = 16, -(-ctx // 16)
@@ -276,7 +276,7 @@ def main() -> None:
         print(f"LoRA kernels: {fraction(lora['tflops'], tflops, 'TFLOP/s')} ({lora['kernel']}, {lora['shape']}; "
               "tf32 tensor cores: half the bf16 peak is their ceiling)\n", flush=True)
 
-    from loraplex.engine.loader import resolve_model_dir
+    from loraplex.engine.checkpoint import resolve_model_dir
 
     work = Path(args.work_dir) / ("smoke" if args.smoke_cpu else "gpu")
     smol = resolve_model_dir("default")

@@ -7,7 +7,7 @@ distinct weights that they stream from memory as in a real step. Prints each
 GFLOP/s and the C kernel's ratio to each.
 
 On CPUs with AVX512-BF16 it also times the vdpbf16ps kernel (dpbf16.c, what the
-engine runs there) against oneDNN's pre-packed bf16 weights (engine/cpu_linear.py).
+engine runs there) against oneDNN's pre-packed bf16 weights (engine/kernels/torch/linear.py).
 
     python benchmarks/bench_kernels_cpu.py               # 2 threads
     python benchmarks/bench_kernels_cpu.py --threads 1 --rows 1,16
@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from loraplex.engine.cpu_linear import PackedLinear, packing_supported
+from loraplex.engine.kernels.torch.linear import PackedLinear, packing_supported
 from loraplex.engine.kernels.cpu import dpbf16 as cpu_dpbf16, gemm as cpu_gemm
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}

@@ -115,7 +115,7 @@ def lora_case(T_rows: list[int], rank: int, k: int, widths: list[int], dtype, de
 
 
 def kernel_benchmarks(device: torch.device, smoke: bool, peak_gbs: float | None, peak_tflops: float | None) -> list:
-    from loraplex.engine.attention import build_metadata, build_ragged_metadata
+    from loraplex.engine.kernels.torch.attention import build_metadata, build_ragged_metadata
     from loraplex.engine.kernels.triton.kv_write import reference_write_kv, triton_write_kv
     from loraplex.engine.lora.torch_backend import LoRABatch
     from loraplex.engine.kernels.triton.paged_attention import (
@@ -405,7 +405,7 @@ def main() -> None:
         print(f"\nkernels done in {time.perf_counter() - start:.0f}s\n", flush=True)
 
     if not args.skip_engine:
-        from loraplex.engine.loader import resolve_model_dir
+        from loraplex.engine.checkpoint import resolve_model_dir
 
         work = Path(args.work_dir) / ("smoke" if args.smoke_cpu else "gpu")
         smol = resolve_model_dir("default")

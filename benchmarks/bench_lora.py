@@ -51,7 +51,7 @@ from loraplex.adapters import AdapterStore, BaseShapes  # noqa: E402
 from loraplex.adapters.synth import make_random_peft_adapter  # noqa: E402
 from loraplex.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from loraplex.engine.engine import LLMEngine  # noqa: E402
-from loraplex.engine.loader import resolve_model_dir  # noqa: E402
+from loraplex.engine.checkpoint import resolve_model_dir  # noqa: E402
 from loraplex.engine.lora import LoRAManager  # noqa: E402
 from loraplex.engine.request import SamplingParams  # noqa: E402
 

@@ -70,7 +70,7 @@ class EngineStats:
     adapter_loads: dict[str, int] = field(default_factory=dict)
     adapter_evictions: dict[str, int] = field(default_factory=dict)
     recent_adapter_loads: tuple[AdapterLoad, ...] = ()
-    # The lane in front (engine/lane_guard.py; None: one lane has all the work) and the
+    # The lane in front (engine/sched/lane_guard.py; None: one lane has all the work) and the
     # tokens of each step the lanes below it get now.
     foreground_lane: Lane | None = None
     background_step_tokens: int = 0

@@ -29,7 +29,7 @@ class CacheConfig:
     num_blocks: int | None = None
     # KV pool bytes. None: CPU_KV_CACHE_MEMORY on a CPU; on CUDA, what
     # `gpu_memory_utilization` of the device leaves after the weights, the adapter slots
-    # and the activation peak (engine/memory_budget.py).
+    # and the activation peak (engine/runner/memory_budget.py).
     kv_cache_memory_bytes: int | None = None
     # The fraction of the GPU's memory loraplex may use (vLLM's --gpu-memory-utilization).
     gpu_memory_utilization: float = 0.9
@@ -51,7 +51,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 1024
     enable_chunked_prefill: bool = True
     # A waiting request climbs one lane per `aging_seconds` waited, up to the lane below
-    # the foreground's (engine/lane_guard.py): it orders the background lanes.
+    # the foreground's (engine/sched/lane_guard.py): it orders the background lanes.
     aging_seconds: float = 5.0
     # A lane stays the foreground this long after its last request left.
     lane_hold_seconds: float = 60.0
@@ -111,5 +111,5 @@ class EngineConfig:
     # compiler can build it (else the torch path); "triton", "cpu" or "torch" force one.
     kernels: str = "auto"
     seed: int = 0
-    # CUDA: replay decode steps from CUDA graphs (engine/cuda_graphs.py) unless this is set.
+    # CUDA: replay decode steps from CUDA graphs (engine/runner/cuda_graphs.py) unless this is set.
     enforce_eager: bool = False

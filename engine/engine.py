@@ -11,16 +11,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .block_pool import KVCacheManager
+from .checkpoint import ModelArch, resolve_model_dir
 from .client import AdapterLoad, AdapterResidency, EngineStats, LaneDepth
 from .config import EngineConfig
 from .errors import InvalidRequestError, UnknownAdapterError
-from .loader import ModelArch, resolve_model_dir
-from .model_runner import ModelRunner
-from .request import AdapterRef, Lane, Request, RequestStatus, SamplingParams
 from .output import RequestOutput
+from .request import AdapterRef, Lane, Request, RequestStatus, SamplingParams
+from .runner.model_runner import ModelRunner
 from .sampler import Logprobs
-from .scheduler import Scheduler
+from .sched.block_pool import KVCacheManager
+from .sched.scheduler import Scheduler
 from .structured.compile_pool import CompilePool
 from .structured.grammar import GrammarCompiler, RequestGrammar, StructuredConfig
 from .tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer

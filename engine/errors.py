@@ -32,3 +32,17 @@ class ModelLoadError(EngineError):
 
 class StreamStalledError(EngineError):
     """The request's reader fell too far behind its output; the request was aborted."""
+
+
+class TenantShareExceededError(EngineError):
+    """A tenant already fills its share of the waiting queue; the gateway answers 429."""
+
+    reason = "tenant_queue_share_exceeded"
+
+    def __init__(self, tenant: str, waiting: int | None = None, limit: int | None = None) -> None:
+        self.tenant, self.waiting, self.limit = tenant, waiting, limit
+        if waiting is None or limit is None:  # rebuilt from its message (across a worker hop)
+            super().__init__(tenant)
+            return
+        super().__init__(f"tenant {tenant!r} already has {waiting} requests waiting, its share of the "
+                         f"queue is {limit}; retry after some finish")

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import ModelArch
 from .errors import InvalidRequestError, ModelLoadError
-from .loader import ModelArch
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 # Keys besides role/content that chat templates commonly read (tool calling).

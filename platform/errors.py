@@ -30,7 +30,7 @@ from loraplex.engine.errors import (
     StreamStalledError,
     UnknownAdapterError,
 )
-from loraplex.engine.fairness import TenantShareExceededError
+from loraplex.engine.errors import TenantShareExceededError
 from loraplex.engine.structured.compile_pool import GrammarQueueFullError, GrammarTimeoutError
 from loraplex.platform.observability.request_id import current_request_id
 

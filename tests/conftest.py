@@ -13,7 +13,7 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from loraplex.engine.loader import resolve_model_dir
+from loraplex.engine.checkpoint import resolve_model_dir
 from tests.helpers.tiny_models import build_tiny_model_dir
 
 # A busy 2-core machine is many times slower with torch's default thread count.

@@ -4,8 +4,9 @@ the LoRA backend. `select.select_backend` picks the backend's name once at start
 Triton on CUDA, the C kernels on a CPU where they build, else torch, unless
 `EngineConfig.kernels` forces one); `backend.create_backend` makes it.
 
-- `torch_backend`: the torch reference (engine/attention.py, `TorchLayerOps`, the
-  torch LoRA backend), also what runs where neither of the others can.
+- `torch/`: the torch reference (paged attention and KV write, `TorchLayerOps`, the
+  oneDNN-packed linears) and the "torch" backend, with the torch LoRA backend; also
+  what runs where neither of the others can.
 - `cpu/`: C sources, each beside the Python launcher that builds (cpu/build.py) and
   calls it, and the "cpu" backend.
 - `triton/`: Triton kernels (KV write, paged attention over a ragged batch, LoRA shrink

@@ -4,23 +4,32 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import nn
 
-from ..attention import AttentionMetadata
-from ..cpu_linear import PackedLinear, packing_supported
 from ..lora.backend import LoRABackend
-from ..models.llama import TorchLayerOps
 
 # name -> "module:class", imported only when chosen: "triton" must not import Triton
 # on a machine that never runs it.
 REGISTRY: dict[str, str] = {
-    "torch": ".torch_backend:TorchBackend",
+    "torch": ".torch.backend:TorchBackend",
     "cpu": ".cpu.backend:CpuBackend",
     "triton": ".triton.backend:TritonBackend",
 }
+
+
+@dataclass
+class AttentionMetadata:
+    """What every backend's attention reads: where each new token's K/V goes, and how
+    many of the batch's first sequences are decodes. Each kernel backend builds its own
+    subclass (`KernelBackend.build_metadata`), holding only the form its kernels take."""
+
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    block_size: int = 16
+    num_decodes: int = 0
 
 
 class KernelBackend(ABC):
@@ -31,10 +40,11 @@ class KernelBackend(ABC):
       sequence in batch order, decodes first -> this backend's own `AttentionMetadata`
       subclass, holding only what its attention reads; called once per step.
     - `write_kv(k_cache, v_cache, k, v, slot_mapping)` and `paged_attention(q, k_cache,
-      v_cache, meta, scale)`: engine/attention.py's `write_kv` and `paged_attention`
+      v_cache, meta, scale)`: engine/kernels/torch/attention.py's `write_kv` and `paged_attention`
       contracts over this backend's metadata. Plain functions (class attributes), so a
       layer calls them with no bound-method hop.
-    - `layer_ops()`: an object with `TorchLayerOps`' methods and results.
+    - `layer_ops()`: an object with the methods and results of
+      kernels/torch/layer_ops.py's `TorchLayerOps`.
     - `linear_factory()`: make(weight, bias) -> module computing `F.linear`, to replace
       every projection and the LM head with, or None to keep `nn.Linear`.
     - `lora_backend`: the `LoRABackend` class the LoRA manager binds to.
@@ -52,11 +62,11 @@ class KernelBackend(ABC):
     @abstractmethod
     def build_metadata(self, seqs: list[tuple[int, int, list[int]]], block_size: int) -> AttentionMetadata: ...
 
-    def layer_ops(self):
-        return TorchLayerOps
+    @abstractmethod
+    def layer_ops(self): ...
 
-    def linear_factory(self) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module] | None:
-        return PackedLinear if packing_supported(self.device, self.dtype) else None
+    @abstractmethod
+    def linear_factory(self) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module] | None: ...
 
 
 def create_backend(name: str, device: torch.device, dtype: torch.dtype) -> KernelBackend:

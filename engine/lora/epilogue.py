@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..loader import read_tensors
+from ..checkpoint import read_tensors
 from .packing import GROUPS, PackedGroup
 
 # (layer, module) -> (W [out, in], base bias [out] or None), in the dtype the engine serves.
@@ -43,7 +43,7 @@ class AdapterLoadError(ValueError):
 class CheckpointWeights:
     """`BaseWeights` read from the model's safetensors folder, one module at a time and
     cast to the served dtype: the engine's own copies may be packed into a kernel's
-    layout (cpu_linear.py, kernels/cpu/gemm.py) and fused (q/k/v, gate/up)."""
+    layout (kernels/torch/linear.py, kernels/cpu/gemm.py) and fused (q/k/v, gate/up)."""
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype) -> None:
         self.model_dir, self.dtype = Path(model_dir), dtype

@@ -5,7 +5,7 @@ or, for `serve` replicas sharing a store, the registry's names over both), a CPU
 (LRU, loaded in the background) and the device, whose weights the LoRA backend
 (`backend.LoRABackend`, chosen once by the engine's kernel backend) holds in its
 kernels' layout, one row per resident adapter. Which adapters are resident is the
-scheduler's decision (`engine/adapter_memory.py`: their pages come from the KV pool);
+scheduler's decision (`engine/sched/adapter_memory.py`: their pages come from the KV pool);
 the manager materialises them in the rows it is told. On CUDA an adapter also passes
 through staging (staging.py): copied to the device in the background, it is `ready`
 only once that copy has completed.

@@ -10,49 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionMetadata, paged_attention, write_kv
-from ..cpu_linear import PackedLinear, pack_linears
-from ..loader import ModelArch, rope_inv_freq
+from ..checkpoint import ModelArch, rope_inv_freq
+from ..kernels.backend import AttentionMetadata
+from ..kernels.torch.attention import paged_attention, write_kv
+from ..kernels.torch.layer_ops import TorchLayerOps, rms_norm
+from ..kernels.torch.linear import PackedLinear, pack_linears
 from ..lora.backend import LoRAHook
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same op order as transformers (fp32 variance, cast back before the weight) so
-    # bf16 results match the oracle bit for bit where possible.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim] (non-interleaved halves)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-class TorchLayerOps:
-    """A layer's elementwise steps in torch ops: the reference, and what runs on GPUs.
-    kernels/cpu/fused.py's CLayerOps fuses each of them on a CPU."""
-
-    @staticmethod
-    def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        if delta is not None:
-            x = x + delta
-        return x, rms_norm(x, weight, eps)
-
-    @staticmethod
-    def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-             head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        T, q, kv = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
-        return (apply_rope(qkv[:, :q].view(T, num_heads, head_dim), cos, sin),
-                apply_rope(qkv[:, q:q + kv].view(T, num_kv_heads, head_dim), cos, sin))
-
-    @staticmethod
-    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        g, u = gate_up.chunk(2, dim=-1)
-        return F.silu(g) * u
 
 
 class LlamaLayer(nn.Module):
@@ -117,7 +80,7 @@ class LlamaModel(nn.Module):
 
     def pack_weights(self, make=PackedLinear) -> None:
         """Pre-pack every projection and the LM head: make(weight, bias) is PackedLinear
-        (oneDNN, engine/cpu_linear.py), Dpbf16Linear (C with AVX512-BF16, kernels/cpu/dpbf16.py)
+        (oneDNN, engine/kernels/torch/linear.py), Dpbf16Linear (C with AVX512-BF16, kernels/cpu/dpbf16.py)
         or Bf16Linear (C, AVX2, kernels/cpu/gemm.py)."""
         pack_linears(self.layers, make)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

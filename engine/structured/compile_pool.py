@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import EngineOverloadedError, InvalidRequestError
-from ..fairness import TenantShareExceededError
+from ..errors import TenantShareExceededError
 from .spec import StructuredOutput
 
 log = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ def find_demo_adapters(settings: Settings) -> dict[str, Path]:
     if shipped or importlib.util.find_spec("loraplex.adapters.demo") is None:
         return shipped
     from loraplex.adapters import demo
-    from loraplex.engine.loader import resolve_model_dir
+    from loraplex.engine.checkpoint import resolve_model_dir
 
     log.info("preparing the demo adapters (trained once per machine, about a minute)...")
     try:

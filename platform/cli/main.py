@@ -16,9 +16,9 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from loraplex.adapters.errors import AdapterError
 from loraplex.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
-from loraplex.engine.device import DEVICE_CHOICES, DeviceUnavailableError, resolve_device
+from loraplex.engine.runner.device import DEVICE_CHOICES, DeviceUnavailableError, resolve_device
 from loraplex.engine.errors import EngineError
-from loraplex.engine.memory_budget import DeviceMemoryError
+from loraplex.engine.runner.memory_budget import DeviceMemoryError
 
 from loraplex.platform.cli import gateway as gateway_cli
 from loraplex.platform.cli import roles

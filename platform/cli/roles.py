@@ -42,7 +42,7 @@ def add_migrate_parser(sub, db_options: Callable[[argparse.ArgumentParser], None
 
 def worker_config(settings: Settings, args: argparse.Namespace) -> WorkerConfig:
     """The `loraplex worker` flags -> its WorkerConfig; ConfigError for a wrong adapter store."""
-    from loraplex.engine.loader import default_cache_dir
+    from loraplex.engine.checkpoint import default_cache_dir
     from loraplex.platform.errors import ConfigError
     from loraplex.platform.worker import WorkerConfig
 

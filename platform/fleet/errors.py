@@ -29,7 +29,7 @@ from loraplex.engine.errors import (
     StreamStalledError,
     UnknownAdapterError,
 )
-from loraplex.engine.fairness import TenantShareExceededError
+from loraplex.engine.errors import TenantShareExceededError
 
 from loraplex.platform.errors import AuthenticationError, RateLimitedError, ShuttingDownError, api_error
 

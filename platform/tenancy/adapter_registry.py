@@ -31,7 +31,7 @@ ADAPTER_STORE_ENV = "LORAPLEX_ADAPTER_STORE"
 
 def open_store(settings: Settings) -> AdapterStore:
     from loraplex.engine.config import DEFAULT_MODEL
-    from loraplex.engine.loader import resolve_model_dir
+    from loraplex.engine.checkpoint import resolve_model_dir
 
     model = settings.engine.model.model
     # A gateway's model folder holds config.json and the tokenizer, no weights: adapters

@@ -10,7 +10,7 @@ import uvicorn
 from loraplex.adapters.sources import BlobAdapterSource, open_source
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.engine import LLMEngine
-from loraplex.engine.loader import resolve_model_dir
+from loraplex.engine.checkpoint import resolve_model_dir
 from loraplex.engine.lora import LoRAManager
 
 from loraplex.platform.observability.tracing import Tracing, TracingConfig

@@ -145,7 +145,7 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
     # bf16 is the default; its kernels (oneDNN packing, C kernels) depend on the CPU's
     # instruction set, and an unsupported one must fall back instead of failing at load.
     from loraplex.adapters import AdapterStore, BaseShapes
-    from loraplex.engine.cpu_linear import PackedLinear, packing_supported
+    from loraplex.engine.kernels.torch.linear import PackedLinear, packing_supported
     from loraplex.engine.kernels.cpu import dpbf16 as cpu_dpbf16, gemm as cpu_gemm
     from loraplex.engine.kernels.cpu.lora import CLoRABackend
     from loraplex.engine.lora import LoRAManager

@@ -9,7 +9,7 @@ from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.errors import EngineOverloadedError, InvalidRequestError
-from loraplex.engine.fairness import TenantShareExceededError
+from loraplex.engine.errors import TenantShareExceededError
 from loraplex.engine.request import SamplingParams
 
 

@@ -78,7 +78,7 @@ def build_tiny_model_dir(
     from transformers import AutoModelForCausalLM
 
     if tokenizer_dir is None:
-        from loraplex.engine.loader import resolve_model_dir
+        from loraplex.engine.checkpoint import resolve_model_dir
 
         tokenizer_dir = resolve_model_dir("default")
     tokenizer_dir, out_dir = Path(tokenizer_dir), Path(out_dir)

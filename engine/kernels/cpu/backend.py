@@ -7,8 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ...cpu_linear import packing_supported
-from ..backend import KernelBackend
+from ..torch.backend import TorchBackend
+from ..torch.linear import packing_supported
 from . import dpbf16, gemm
 from .decode import cpu_paged_attention
 from .fused import CLayerOps, cpu_write_kv
@@ -16,7 +16,7 @@ from .lora import CLoRABackend
 from .metadata import CpuAttentionMetadata, build_cpu_metadata
 
 
-class CpuBackend(KernelBackend):
+class CpuBackend(TorchBackend):
     name = "cpu"
     lora_backend = CLoRABackend
     write_kv = staticmethod(cpu_write_kv)

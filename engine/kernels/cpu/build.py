@@ -27,7 +27,7 @@ from pathlib import Path
 
 from loraplex.adapters.files import file_lock
 
-from ...loader import default_cache_dir
+from ...checkpoint import default_cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The C decode-attention kernel (decode.c), built and called through build.py.
 
-Without a C compiler the engine keeps the torch path (engine/attention.py), which is
+Without a C compiler the engine keeps the torch path (engine/kernels/torch/attention.py), which is
 also this kernel's reference in the tests.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ import ctypes
 
 import torch
 
-from ...attention import prefill_attention
+from ..torch.attention import prefill_attention
 from . import build, prefill
 from .metadata import CpuAttentionMetadata
 

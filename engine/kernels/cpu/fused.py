@@ -1,7 +1,7 @@
 """Fused elementwise layer steps in C (fused.c): RMSNorm with the residual add,
 rotary embedding in place, SiLU-and-multiply.
 
-`CLayerOps` has the methods of `engine.models.llama.TorchLayerOps`, its reference, and
+`CLayerOps` has the methods of `engine.kernels.torch.layer_ops.TorchLayerOps`, its reference, and
 the model uses it when the runner picks the "cpu" kernels.
 """
 from __future__ import annotations

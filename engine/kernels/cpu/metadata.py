@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...attention import TorchAttentionMetadata, build_metadata, ragged_tables
+from ..torch.attention import TorchAttentionMetadata, build_metadata, ragged_tables
 
 
 @dataclass

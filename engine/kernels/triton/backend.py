@@ -2,14 +2,16 @@
 (on CUDA; on a CPU through Triton's interpreter, for tests)."""
 from __future__ import annotations
 
-from ...attention import RaggedAttentionMetadata, build_ragged_metadata
-from ..backend import KernelBackend
+from ..torch.attention import RaggedAttentionMetadata, build_ragged_metadata
+from ..torch.backend import TorchBackend
 from .kv_write import triton_write_kv
 from .lora import StackedLoRAWeights
 from .paged_attention import triton_paged_attention
 
 
-class TritonBackend(KernelBackend):
+class TritonBackend(TorchBackend):
+    """Triton's attention, KV write and LoRA; the torch layer ops and linears."""
+
     name = "triton"
     lora_backend = StackedLoRAWeights
     write_kv = staticmethod(triton_write_kv)

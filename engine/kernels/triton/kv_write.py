@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...attention import write_kv as reference_write_kv  # the torch path the CPU engine runs
+from ..torch.attention import write_kv as reference_write_kv  # the torch path the CPU engine runs
 
 __all__ = ["triton_write_kv", "reference_write_kv"]
 

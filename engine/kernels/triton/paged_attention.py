@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...attention import RaggedAttentionMetadata
-from ...attention import paged_attention as reference_paged_attention  # the torch path (CPU engine)
-from ...attention import reference_attention  # plain fp32 loop, the oracle of both
+from ..torch.attention import RaggedAttentionMetadata
+from ..torch.attention import paged_attention as reference_paged_attention  # the torch path (CPU engine)
+from ..torch.attention import reference_attention  # plain fp32 loop, the oracle of both
 
 __all__ = ["triton_paged_attention", "reference_paged_attention", "reference_attention", "attention_config"]
 

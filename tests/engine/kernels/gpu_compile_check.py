@@ -64,7 +64,7 @@ def _signature(fn, args, kwargs):
 
 def record_launches() -> list[tuple[str, object, tuple, dict]]:
     from loraplex.engine.lora import pack_adapter
-    from loraplex.engine.attention import build_ragged_metadata
+    from loraplex.engine.kernels.torch.attention import build_ragged_metadata
     from tests.engine.kernels.kernel_cases import paged_batch, random_adapter
 
     recs = {}

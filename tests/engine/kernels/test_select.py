@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine import attention
-from loraplex.engine.attention import RaggedAttentionMetadata, TorchAttentionMetadata
+from loraplex.engine.kernels.torch import attention
+from loraplex.engine.kernels.torch.attention import RaggedAttentionMetadata, TorchAttentionMetadata
 from loraplex.engine.kernels import REGISTRY, create_backend
 from loraplex.engine.kernels.cpu.metadata import CpuAttentionMetadata
 from loraplex.engine.kernels.select import select_backend

@@ -11,7 +11,7 @@ import torch
 
 from loraplex.adapters import AdapterStore, BaseShapes, load_peft_adapter
 from loraplex.adapters.synth import make_random_peft_adapter
-from loraplex.engine.loader import ModelArch
+from loraplex.engine.checkpoint import ModelArch
 from loraplex.engine.lora import LoRAManager, pack_adapter
 from loraplex.engine.lora.epilogue import AdapterLoadError, CheckpointWeights, module_epilogues
 from loraplex.engine.lora.packing import projection_sizes

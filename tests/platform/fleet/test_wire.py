@@ -115,7 +115,7 @@ def test_tenant_weight_timeout_and_engine_times_cross_the_wire():
 
 
 def test_a_tenant_over_its_share_crosses_as_a_429_with_its_message():
-    from loraplex.engine.fairness import TenantShareExceededError
+    from loraplex.engine.errors import TenantShareExceededError
     from loraplex.platform.errors import api_error
 
     status, body = error_status(TenantShareExceededError("7", 3, 3))

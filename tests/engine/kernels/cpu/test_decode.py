@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.attention import paged_attention, reference_attention
+from loraplex.engine.kernels.torch.attention import paged_attention, reference_attention
 from loraplex.engine.kernels.cpu.decode import cpu_decode_attention, cpu_paged_attention, load_library
 from tests.engine.kernels.kernel_cases import paged_batch, same_on_one_and_four_threads
 

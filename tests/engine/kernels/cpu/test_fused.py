@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.attention import write_kv
+from loraplex.engine.kernels.torch.attention import write_kv
 from loraplex.engine.kernels.cpu.fused import CLayerOps, cpu_write_kv, load_library
 from loraplex.engine.models.llama import TorchLayerOps
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.attention import prefill_attention, reference_attention
+from loraplex.engine.kernels.torch.attention import prefill_attention, reference_attention
 from loraplex.engine.kernels.cpu import decode as cpu_decode, prefill as cpu_prefill
 from tests.engine.kernels.kernel_cases import MARCHES, paged_batch, same_on_one_and_four_threads, use_build
 

@@ -11,7 +11,7 @@ from loraplex.engine.kernels.triton.paged_attention import (  # noqa: E402
     reference_paged_attention,
     triton_paged_attention,
 )
-from loraplex.engine.attention import build_metadata, build_ragged_metadata  # noqa: E402
+from loraplex.engine.kernels.torch.attention import build_metadata, build_ragged_metadata  # noqa: E402
 from tests.engine.kernels.kernel_cases import paged_batch  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .request import AdapterRef
+from ..request import AdapterRef
 
 
 @dataclass(frozen=True)

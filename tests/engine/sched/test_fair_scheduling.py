@@ -4,7 +4,7 @@ A driver plays the engine: it feeds arrivals, runs `schedule()`, "samples" a tok
 every sequence that reaches its end (never EOS; each request stops at its max_tokens),
 and measures each tenant's service from the plans themselves: w_in per prompt token
 computed for the first time, w_out per sampled token. The bound is the one
-`tests/engine/test_fairness.py` checks on the bare queue (Sheng et al., OSDI'24, Thm 4.4):
+`tests/engine/sched/test_fairness.py` checks on the bare queue (Sheng et al., OSDI'24, Thm 4.4):
 two tenants backlogged over an interval get weighted service within
 2·max(w_in·L, w_out·M) / min weight of each other, L the longest prompt, M the tokens
 the KV pool holds.
@@ -16,13 +16,13 @@ import random
 
 import pytest
 
-from loraplex.engine.block_pool import KVCacheManager
+from loraplex.engine.sched.block_pool import KVCacheManager
 from loraplex.engine.config import SchedulerConfig
 from loraplex.engine.errors import EngineOverloadedError
-from loraplex.engine.fairness import TenantShareExceededError
+from loraplex.engine.errors import TenantShareExceededError
 from loraplex.engine.request import Lane, Request, RequestStatus, SamplingParams
-from loraplex.engine.scheduler import Scheduler
-from tests.engine.test_fairness import pair_gaps
+from loraplex.engine.sched.scheduler import Scheduler
+from tests.engine.sched.test_fairness import pair_gaps
 
 W_IN, W_OUT = 1.0, 2.0
 BLOCKS, BLOCK_SIZE = 64, 4

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from loraplex.engine.request import Lane, Request, SamplingParams
-from loraplex.engine.request_queue import ContinuousPolicy, LaneQueue, StaticBatchPolicy
+from loraplex.engine.sched.request_queue import ContinuousPolicy, LaneQueue, StaticBatchPolicy
 
 AGING = 5.0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import EngineError
+from ..errors import EngineError
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 _DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")

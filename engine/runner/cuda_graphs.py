@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from .attention import RaggedAttentionMetadata
+from ..kernels.torch.attention import RaggedAttentionMetadata
 
 # Widths above this run eagerly: a step that wide is compute bound, and each width
 # costs capture time and graph memory. vLLM's default cap is the same.
@@ -166,7 +166,7 @@ class StaticLoRAHook:
         self.tiles = torch.stack((rows, rows + used, adapter_slots.clamp(min=0)), dim=1).contiguous()
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        from .kernels.triton.lora import lora_expand, lora_shrink
+        from ..kernels.triton.lora import lora_expand, lora_shrink
 
         w = self.weights
         s = lora_shrink(x, w.a[group][layer], w.ranks[group][layer], self.tiles, self.BLOCK_M, w.max_rank)

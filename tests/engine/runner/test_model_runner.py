@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.engine.block_pool import KVCacheManager
+from loraplex.engine.sched.block_pool import KVCacheManager
 from loraplex.engine.config import CPU_KV_CACHE_MEMORY, CacheConfig, EngineConfig, LoRAConfig, ModelConfig, \
     SchedulerConfig
-from loraplex.engine.cuda_graphs import GraphPolicy
+from loraplex.engine.runner.cuda_graphs import GraphPolicy
 from loraplex.engine.engine import LLMEngine
-from loraplex.engine.memory_budget import (GIB, DeviceMemory, DeviceMemoryError, Measured, MemoryPlanConfig,
+from loraplex.engine.runner.memory_budget import (GIB, DeviceMemory, DeviceMemoryError, Measured, MemoryPlanConfig,
                                            ModelShape, kv_bytes_per_block, plan_kv_cache)
 from loraplex.engine.request import Request, SamplingParams
-from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.sched.scheduler import Scheduler
 
 # The tiny Llama: 2 layers, 2 KV heads of 16, fp32 -> 8 KiB per 16-token block, 2048 positions.
 TINY_BLOCK = 2 * 2 * 2 * 16 * 16 * 4

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from loraplex.engine.errors import ModelLoadError
-from loraplex.engine.loader import (
+from loraplex.engine.checkpoint import (
     ModelArch,
     embedded_gguf_path,
     load_state_dict,
@@ -261,7 +261,7 @@ def test_load_sharded_state_dict_follows_index(tmp_path: Path) -> None:
 
 _RESOLVE = (
     "import sys, torch; torch.set_num_threads(1);"
-    "from loraplex.engine.loader import resolve_model_dir;"
+    "from loraplex.engine.checkpoint import resolve_model_dir;"
     "print(resolve_model_dir('default', sys.argv[1]))"
 )
 _MESSAGE = "loraplex: converting the embedded SmolLM2-135M-Instruct"

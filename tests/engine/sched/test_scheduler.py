@@ -13,12 +13,12 @@ from collections import Counter
 
 import pytest
 
-from loraplex.engine.adapter_memory import AdapterMemory
-from loraplex.engine.block_pool import BlockPool, KVCacheManager
+from loraplex.engine.sched.adapter_memory import AdapterMemory
+from loraplex.engine.sched.block_pool import BlockPool, KVCacheManager
 from loraplex.engine.config import SchedulerConfig
 from loraplex.engine.errors import EngineOverloadedError, PromptTooLongError
 from loraplex.engine.request import AdapterRef, Lane, Request, RequestStatus, SamplingParams
-from loraplex.engine.scheduler import Scheduler, SchedulerOutput
+from loraplex.engine.sched.scheduler import Scheduler, SchedulerOutput
 
 EOS = 2
 I, S, B = Lane.INTERACTIVE, Lane.STANDARD, Lane.BATCH

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.loader import ModelArch
-from loraplex.engine.memory_budget import (
+from loraplex.engine.checkpoint import ModelArch
+from loraplex.engine.runner.memory_budget import (
     DeviceMemory, DeviceMemoryError, Measured, MemoryPlanConfig, ModelShape, adapter_slot_bytes, device_memory,
     kv_bytes_per_block, plan_kv_cache, tensor_bytes,
 )
@@ -151,7 +151,7 @@ def test_tensor_bytes_counts_tied_weights_once():
 def test_plan_on_a_real_device():
     from itertools import chain
 
-    from loraplex.engine.memory_budget import plan_on_device
+    from loraplex.engine.runner.memory_budget import plan_on_device
 
     at_start = device_memory("cuda")
     model = torch.nn.Linear(1024, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -173,7 +173,7 @@ def test_lora_stack_sizes():
 
 
 def test_default_adapter_rows_one_per_sequence_unless_memory_is_short():
-    from loraplex.engine.memory_budget import ADAPTER_ROWS_SHARE, MIN_ADAPTER_ROWS, default_adapter_rows
+    from loraplex.engine.runner.memory_budget import ADAPTER_ROWS_SHARE, MIN_ADAPTER_ROWS, default_adapter_rows
 
     # SmolLM2 on a 141 GB card: 128 rank-64 rows (39 MB each) are a sliver: one per sequence.
     left = int(GPU_141G.total * 0.9) - 270_000_000

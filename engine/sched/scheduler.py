@@ -9,14 +9,14 @@ import heapq
 import time
 from typing import Callable
 
+from ..config import SchedulerConfig
+from ..errors import EngineOverloadedError, PromptTooLongError
+from ..request import AdapterRef, Lane, Request, RequestStatus
 from .adapter_memory import AdapterMemory
 from .block_pool import KVCacheManager
-from .config import SchedulerConfig
-from .errors import EngineOverloadedError, PromptTooLongError
 from .fair_lanes import FairLaneQueue
 from .fairness import FairnessConfig
 from .lane_guard import LaneGuard, Split
-from .request import AdapterRef, Lane, Request, RequestStatus
 from .request_queue import POLICIES, LaneQueue, RequestQueue
 from .step_plan import Budget, ScheduledSeq, SchedulerOutput, StepPlan
 

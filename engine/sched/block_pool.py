@@ -14,7 +14,7 @@ from array import array
 from collections import OrderedDict
 from typing import Callable, Iterable
 
-from .request import Request
+from ..request import Request
 
 
 def hash_block(parent: bytes, salt: str, adapter: str, tokens: list[int]) -> bytes:

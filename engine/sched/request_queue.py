@@ -13,7 +13,7 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 
-from .request import Lane, Request
+from ..request import Lane, Request
 
 
 class RequestQueue(ABC):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.engine.block_pool import BlockPool, KVCacheManager, hash_block
+from loraplex.engine.sched.block_pool import BlockPool, KVCacheManager, hash_block
 from loraplex.engine.request import AdapterRef, Request, SamplingParams
 
 BS = 4

@@ -15,7 +15,7 @@ import torch
 # As tests/engine/kernels/conftest.py: the interpreter must be on before the kernel modules load.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from loraplex.engine.cuda_graphs import (  # noqa: E402
+from loraplex.engine.runner.cuda_graphs import (  # noqa: E402
     MAX_GRAPH_WIDTH, DecodeInputs, GraphPolicy, LlamaDecodeForward, capture_widths,
 )
 
@@ -59,7 +59,7 @@ def _step(ids, ctx, tables, slots) -> DecodeInputs:
 
 
 def test_a_step_from_rows_matches_the_ragged_metadata():
-    from loraplex.engine.attention import build_ragged_metadata
+    from loraplex.engine.kernels.torch.attention import build_ragged_metadata
 
     ctx, tables = [3, 17, 24], [[10, 4], [11, 12, 13], [14, 15, 16, 17]]  # tables may run past the context
     step = _step([11, 12, 13], ctx, tables, [-1, 0, 2])
@@ -92,9 +92,9 @@ def decode_setup(tiny_llama_dir):
     from loraplex.engine.kernels.triton.lora import StackedLoRAWeights
     from loraplex.engine.kernels.triton.kv_write import triton_write_kv
     from loraplex.engine.kernels.triton.paged_attention import triton_paged_attention
-    from loraplex.engine.loader import ModelArch, load_state_dict
+    from loraplex.engine.checkpoint import ModelArch, load_state_dict
     from loraplex.engine.lora import pack_adapter
-    from loraplex.engine.memory_budget import ModelShape
+    from loraplex.engine.runner.memory_budget import ModelShape
     from loraplex.engine.models.llama import LlamaModel
 
     arch = ModelArch.from_dir(tiny_llama_dir)
@@ -129,7 +129,7 @@ def test_padded_static_decode_equals_the_eager_step(decode_setup):
     model, stacks, kv = decode_setup
     ctx, tables, slots = [5, 17, 30, 9], [[3], [7, 1, 12], [2, 9, 4, 11], [5, 6]], [-1, 0, 2, 1]
     step = _step([101, 202, 303, 404], ctx, tables, slots)
-    from loraplex.engine.attention import build_ragged_metadata
+    from loraplex.engine.kernels.torch.attention import build_ragged_metadata
 
     meta = build_ragged_metadata([(c - 1, 1, t) for c, t in zip(ctx, tables)], 8, torch.float32)
     kv_ref = [(k.clone(), v.clone()) for k, v in kv]
@@ -153,10 +153,10 @@ def test_padded_static_decode_equals_the_eager_step(decode_setup):
 
 _GPU_SCRIPT = """
 import torch
-from loraplex.engine.cuda_graphs import CUDAGraphRunner, DecodeInputs, GraphPolicy, LlamaDecodeForward
+from loraplex.engine.runner.cuda_graphs import CUDAGraphRunner, DecodeInputs, GraphPolicy, LlamaDecodeForward
 from loraplex.engine.kernels.triton.kv_write import triton_write_kv
 from loraplex.engine.kernels.triton.paged_attention import triton_paged_attention
-from loraplex.engine.loader import ModelArch, load_state_dict
+from loraplex.engine.checkpoint import ModelArch, load_state_dict
 from loraplex.engine.models.llama import LlamaModel
 import sys
 d, dev = sys.argv[1], torch.device("cuda")

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from loraplex.engine.attention import GROUP_COST_BLOCKS, group_decodes, paged_attention, reference_attention
+from loraplex.engine.kernels.torch.attention import GROUP_COST_BLOCKS, group_decodes, paged_attention, reference_attention
 
-from .kernels.kernel_cases import paged_batch
+from ..kernel_cases import paged_batch
 
 
 def _cost(groups: list[list[int]], blocks: list[int]) -> int:

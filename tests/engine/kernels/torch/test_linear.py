@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.engine.cpu_linear import PackedLinear, pack_linears, packing_supported
+from loraplex.engine.kernels.torch.linear import PackedLinear, pack_linears, packing_supported
 
 needs_packing = pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.bfloat16),
                                    reason="oneDNN cannot pack bf16 weights on this CPU (no AVX-512)")

@@ -12,12 +12,12 @@ import zlib
 
 import pytest
 
-from loraplex.engine.block_pool import KVCacheManager
+from loraplex.engine.sched.block_pool import KVCacheManager
 from loraplex.engine.config import SchedulerConfig
-from loraplex.engine.lane_guard import LaneGuard, Split, StepCost
+from loraplex.engine.sched.lane_guard import LaneGuard, Split, StepCost
 from loraplex.engine.request import Lane, Request, SamplingParams
-from loraplex.engine.scheduler import Scheduler, SchedulerOutput
-from tests.engine.test_scheduler import B, I, S, Harness, scheduled
+from loraplex.engine.sched.scheduler import Scheduler, SchedulerOutput
+from tests.engine.sched.test_scheduler import B, I, S, Harness, scheduled
 
 # -- the guard alone ---------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """A class's budget within a step: tokens, and for the background, measured cost."""
 from __future__ import annotations
 
-from loraplex.engine.step_plan import Budget
+from loraplex.engine.sched.step_plan import Budget
 
 
 def test_a_plain_budget_counts_tokens():

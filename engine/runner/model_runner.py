@@ -7,18 +7,18 @@ import time
 
 import torch
 
-from .config import CPU_KV_CACHE_MEMORY, EngineConfig
+from ..checkpoint import ModelArch, load_state_dict
+from ..config import CPU_KV_CACHE_MEMORY, EngineConfig
+from ..kernels import create_backend, select_backend
+from ..lora.epilogue import CheckpointWeights
+from ..models.llama import LlamaModel
+from ..request import Request
+from ..sampler import Logprobs, Sampler, SampleRow, top_logprobs
+from ..sched.step_plan import ScheduledSeq, SchedulerOutput
 from .cpu_tuning import keep_freed_memory_in_heap
 from .cuda_graphs import CUDAGraphRunner, DecodeInputs, GraphPolicy, LlamaDecodeForward
-from .kernels import create_backend, select_backend
-from .loader import ModelArch, load_state_dict
-from .lora.epilogue import CheckpointWeights
 from .memory_budget import (DeviceMemory, MemoryPlanConfig, ModelShape, default_adapter_rows, device_memory,
                             kv_bytes_per_block, plan_fixed_kv, plan_on_device)
-from .models.llama import LlamaModel
-from .request import Request
-from .sampler import Logprobs, Sampler, SampleRow, top_logprobs
-from .step_plan import ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ the model's weights (measured), the adapter rows a LoRA backend allocates up fro
 which CUDA graphs read by address; 0 for a backend whose rows grow, whose adapters take
 pages of the pool instead), the activation peak of one `max_num_batched_tokens` forward
 (profiled) and memory outside torch's allocator (CUDA context, cuBLAS workspaces); the
-rest becomes the pool of blocks that KV and adapter pages share (engine/block_pool.py).
+rest becomes the pool of blocks that KV and adapter pages share (engine/sched/block_pool.py).
 `kv_cache_memory` bytes, when given, replaces that computation.
 
 The arithmetic (`plan_kv_cache`) takes plain numbers, so it is tested against injected
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import EngineError
+from ..errors import EngineError
 
 GIB = 1 << 30
 
@@ -34,7 +34,7 @@ class DeviceMemoryError(EngineError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What sizing needs of an architecture (fields named as in `loader.ModelArch`)."""
+    """What sizing needs of an architecture (fields named as in `checkpoint.ModelArch`)."""
 
     hidden_size: int
     intermediate_size: int

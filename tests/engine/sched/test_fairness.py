@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import pytest
 
 from loraplex.engine.errors import EngineOverloadedError, InvalidRequestError
-from loraplex.engine.fairness import FairnessConfig, FairQueue, TenantShareExceededError
+from loraplex.engine.errors import TenantShareExceededError
+from loraplex.engine.sched.fairness import FairnessConfig, FairQueue
 
 W_IN, W_OUT = 1.0, 2.0
 MEMORY = 256  # M: tokens a running batch holds (prompt + output of each running request)

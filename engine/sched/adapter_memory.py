@@ -13,8 +13,8 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
+from ..request import AdapterRef
 from .block_pool import BlockPool
-from .request import AdapterRef
 
 
 class AdapterMemory:

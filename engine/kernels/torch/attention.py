@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..backend import AttentionMetadata
+
 
 def head_major_rows(blocks: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
     """Block ids -> rows of a cache viewed as [kv_heads * num_blocks, block_size * head_dim],
@@ -60,17 +62,6 @@ class DecodeGroup:
         if self._flat is None:
             self._flat = head_major_rows(self.blocks, kv_heads, num_blocks)
         return self._flat
-
-
-@dataclass
-class AttentionMetadata:
-    """What every backend's attention reads: where each new token's K/V goes, and how
-    many of the batch's first sequences are decodes. Each kernel backend builds its own
-    subclass (`KernelBackend.build_metadata`), holding only the form its kernels take."""
-
-    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
-    block_size: int = 16
-    num_decodes: int = 0
 
 
 @dataclass

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from .errors import EngineError, EngineOverloadedError, InvalidRequestError
+from ..errors import EngineOverloadedError, InvalidRequestError, TenantShareExceededError
 
 
 class FairRequest(Protocol):
@@ -60,20 +60,6 @@ class FairnessConfig:
     def tenant_limit(self, weight: float) -> int:
         """Places in the waiting queue a tenant of this weight may fill."""
         return max(1, min(self.max_waiting, int(self.max_waiting * self.tenant_share * weight)))
-
-
-class TenantShareExceededError(EngineError):
-    """A tenant already fills its share of the waiting queue; the gateway answers 429."""
-
-    reason = "tenant_queue_share_exceeded"
-
-    def __init__(self, tenant: str, waiting: int | None = None, limit: int | None = None) -> None:
-        self.tenant, self.waiting, self.limit = tenant, waiting, limit
-        if waiting is None or limit is None:  # rebuilt from its message (across a worker hop)
-            super().__init__(tenant)
-            return
-        super().__init__(f"tenant {tenant!r} already has {waiting} requests waiting, its share of the "
-                         f"queue is {limit}; retry after some finish")
 
 
 def _check_weight(weight: float) -> None:

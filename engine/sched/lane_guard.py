@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .request import Lane
+from ..request import Lane
 
 
 @dataclass(frozen=True)

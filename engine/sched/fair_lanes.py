@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from .fairness import FairnessConfig, FairQueue, TenantShareExceededError
-from .request import Lane, Request
+from ..errors import TenantShareExceededError
+from ..request import Lane, Request
+from .fairness import FairnessConfig, FairQueue
 from .request_queue import RequestQueue
 
 

@@ -1,0 +1,2 @@
+"""The model runner and what sizes and places it: device memory budget, CUDA graphs,
+CPU allocator tuning, device checks."""
