@@ -99,11 +99,38 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's --speculative-config): `method` "ngram" drafts the next
+    tokens from the request's own prompt and output (prompt lookup: the latest earlier
+    occurrence of its last `prompt_lookup_max`..`prompt_lookup_min` tokens, and what
+    followed it), verified in the same step as every other request's work, with the
+    request's own adapter. None: off."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method not in (None, "ngram"):
+            raise ValueError(f"unknown speculative method {self.method!r}; use 'ngram'")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # torch intra-op threads; None leaves torch's default. A busy 2-core machine can be
     # 40x slower with too many threads, so the CLI always sets this.
     num_threads: int | None = None

@@ -21,6 +21,7 @@ from .runner.model_runner import ModelRunner
 from .sampler import Logprobs
 from .sched.block_pool import KVCacheManager
 from .sched.scheduler import Scheduler
+from .spec import DraftProposer, create_proposer
 from .structured.compile_pool import CompilePool
 from .structured.grammar import GrammarCompiler, RequestGrammar, StructuredConfig
 from .tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
@@ -55,7 +56,10 @@ class _Stream:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, lora_manager=None) -> None:
+    def __init__(self, config: EngineConfig | None = None, lora_manager=None, proposer: DraftProposer | None = None
+                 ) -> None:
+        """`proposer`: where drafts come from when `config.speculative` is on (default: the
+        one its `method` names)."""
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -66,11 +70,14 @@ class LLMEngine:
                                  self.arch.max_position_embeddings)
         self.lora = lora_manager
         self.runner = ModelRunner(config, self.arch, str(self.model_dir), lora_manager)
+        self.proposer = (proposer or create_proposer(config.speculative)) if config.speculative.enabled else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
                                    lora_manager.max_rows if lora_manager is not None else None,
                                    adapter_ready=lora_manager.ready if lora_manager is not None else None,
-                                   adapter_pages=self._adapter_pages if lora_manager is not None else None)
+                                   adapter_pages=self._adapter_pages if lora_manager is not None else None,
+                                   propose=self.proposer.propose if self.proposer else None,
+                                   max_drafts=config.speculative.num_speculative_tokens)
         self._streams: dict[str, _Stream] = {}
         self._groups: dict[str, _Group] = {}
         self._choice_of: dict[str, tuple[_Group, int]] = {}  # child id -> (group, index)
@@ -185,6 +192,8 @@ class LLMEngine:
     def _release(self, req: Request) -> None:
         if req.adapter is not None and self.lora is not None:
             self.lora.release(req.adapter.digest)
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
 
     def warm_up(self) -> float:
         """Meet every decode width and the full chunk size once before serving (a few
@@ -209,21 +218,24 @@ class LLMEngine:
         if not plan.seqs:
             return [self._as_choice(o) for o in failed]
         started = time.perf_counter()
-        sampled, logprobs = self.runner.execute(plan, self.scheduler.requests)
+        result = self.runner.execute(plan, self.scheduler.requests)
         self.scheduler.observe_step(plan, time.perf_counter() - started)
         reqs = {s.request_id: self.scheduler.requests[s.request_id] for s in plan.seqs}
-        finished = self.scheduler.update(plan, sampled)
+        for rid, found in result.prompt_logprobs.items():
+            reqs[rid].prompt_logprobs.update(found)
+        first = {rid: reqs[rid].num_output_tokens for rid in result.tokens}
+        finished = self.scheduler.update(plan, result.tokens)
         for req in finished:
             self._release(req)
         done = {r.request_id for r in finished}
         for s in plan.seqs:
             self.num_prompt_tokens += max(0, min(s.start_pos + len(s.token_ids), reqs[s.request_id].num_prompt_tokens)
                                           - s.start_pos)
-        self.num_generation_tokens += len(sampled)
-        outs = [self._output(reqs[rid], tok, logprobs.get(rid), rid in done) for rid, tok in sampled.items()]
+        outs = [self._output(reqs[rid], n, result.logprobs[rid], rid in done) for rid, n in first.items()]
+        self.num_generation_tokens += sum(len(o.new_token_ids) for o in outs)
         if self.report_prefill:  # prompt chunks that sampled nothing (a first prefill, not a recompute)
             outs += [self._prefill_output(r) for r in (reqs[s.request_id] for s in plan.seqs)
-                     if r.request_id not in sampled and r.request_id not in done and not r.num_output_tokens]
+                     if r.request_id not in result.tokens and r.request_id not in done and not r.num_output_tokens]
         outs = failed + outs
         return [self._as_choice(o) for o in outs] if self._choice_of else outs
 
@@ -304,9 +316,19 @@ class LLMEngine:
                                       if not req.num_output_tokens else req.num_prompt_tokens))
         return outs
 
-    def _output(self, req: Request, token: int, lp: Logprobs | None, finished: bool) -> RequestOutput:
+    def _output(self, req: Request, first: int, lps: list[Logprobs | None], finished: bool) -> RequestOutput:
+        """The output of `req`'s tokens from index `first` on (one, or what verified drafts
+        kept). A stop string ends it at the token that completes it: tokens a draft
+        produced past that point are dropped, as plain decoding never made them."""
         stream = self._streams[req.request_id]
-        text, stopped = stream.stop.feed(stream.detok.step([token]))
+        tokens, text, stopped = req.output_token_ids[first:], "", False
+        for n, token in enumerate(tokens, 1):
+            piece, stopped = stream.stop.feed(stream.detok.step([token]))
+            text += piece
+            if stopped:
+                del req.output_token_ids[first + n:]
+                tokens = tokens[:n]
+                break
         if stopped and not finished:
             self._finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             req.stop_reason = stream.stop.matched
@@ -323,10 +345,11 @@ class LLMEngine:
         if finished:
             self._streams.pop(req.request_id, None)
         out = RequestOutput(
-            request_id=req.request_id, new_token_ids=[token], new_text=text, finished=finished,
+            request_id=req.request_id, new_token_ids=tokens, new_text=text, finished=finished,
             finish_reason=req.status.value if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=req.num_output_tokens, logprobs=[lp] if lp else [], stop_reason=req.stop_reason,
+            num_output_tokens=req.num_output_tokens, logprobs=[lp for lp in lps[:len(tokens)] if lp],
+            stop_reason=req.stop_reason,
             num_processed_prompt_tokens=req.num_prompt_tokens,
             prompt_logprobs=self._prompt_logprobs(req))
         if req.num_output_tokens == 1 and req.scheduled_time is not None and req.first_token_time is not None:

@@ -248,6 +248,20 @@ class Request:
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
+    def stop_status(self, token: int, max_model_len: int) -> RequestStatus | None:
+        """What `token`, just appended, ends this request with (stop_reason set), if anything."""
+        sp = self.sampling
+        if self.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                self.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= sp.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
     @property
     def adapter_digest(self) -> str:
         return self.adapter.digest if self.adapter else ""

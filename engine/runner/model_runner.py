@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +27,17 @@ log = logging.getLogger(__name__)
 _PROMPT_LOGPROB_ROWS = 256
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class StepResult:
+    """What a step produced, by request id: the tokens sampled at each sampled position
+    (one; with drafts, one per verified position), their logprobs, and the logprobs of
+    prompt tokens its chunks predicted (position -> entry)."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[Logprobs | None]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, dict[int, Logprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -178,36 +190,40 @@ class ModelRunner:
                 self.model.compute_logits(torch.zeros(n, self.arch.hidden_size, dtype=self.dtype, device=self.device))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, requests: dict[str, Request]
-                ) -> tuple[dict[str, int], dict[str, Logprobs | None]]:
+    def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> StepResult:
         # Decodes first (attention computes them in groups of similar context length),
         # then prefills; within each, ordered by adapter so every adapter's tokens form
         # one segment, and decodes by length so a base-model group is a run of rows.
+        # The scheduler's engine loaded the step's adapters before this is called.
         seqs = sorted(out.seqs, key=lambda s: (len(s.token_ids) != 1, s.adapter_slot, s.start_pos))
-        if self.lora is not None:
-            self.lora.load(out.adapter_loads)
         # A graph's output is overwritten by the next replay: the logits below are taken
         # from it within this step.
         hidden = self._replay(seqs)
         if hidden is None:
             hidden = self._eager(seqs)
+        result = StepResult()
         if any(requests[s.request_id].sampling.prompt_logprobs is not None for s in seqs):
-            self._prompt_logprobs(seqs, hidden, requests)
-        rows, sample_seqs, end = [], [], 0
+            result.prompt_logprobs = self._prompt_logprobs(seqs, hidden, requests)
+        rows, sample_rows, owners, end = [], [], [], 0
         for s in seqs:
             end += len(s.token_ids)
             if s.sample:
-                rows.append(end - 1)
-                sample_seqs.append(s)
+                req = requests[s.request_id]
+                drafts = s.token_ids[len(s.token_ids) - s.num_drafts:]
+                # Position i verifies draft i: sampled as if drafts[:i] were output already.
+                for i in range(s.num_drafts + 1):
+                    rows.append(end - 1 - s.num_drafts + i)
+                    sample_rows.append(SampleRow(req.sampling, req.num_output_tokens + i, req.prompt_token_ids,
+                                                 req.output_token_ids + drafts[:i] if i else req.output_token_ids,
+                                                 req.grammar))
+                    owners.append(s.request_id)
         if not rows:
-            return {}, {}
-        logits = self.model.compute_logits(hidden[rows])
-        reqs = [requests[s.request_id] for s in sample_seqs]
-        sample_rows = [SampleRow(r.sampling, r.num_output_tokens, r.prompt_token_ids, r.output_token_ids, r.grammar)
-                       for r in reqs]
-        tokens, logprobs = self.sampler.sample(logits, sample_rows)
-        ids_ = [s.request_id for s in sample_seqs]
-        return dict(zip(ids_, tokens)), dict(zip(ids_, logprobs))
+            return result
+        tokens, logprobs = self.sampler.sample(self.model.compute_logits(hidden[rows]), sample_rows)
+        for rid, tok, lp in zip(owners, tokens, logprobs):
+            result.tokens.setdefault(rid, []).append(tok)
+            result.logprobs.setdefault(rid, []).append(lp)
+        return result
 
     def _eager(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
         ids, pos = [], []
@@ -221,10 +237,12 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         return self.model(input_ids, positions, meta, self.kv_caches, lora)
 
-    def _prompt_logprobs(self, seqs: list, hidden: torch.Tensor, requests: dict[str, Request]) -> None:
+    def _prompt_logprobs(self, seqs: list, hidden: torch.Tensor, requests: dict[str, Request]
+                         ) -> dict[str, dict[int, Logprobs]]:
         """Logprobs of the prompt tokens this step's chunks predict (row p predicts token
-        p + 1), stored on the requests that ask for them."""
+        p + 1), by request and position, for the requests that ask for them."""
         rows, targets, top_n, where = [], [], [], []
+        found: dict[str, dict[int, Logprobs]] = {}
         end = 0
         for s in seqs:
             req = requests[s.request_id]
@@ -241,4 +259,5 @@ class ModelRunner:
             hi = lo + _PROMPT_LOGPROB_ROWS
             logits = self.model.compute_logits(hidden[rows[lo:hi]])
             for (req, pos), lp in zip(where[lo:hi], top_logprobs(logits, targets[lo:hi], top_n[lo:hi])):
-                req.prompt_logprobs[pos] = lp
+                found.setdefault(req.request_id, {})[pos] = lp
+        return found

@@ -256,6 +256,16 @@ class KVCacheManager:
         for i in range(prev_computed // self.block_size, full):
             self.pool.cache(req.block_ids[i], req.block_hashes[i])
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Give back `req`'s blocks past what `num_tokens` tokens need (the slots of drafts
+        the model rejected). Those blocks hold no published KV: only computed full blocks
+        are ever cached."""
+        keep = self.blocks_needed(num_tokens)
+        if len(req.block_ids) > keep:
+            extra = req.block_ids[keep:]
+            del req.block_ids[keep:]
+            self.pool.free(extra)
+
     def free(self, req: Request) -> None:
         self.pool.free(req.block_ids)
         req.block_ids = []

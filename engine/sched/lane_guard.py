@@ -47,6 +47,21 @@ class Split:
         return min(self.max_tokens, int(self.background_units / cheapest + 1e-9))
 
 
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of a step: fixed + per_decode x decoded tokens + per_prompt x other tokens."""
+
+    fixed: float
+    per_decode: float
+    per_prompt: float
+
+    def break_even(self, decoded: int, prompt: int) -> float:
+        """The acceptance rate above which one more drafted token shortens the time per
+        output token of a step planned with `decoded` decodes and `prompt` other tokens."""
+        step = self.fixed + self.per_decode * decoded + self.per_prompt * prompt
+        return self.per_prompt * max(decoded, 1) / step if step > 0 else 0.0
+
+
 class StepCost:
     """Least squares over the last `window` steps: seconds = fixed + per_decode * decoded
     tokens + per_prompt * prompt tokens. Running sums make each step O(1); they are
@@ -77,6 +92,15 @@ class StepCost:
         d, p, t = row
         for i, v in enumerate((1.0, d, p, t, d * d, p * p, d * p, d * t, p * t)):
             self._sums[i] += sign * v
+
+    def model(self) -> CostModel | None:
+        """The fitted model, fixed cost included; None until `slopes()` has an answer."""
+        slopes = self.slopes()
+        if slopes is None:
+            return None
+        n, sd, sp, st = self._sums[:4]
+        fixed = (st - slopes[0] * sd - slopes[1] * sp) / n
+        return CostModel(max(fixed, 0.0), max(slopes[0], 0.0), max(slopes[1], 0.0))
 
     def slopes(self) -> tuple[float, float] | None:
         """(seconds per decoded token, seconds per prompt token), None until the steps seen

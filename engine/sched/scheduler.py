@@ -18,13 +18,15 @@ from .fair_lanes import FairLaneQueue
 from .fairness import FairnessConfig
 from .lane_guard import LaneGuard, Split
 from .request_queue import POLICIES, LaneQueue, RequestQueue
+from .speculation import Speculation
 from .step_plan import Budget, ScheduledSeq, SchedulerOutput, StepPlan
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  max_loras: int | None = None, adapter_ready: Callable[[AdapterRef], bool] | None = None,
-                 adapter_pages: Callable[[AdapterRef], int] | None = None) -> None:
+                 adapter_pages: Callable[[AdapterRef], int] | None = None,
+                 propose: Callable[[Request, int], list[int]] | None = None, max_drafts: int = 0) -> None:
         self.config = config
         # Whether an adapter's weights can go onto the device now (loaded in the CPU
         # tier); a request whose adapter is not ready waits without blocking others.
@@ -53,6 +55,9 @@ class Scheduler:
         # preemption is the scheduler's choice, not the tenant's, and is not billed again.
         self._billed: dict[str, int] = {}
         self._deadlines: list[tuple[float, str]] = []  # heap of (deadline, request id)
+        # Speculative decoding: `propose(req, k)` drafts up to k tokens; None: off.
+        self.propose = propose
+        self.speculation = Speculation(max_drafts, max_model_len, kv) if propose and max_drafts else None
 
     # -- admission --------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -110,6 +115,9 @@ class Scheduler:
             self._schedule_split(step, split, total)
         out = step.out
         out.seqs = list(step.scheduled.values())
+        if self.speculation is not None:
+            self.speculation.extend(step, self.requests, self.propose,
+                                    self.config.max_num_batched_tokens - out.num_tokens, self.guard.cost.model())
         self._charge_prefill(out)
         out.adapter_evictions = self.adapters.take_evicted()
         out.adapter_loads = self.adapters.loads(
@@ -329,8 +337,9 @@ class Scheduler:
         step.out.preempted.append(victim.request_id)
 
     # -- after the step -----------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens; returns requests that finished."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int] | int]) -> list[Request]:
+        """Advance computed tokens and append each sampled request's new tokens (one, or
+        with drafts what verifying them kept); returns the requests that finished."""
         finished = []
         now = self.clock()
         for seq in out.seqs:
@@ -338,33 +347,27 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             prev = req.num_computed_tokens
-            req.num_computed_tokens += len(seq.token_ids)
+            tokens = sampled.get(seq.request_id, []) if seq.sample else []
+            tokens = [tokens] if isinstance(tokens, int) else tokens
+            if seq.num_drafts:
+                tokens = self.speculation.accepted(seq, tokens)
+                self.speculation.record(req, seq.num_drafts, len(tokens) - 1)
+            # A rejected draft's KV is not the request's: it is computed again, over.
+            req.num_computed_tokens += len(seq.token_ids) - seq.num_drafts + max(len(tokens) - 1, 0)
             self.kv.cache_computed(req, prev)
-            if not seq.sample:
-                continue
-            token = sampled[seq.request_id]
-            req.output_token_ids.append(token)
-            self.waiting.charge(req, output_tokens=1)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            status = self._check_stop(req, token)
-            if status is not None:
-                self.finish(req.request_id, status)
-                finished.append(req)
+            for token in tokens:
+                req.output_token_ids.append(token)
+                self.waiting.charge(req, output_tokens=1)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                status = req.stop_status(token, self.max_model_len)
+                if status is not None:
+                    self.finish(req.request_id, status)
+                    finished.append(req)
+                    break
+            if seq.num_drafts and req.status is RequestStatus.RUNNING:
+                self.kv.trim(req, req.num_tokens)
         return finished
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        sp = req.sampling
-        if req.num_output_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and token in req.eos_token_ids:
-                req.stop_reason = None
-                return RequestStatus.FINISHED_STOPPED
-            if token in sp.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish or abort at any point; frees the request's blocks and adapter pin."""
@@ -372,6 +375,8 @@ class Scheduler:
         if req is None:
             return None
         self._billed.pop(request_id, None)
+        if self.speculation is not None:
+            self.speculation.forget(request_id)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self._run_lane.pop(request_id, None)

@@ -14,6 +14,9 @@ class ScheduledSeq:
     block_ids: list[int]  # the request's whole block table
     sample: bool  # True when this step reaches the last known token
     adapter_slot: int  # the adapter's device row (AdapterMemory); -1: base model
+    # The last `num_drafts` of token_ids are drafts to verify (speculative decoding): the
+    # runner samples each of the last num_drafts + 1 positions.
+    num_drafts: int = 0
 
 
 @dataclass

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import torch
 
+from loraplex.engine.spec import DraftProposer
+
 
 def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_tokens: list[int], adapter_dir=None) -> list[list[int]]:
     """Greedy continuations, one prompt at a time (no padding, so nothing can differ)."""
@@ -44,3 +46,25 @@ def run_greedy_with_adapters(engine, prompts: list[list[int]], adapters: list[st
     engine.kv.pool.check_invariants()
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
     return [outs[i] for i in ids]
+
+
+class OracleDrafts(DraftProposer):
+    """Drafts read off the reference output (a random model repeats nothing for prompt
+    lookup to find), with every `wrong_every`-th drafted position replaced by a wrong
+    token, so verification both keeps and rejects drafts. Keyed by the prompt, so it
+    serves however the engine names or splits requests."""
+
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]], wrong_every: int = 3) -> None:
+        self.ref = {tuple(p): o for p, o in zip(prompts, outputs)}
+        self.wrong_every = wrong_every
+        self.calls = 0
+
+    def propose(self, req, k: int) -> list[int]:
+        out = self.ref.get(tuple(req.prompt_token_ids), [])
+        n = req.num_output_tokens
+        drafts = list(out[n:n + k])
+        self.calls += 1
+        for i in range(len(drafts)):
+            if (self.calls + i) % self.wrong_every == 0:
+                drafts[i] = drafts[i] + 1  # any other token is wrong for a greedy reference
+        return drafts

@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
-from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.request import SamplingParams
-from tests.engine.oracle import hf_greedy
+from tests.engine.oracle import OracleDrafts, hf_greedy
 
 LENGTHS = (1, 3, 17, 40, 64, 131, 250)
 MAX_TOKENS = (9, 24, 5, 30, 16, 12, 20)
@@ -24,9 +24,12 @@ def _engine(model_dir, **kw) -> LLMEngine:
     cache = CacheConfig(block_size=kw.pop("block_size", 16), num_blocks=kw.pop("num_blocks", 256),
                         enable_prefix_caching=kw.pop("prefix", True))
     kernels = kw.pop("kernels", "auto")
+    drafts = kw.pop("speculative", 0)
+    proposer = kw.pop("proposer", None)
+    spec = SpeculativeConfig("ngram", drafts) if drafts else SpeculativeConfig()
     sched = SchedulerConfig(**kw)
     return LLMEngine(EngineConfig(model=ModelConfig(model=str(model_dir), dtype="float32"), cache=cache,
-                                  scheduler=sched, kernels=kernels))
+                                  scheduler=sched, kernels=kernels, speculative=spec), proposer=proposer)
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -56,13 +59,27 @@ def tiny(request, tiny_llama_dir, tiny_qwen2_dir, tiny_llama3rope_dir):
     # "auto" on a CPU runs decodes through the C kernel; the pure torch path must agree too.
     dict(kernels="torch"),
     dict(kernels="torch", max_num_batched_tokens=16, block_size=4),
+    # Speculative decoding: drafts verified beside decodes and prefill chunks, with
+    # chunking, with preemption, on the torch path.
+    dict(speculative=4),
+    dict(speculative=3, max_num_batched_tokens=16, block_size=4),
+    dict(speculative=4, num_blocks=20, block_size=16, max_num_batched_tokens=128),
+    dict(speculative=5, kernels="torch", block_size=4),
 ])
 def test_tiny_matches_transformers(tiny, setup):
     model_dir, ref = tiny
+    if setup.get("speculative"):
+        # A random model repeats nothing for prompt lookup to find: drafts come from the
+        # reference itself, every third one wrong, so verification keeps some and rejects some.
+        setup = {**setup, "proposer": OracleDrafts(_prompts(), ref)}
     engine = _engine(model_dir, **setup)
     assert _run(engine, _prompts(), MAX_TOKENS) == ref
-    if setup.get("num_blocks") == 24:
+    if setup.get("num_blocks") in (20, 24):
         assert engine.scheduler.num_preemptions > 0, "the small pool was meant to force preemption"
+    if setup.get("speculative"):
+        spec = engine.scheduler.speculation
+        assert spec.num_accepted_tokens > 0 and spec.num_draft_tokens > spec.num_accepted_tokens, \
+            "drafts were meant to be both accepted and rejected"
 
 
 def test_prefix_cache_hits_keep_output(tiny_llama_dir):

@@ -8,13 +8,14 @@ import pytest
 
 from loraplex.adapters import AdapterStore, BaseShapes
 from loraplex.adapters.synth import make_random_peft_adapter
-from loraplex.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from loraplex.engine.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig,
+                                    SpeculativeConfig)
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.errors import UnknownAdapterError
 from loraplex.engine.kernels.cpu.lora import CLoRABackend
 from loraplex.engine.lora import LoRAManager
 from loraplex.engine.request import SamplingParams
-from tests.engine.oracle import hf_greedy, run_greedy_with_adapters
+from tests.engine.oracle import OracleDrafts, hf_greedy, run_greedy_with_adapters
 
 # (name, rank, targets, rslora): ranks 4..64, partial targets, rsLoRA scaling.
 ADAPTERS = [
@@ -51,7 +52,8 @@ def lora_setup(tmp_path_factory, tiny_llama_dir):
     return dirs, prompts, assign, ref
 
 
-def _engine(model_dir, store_root, dirs, *, max_loras=None, max_cpu_loras=16, kernels="auto", **sched):
+def _engine(model_dir, store_root, dirs, *, max_loras=None, max_cpu_loras=16, kernels="auto", speculative=0,
+            proposer=None, **sched):
     store = AdapterStore(store_root, BaseShapes.from_model_dir(model_dir))
     for name, path in dirs.items():
         store.add(name, path)
@@ -62,8 +64,9 @@ def _engine(model_dir, store_root, dirs, *, max_loras=None, max_cpu_loras=16, ke
     cfg = EngineConfig(model=model, cache=cache,
                        scheduler=SchedulerConfig(**sched),
                        lora=LoRAConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras, max_lora_rank=64),
-                       kernels=kernels)
-    return LLMEngine(cfg, LoRAManager(store, cfg.lora)), store
+                       kernels=kernels, speculative=SpeculativeConfig("ngram", speculative) if speculative else
+                       SpeculativeConfig())
+    return LLMEngine(cfg, LoRAManager(store, cfg.lora), proposer=proposer), store
 
 
 def _run(engine, prompts, assign) -> list[list[int]]:
@@ -77,14 +80,24 @@ def _run(engine, prompts, assign) -> list[list[int]]:
     # adapter pages and KV compete for a small pool
     dict(kv_bytes=200 * 4096, max_model_len=256, max_num_batched_tokens=24),
     dict(kernels="torch"),  # the pure torch path: grouped bmm for short segments, no C kernel
+    # Speculative decoding: every request's drafts verified with its own adapter, in one
+    # batch with the others' decodes and prefill chunks; with preemption too.
+    dict(kv_bytes=4096 * 4096, speculative=4),
+    dict(max_loras=4, num_blocks=30, max_num_batched_tokens=24, speculative=3),
+    dict(kernels="torch", speculative=4),
 ])
 def test_mixed_adapters_match_peft(tiny_llama_dir, tmp_path, lora_setup, setup):
     dirs, prompts, assign, ref = lora_setup
+    if setup.get("speculative"):
+        setup = {**setup, "proposer": OracleDrafts(prompts, ref)}
     engine, _ = _engine(tiny_llama_dir, tmp_path / "store", dirs, **setup)
     assert isinstance(engine.lora.backend, CLoRABackend) == (engine.runner.backend.name == "cpu")
     assert _run(engine, prompts, assign) == ref
     if setup.get("num_blocks") == 30:
         assert engine.scheduler.num_preemptions > 0
+    if setup.get("speculative"):
+        by_adapter = engine.scheduler.speculation.by_adapter
+        assert len(by_adapter) > 4 and all(accepted > 0 for _, accepted in by_adapter.values()), by_adapter
     if setup.get("kv_bytes") == 4096 * 4096:
         assert len(engine.scheduler.adapters.resident()) == len(ADAPTERS), "every adapter stays on the device"
     if setup.get("kv_bytes") == 200 * 4096:
