@@ -83,6 +83,10 @@ class Speculation:
         counts[0] += proposed
         counts[1] += accepted
 
+    def rate(self, request_id: str) -> float | None:
+        """The request's running acceptance rate; None before its first verified draft."""
+        return self._rate.get(request_id)
+
     def forget(self, request_id: str) -> None:
         self._rate.pop(request_id, None)
         self._skipped.pop(request_id, None)
