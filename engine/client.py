@@ -47,6 +47,19 @@ class AdapterLoad:
 
 
 @dataclass(frozen=True)
+class SpecDecodeStats:
+    """Speculative decoding so far (cumulative): verified draft runs, draft tokens, the
+    tokens of them accepted, accepted tokens by draft position, and by adapter name ("" for
+    the base model) (draft tokens, accepted tokens)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+    by_adapter: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's state, taken between steps."""
 
@@ -74,6 +87,7 @@ class EngineStats:
     # tokens of each step the lanes below it get now.
     foreground_lane: Lane | None = None
     background_step_tokens: int = 0
+    spec_decode: SpecDecodeStats | None = None  # None: speculation is off
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .checkpoint import ModelArch, resolve_model_dir
-from .client import AdapterLoad, AdapterResidency, EngineStats, LaneDepth
+from .client import AdapterLoad, AdapterResidency, EngineStats, LaneDepth, SpecDecodeStats
 from .config import EngineConfig
 from .errors import InvalidRequestError, UnknownAdapterError
 from .output import RequestOutput
@@ -419,7 +419,15 @@ class LLMEngine:
             max_loras=self._adapters_per_step() if loras else 0, max_cpu_loras=loras.max_cpu_loras if loras else 0,
             time=time.time(), preemptions_by_lane=dict(s.preemptions_by_lane), adapter_loads=dict(self.adapter_loads),
             adapter_evictions=dict(self.adapter_evictions), recent_adapter_loads=tuple(self.recent_adapter_loads),
-            foreground_lane=s.foreground_lane, background_step_tokens=s.guard.tokens)
+            foreground_lane=s.foreground_lane, background_step_tokens=s.guard.tokens,
+            spec_decode=self._spec_stats())
+
+    def _spec_stats(self) -> SpecDecodeStats | None:
+        spec = self.scheduler.speculation
+        if spec is None:
+            return None
+        return SpecDecodeStats(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                               tuple(spec.accepted_per_position), {k: (v[0], v[1]) for k, v in spec.by_adapter.items()})
 
 
 def _choice_params(sampling: SamplingParams, index: int) -> SamplingParams:

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import logging
 import math
 import os
 import sys
+from dataclasses import fields
 
 from sqlalchemy.exc import SQLAlchemyError
 
 from loraplex.adapters.errors import AdapterError
-from loraplex.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
+from loraplex.engine.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig,
+                                    SpeculativeConfig)
 from loraplex.engine.runner.device import DEVICE_CHOICES, DeviceUnavailableError, resolve_device
 from loraplex.engine.errors import EngineError
 from loraplex.engine.runner.memory_budget import DeviceMemoryError
@@ -141,6 +144,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="KV pool size, e.g. 1GiB (default: 1GiB on a CPU; on a GPU what "
                         "--gpu-memory-utilization leaves)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument("--speculative-config", type=speculative_config, default=SpeculativeConfig(), metavar="JSON",
+                   help='speculative decoding, as vLLM\'s flag: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)')
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=128)
@@ -290,7 +296,26 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.threads or _default_threads(),
         kernels=args.kernels,
         enforce_eager=args.enforce_eager,
+        speculative=args.speculative_config,
     )
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """--speculative-config's JSON object -> SpeculativeConfig, or an error naming the problem."""
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object such as {\"method\": \"ngram\"}")
+    known = {f.name for f in fields(SpeculativeConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown keys {unknown}; known: {sorted(known)}")
+    try:
+        return SpeculativeConfig(**raw)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from loraplex.engine.client import AdapterResidency, EngineStats
+from loraplex.engine.client import AdapterResidency, EngineStats, SpecDecodeStats
 from loraplex.platform.lanes import Lane, lane_name
 from loraplex.platform.observability.request_metrics import BASE_ADAPTER, RequestMetrics
 
@@ -210,11 +210,38 @@ class _EngineCollector:
                         time.time())
         yield info
         yield from _residency_families(self.m)
+        if s.spec_decode is not None:
+            yield from _spec_decode_families(s.spec_decode, name)
         # The one KV pool, on the GPU or the CPU alike (vLLM's label names).
         cache = GaugeMetricFamily("vllm:cache_config_info", "KV-cache configuration (value 1).",
                                   labels=["block_size", "num_gpu_blocks"])
         cache.add_metric([str(s.block_size), str(s.num_blocks)], 1.0)
         yield cache
+
+
+def _spec_decode_families(spec: SpecDecodeStats, name: list[str]):
+    """vLLM's speculative-decoding counters, and the acceptance of each adapter's drafts."""
+    for metric, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Draft runs verified.", spec.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)):
+        c = CounterMetricFamily(metric, doc, labels=["model_name"])
+        c.add_metric(name, value)
+        yield c
+    pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+                              "position in the draft.", labels=["model_name", "position"])
+    for i, n in enumerate(spec.accepted_per_position):
+        pos.add_metric(name + [str(i)], n)
+    yield pos
+    drafted = CounterMetricFamily("loraplex:spec_decode_adapter_draft_tokens", "Draft tokens verified, by "
+                                  "adapter (_base: none).", labels=["adapter"])
+    accepted = CounterMetricFamily("loraplex:spec_decode_adapter_accepted_tokens", "Draft tokens accepted, "
+                                   "by adapter (_base: none).", labels=["adapter"])
+    for adapter, (d, a) in sorted(spec.by_adapter.items()):
+        drafted.add_metric([adapter or "_base"], d)
+        accepted.add_metric([adapter or "_base"], a)
+    yield drafted
+    yield accepted
 
 
 def _residency_families(m: Metrics):

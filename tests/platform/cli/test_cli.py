@@ -135,3 +135,29 @@ def test_serve_flags_reach_the_settings():
     for bad in (["--scheduling", "lottery"], ["--request-timeout", "soon"], ["--log-format", "xml"]):
         with pytest.raises(SystemExit):
             settings(*bad)
+
+
+def test_speculative_config_reads_vllms_json():
+    from loraplex.engine.config import SpeculativeConfig
+    from loraplex.platform.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "--speculative-config",
+                                      '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'])
+    assert args.speculative_config == SpeculativeConfig("ngram", 3, prompt_lookup_max=5)
+    assert build_parser().parse_args(["serve"]).speculative_config == SpeculativeConfig()
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{", "not JSON"),
+    ("[1]", "expected a JSON object"),
+    ('{"method": "eagle"}', "unknown speculative method"),
+    ('{"method": "ngram", "num_speculative_tokens": "4"}', "not supported between"),
+    ('{"methd": "ngram"}', "unknown keys"),
+])
+def test_bad_speculative_config_is_named(capsys, value, message):
+    from loraplex.platform.cli.main import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", value])
+    err = capsys.readouterr().err
+    assert "--speculative-config" in err and message in err

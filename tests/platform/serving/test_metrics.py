@@ -53,3 +53,37 @@ def test_remembered_names_are_bounded(monkeypatch):
     for i in range(10):
         m.adapter_named(f"a{i}", f"sha256:{i}")
     assert list(m.versions) == ["a7", "a8", "a9"]
+
+
+def test_speculative_decoding_is_counted_as_vllm_names_it(tiny_llama_dir):
+    from loraplex.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+    from loraplex.engine.engine import LLMEngine
+    from loraplex.engine.request import SamplingParams
+    from tests.engine.oracle import OracleDrafts, hf_greedy
+
+    prompts = [[100 + 37 * i for i in range(20)], [5000 + 11 * i for i in range(9)]]
+    ref = hf_greedy(tiny_llama_dir, prompts, [12, 12])
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
+                                    speculative=SpeculativeConfig("ngram", 4)), proposer=OracleDrafts(prompts, ref))
+    engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    text = Metrics("base", engine.stats, max_lora=None).render().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def value(name: str) -> float:
+        (sample,) = families[name].samples
+        return sample.value
+
+    spec = engine.scheduler.speculation
+    assert value("vllm:spec_decode_num_drafts") == spec.num_drafts > 0
+    assert value("vllm:spec_decode_num_draft_tokens") == spec.num_draft_tokens
+    accepted = value("vllm:spec_decode_num_accepted_tokens")
+    assert 0 < accepted < spec.num_draft_tokens
+    per_pos = {s.labels["position"]: s.value for s in families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples}
+    assert sum(per_pos.values()) == accepted and per_pos["0"] >= per_pos["3"]
+    (base,) = families["loraplex:spec_decode_adapter_accepted_tokens"].samples
+    assert base.labels == {"adapter": "_base"} and base.value == accepted
+
+
+def test_no_speculation_series_when_it_is_off():
+    m = Metrics("base", lambda: EngineStats(block_size=16, num_blocks=512), max_lora=None)
+    assert "spec_decode" not in m.render().decode()
