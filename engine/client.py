@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Protocol, runtime_checkable
 from .request import AdapterRef, Lane, SamplingParams
 
 if TYPE_CHECKING:
-    from .engine import RequestOutput
+    from .output import RequestOutput
 
 
 @dataclass(frozen=True)

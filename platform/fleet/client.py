@@ -20,7 +20,7 @@ import httpx
 import orjson
 
 from loraplex.engine.client import AdapterResidency, EngineStats, LaneDepth
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.output import RequestOutput
 from loraplex.engine.errors import EngineDeadError
 from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.tokenizer import Tokenizer

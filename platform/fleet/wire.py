@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.output import RequestOutput
 from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.structured.spec import StructuredOutput

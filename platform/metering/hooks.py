@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.output import RequestOutput
 
 from loraplex.platform.db.database import make_db_engine
 from loraplex.platform.errors import MeteringUnavailableError, RateLimitedError

@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from loraplex.engine.engine import RequestOutput
+    from loraplex.engine.output import RequestOutput
     from loraplex.engine.request import Lane
     from loraplex.platform.observability.tracing import RequestTrace
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from loraplex.engine.client import EngineClient
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.output import RequestOutput
 from loraplex.engine.errors import EngineDeadError, StreamStalledError
 from loraplex.engine.request import AdapterRef, Lane
 

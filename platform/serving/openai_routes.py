@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.output import RequestOutput
 
 from loraplex.platform.errors import api_error, error_response, mapping_of
 from loraplex.platform.http import ClientDisconnected, json_response, until_disconnected

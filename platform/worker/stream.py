@@ -18,7 +18,7 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 from loraplex.engine.async_engine import MAX_STREAM_BACKLOG, AsyncEngine
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.output import RequestOutput
 from loraplex.engine.errors import StreamStalledError
 
 from loraplex.platform.lanes import lane_name

@@ -15,7 +15,7 @@ from loraplex.platform.serving.gateway import RequestContext
 from loraplex.platform.quotas.limits import quota_status, set_quota
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy.tenants import create_tenant
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.output import RequestOutput
 from loraplex.platform.metering.hooks import UsageHooks, billed_tokens, checkpoint_of, event_of
 
 
