@@ -248,6 +248,12 @@ class AsyncEngine:
         finally:
             self._calls.pop(key, None)
 
+    async def start(self) -> None:
+        """Nothing to bind to the caller's loop: the engine thread runs from construction."""
+
+    async def aclose(self) -> None:
+        """Nothing bound to the caller's loop; `shutdown` stops the engine thread."""
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
         self._wake.set()

@@ -98,6 +98,10 @@ class EngineClient(Protocol):
       `adapter_residency` tells where each version is.
     - `tokenizer`, `max_model_len` describe the model; `is_running` is False once the
       engine loop stopped; `shutdown` stops it.
+    - `start` runs once inside the event loop that will use the client, before its first
+      call, and `aclose` once at that loop's end (a remote client's connections and
+      health poller live in the loop). Neither starts or stops the engine: whoever built
+      the engine calls `shutdown`.
     """
 
     @property
@@ -127,3 +131,7 @@ class EngineClient(Protocol):
     def remove_adapter(self, name: str) -> None: ...
 
     def shutdown(self, timeout: float = 10.0) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...

@@ -21,7 +21,7 @@ from loraplex.engine.output import RequestOutput
 
 from loraplex.platform.db.database import make_db_engine
 from loraplex.platform.errors import MeteringUnavailableError, RateLimitedError
-from loraplex.platform.serving.gateway import RequestContext
+from loraplex.platform.serving.hooks import Hooks, RequestContext
 from loraplex.platform.metering.journal import Journal, JournalError
 from loraplex.platform.metering.ledger import JournalConfig, Ledger
 from loraplex.platform.metering.writer import STATUS, Event, UsageWriter
@@ -68,7 +68,7 @@ def _charges(ctx: RequestContext) -> list | None:
     return res.charges if isinstance(res, Reservation) and res.leased and not res.settled else None
 
 
-class UsageHooks:
+class UsageHooks(Hooks):
     """Quotas + metering for one gateway process."""
 
     def __init__(self, settings: Settings, db_url: str | None = None, journal: JournalConfig | None = None) -> None:

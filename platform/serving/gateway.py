@@ -6,11 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from loraplex.engine.client import EngineClient
 from loraplex.engine.output import RequestOutput
@@ -20,10 +18,10 @@ from loraplex.engine.request import AdapterRef, Lane
 from loraplex.platform.serving.auth import Authenticator, Principal
 from loraplex.platform.errors import ModelNotFoundError, RegistryUnavailableError, ShuttingDownError
 from loraplex.platform.lanes import lane_name, parse_lane
-from loraplex.platform.observability.request_id import current_request_id
 from loraplex.platform.observability.request_observer import RequestObserver
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
 from loraplex.platform.serving.gaie import lower_lane, objective_lane, parse_objective
+from loraplex.platform.serving.hooks import Hooks, RequestContext
 from loraplex.platform.serving.metrics import Metrics
 from loraplex.platform.serving.prompt_batch import PromptTally, merge_prompt_streams
 from loraplex.platform.serving.protocol import GenRequest
@@ -37,56 +35,6 @@ ADAPTER_REF_TTL = 1.0  # seconds an adapter name -> version (digest) lookup is r
 # name), never the event loop, and a request waits at most this long for one (then 503).
 ADAPTER_LOOKUP_THREADS = 2
 ADAPTER_LOOKUP_TIMEOUT = 5.0
-
-
-@dataclass
-class RequestContext:
-    """One request as admission/metering hooks see it."""
-
-    request_id: str
-    principal: Principal
-    model: str  # what the client sees: the base model's name or the adapter's
-    adapter: str | None
-    lane: Lane
-    num_prompt_tokens: int
-    max_tokens: int
-    received_at: float = field(default_factory=time.time)
-    # Filled in as the request runs.
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    # Prompt tokens the engine processed (billed even if no token came out).
-    num_processed_prompt_tokens: int = 0
-    # stop | length | abort (client left or cancelled) | error
-    finish_reason: str | None = None
-    # The adapter version (content digest) the engine runs: the one metered.
-    adapter_digest: str | None = None
-    # What admission hooks keep for finish (a quota reservation); the gateway never reads it.
-    hook_state: object = None
-    # The HTTP request's x-request-id (logs, traces, the worker hop); not unique.
-    correlation_id: str | None = field(default_factory=current_request_id)
-
-
-class Hooks(Protocol):
-    """Where quotas and metering plug in.
-
-    `admit` runs before the engine sees the request and may raise RateLimitedError (429
-    with Retry-After); `finish` runs exactly once for every admitted request, on every
-    path (success, stop, disconnect, engine error, shutdown), with the final counts.
-
-    `admit` raising (CancelledError included: the client left while it ran) means "not
-    admitted": `finish` will not run, so admit must undo whatever it took before raising.
-    `finish` should not raise; it runs inside the request's cleanup.
-    """
-
-    async def admit(self, ctx: RequestContext) -> None: ...
-
-    async def finish(self, ctx: RequestContext) -> None: ...
-
-    def progress(self, ctx: RequestContext, out: RequestOutput) -> Awaitable[None] | None:
-        """Each engine output, before the gateway hands it on (`ctx` still counts only what
-        was handed on before it). An awaitable returned is awaited first (a checkpoint)."""
 
 
 class Gateway:

@@ -23,7 +23,7 @@ from loraplex.platform.app import create_app
 from loraplex.platform.db.database import Database, migrate
 from loraplex.platform.assembly.engine_factory import build_engine
 from loraplex.platform.errors import RateLimitedError
-from loraplex.platform.serving.gateway import RequestContext
+from loraplex.platform.serving.hooks import Hooks, RequestContext
 from loraplex.platform.settings import ServerLimits, Settings
 from loraplex.platform.tenancy.tenants import create_key, create_tenant
 from tests.platform.fixtures import BACKENDS, empty_db_url, fresh_db_url, pg_schema_url, tiny_adapters  # noqa: F401
@@ -68,7 +68,7 @@ class LiveServer:
 
 
 @dataclass
-class RecordingHooks:
+class RecordingHooks(Hooks):
     """Admission/metering hooks that record every request; tenant `limited` gets 429."""
 
     admitted: list[RequestContext] = field(default_factory=list)
@@ -81,9 +81,6 @@ class RecordingHooks:
 
     async def finish(self, ctx: RequestContext) -> None:
         self.finished.append(ctx)
-
-    def progress(self, ctx: RequestContext, out) -> None:
-        return None
 
 
 @dataclass

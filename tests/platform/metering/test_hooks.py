@@ -11,7 +11,7 @@ import pytest
 from loraplex.engine.request import Lane
 from loraplex.platform.serving.auth import Principal
 from loraplex.platform.errors import MeteringUnavailableError, RateLimitedError
-from loraplex.platform.serving.gateway import RequestContext
+from loraplex.platform.serving.hooks import RequestContext
 from loraplex.platform.quotas.limits import quota_status, set_quota
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy.tenants import create_tenant
