@@ -60,11 +60,11 @@ def _fleet_config(workers: list[P.Proc], policy: str = "affinity") -> FleetConfi
 def _remote(settings: Settings, workers: list[P.Proc], tmp: Path, policy: str = "affinity"
             ) -> tuple[RemoteEngineClient, Settings]:
     config = _fleet_config(workers, policy)
-    info = fetch_model_info(config, Path(tempfile.mkdtemp(dir=tmp)))
+    served_name, info = fetch_model_info(config, Path(tempfile.mkdtemp(dir=tmp)))
     engine = RemoteEngineClient(config, info, AdapterDirectory(Database(settings.db_url)))
     gw_settings = Settings(engine=EngineConfig(model=ModelConfig(model=str(info.model_dir))),
                            data_dir=settings.data_dir, database_url=settings.database_url,
-                           served_model_name=info.model, last_used_flush_seconds=5)
+                           served_model_name=served_name, last_used_flush_seconds=5)
     return engine, gw_settings
 
 
