@@ -237,7 +237,7 @@ def bench_gateway_cpu(url: str, tmp: Path, requests: int, concurrency: int) -> d
                     t.start()
                 for t in threads:
                     t.join()
-                server.config.app.state.usage.writer.flush()
+                server.config.app.state.usage.metering.writer.flush()
                 p1 = time.process_time()
                 e1 = time.clock_gettime(time.pthread_getcpuclockid(eng_thread.ident))
                 samples.append((p1 - p0 - (e1 - e0) - client_cpu[0]) / (per * concurrency) * 1e3)

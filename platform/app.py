@@ -18,6 +18,7 @@ from loraplex.platform.admin.vllm_lora import vllm_lora_routes
 from loraplex.platform.serving.auth import Authenticator
 from loraplex.platform.db.database import Database
 from loraplex.platform.assembly.engine_factory import build_engine
+from loraplex.platform.assembly.usage_hooks import UsageHooks
 from loraplex.platform.errors import ERRORS, api_error, error_response
 from loraplex.platform.serving.gateway import Gateway
 from loraplex.platform.serving.hooks import Hooks
@@ -28,7 +29,6 @@ from loraplex.platform.serving.request_limits import ParsePool
 from loraplex.platform.serving.tokenize_routes import tokenize_routes
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy.throttle import ThrottleConfig
-from loraplex.platform.metering.hooks import UsageHooks
 from loraplex.platform.observability.request_id import RequestIdMiddleware
 from loraplex.platform.observability.tracing import TraceContextMiddleware, Tracing, TracingConfig
 
@@ -90,7 +90,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
                              settings.last_used_flush_seconds,
                              ThrottleConfig(settings.auth_failure_burst, settings.auth_failure_rate))
         m = Metrics(settings.model_name, eng.stats, settings.engine.lora.max_loras, residency=eng.adapter_residency)
-        # No hooks passed in: quotas and metering (metering/hooks.py).
+        # No hooks passed in: quotas and metering (assembly/usage_hooks.py).
         usage = app.state.usage = UsageHooks(settings) if hooks is None else hooks
         await usage.start()
         usage.register_metrics(m.registry)

@@ -24,7 +24,7 @@ from loraplex.platform.db.database import Database, migrate
 from loraplex.platform.quotas.limits import quota_status, set_quota
 from loraplex.platform.tenancy.tenants import create_key, create_tenant
 from loraplex.platform.metering.usage import export_usage
-from loraplex.platform.metering.hooks import UsageHooks
+from loraplex.platform.assembly.usage_hooks import UsageHooks
 from loraplex.platform.db.usage_tables import QuotaLease
 from sqlalchemy import func, select
 
@@ -147,7 +147,7 @@ class Metered:
         while self.hooks.open_requests and time.monotonic() < deadline:
             time.sleep(0.01)
         assert self.hooks.open_requests == 0, "requests still open"
-        assert self.hooks.writer.flush(timeout), "usage events not written"
+        assert self.hooks.metering.writer.flush(timeout), "usage events not written"
 
     def events(self, tenant: str) -> list[dict]:
         return export_events(self.db, tenant)

@@ -250,7 +250,7 @@ def test_recovery_keeps_the_records_after_a_damaged_one_and_reports_the_loss(db,
 
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from loraplex.platform.metering.hooks import UsageHooks
+    from loraplex.platform.assembly.usage_hooks import UsageHooks
     from loraplex.platform.settings import Settings
 
     t = create_tenant(db, "acme")
@@ -270,7 +270,7 @@ def test_recovery_keeps_the_records_after_a_damaged_one_and_reports_the_loss(db,
         registry = CollectorRegistry()
         hooks.register_metrics(registry)
         await hooks.start()
-        assert await asyncio.to_thread(hooks.writer.flush, 20)
+        assert await asyncio.to_thread(hooks.metering.writer.flush, 20)
         text = generate_latest(registry)
         await hooks.close()
         return text
