@@ -116,6 +116,9 @@ class UsageHooks(Hooks):
         registry.register(self.quotas)
         registry.register(self.metering)
 
+    def quotas_changed(self, tenant_id: int | None = None) -> None:
+        self.quotas.invalidate(tenant_id)
+
     @property
     def open_requests(self) -> int:
         return self.metering.open_requests

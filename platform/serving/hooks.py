@@ -78,3 +78,8 @@ class Hooks(ABC):
 
     def register_metrics(self, registry) -> None:
         return None
+
+    def quotas_changed(self, tenant_id: int | None = None) -> None:
+        """Limits were changed in this process (the admin API; None: any tenant's): the
+        next admission must not use limits cached before."""
+        return None
