@@ -86,9 +86,9 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
         eng = engine if engine is not None else await asyncio.to_thread(build_engine, settings)
         await eng.start()  # a remote client's connections and health poller live in this loop
         db = Database(settings.db_url)
-        auth = Authenticator(db, settings.auth_cache_ttl, settings.auth_negative_ttl,
-                             settings.last_used_flush_seconds,
-                             ThrottleConfig(settings.auth_failure_burst, settings.auth_failure_rate))
+        a = settings.auth
+        auth = Authenticator(db, a.cache_ttl, a.negative_ttl, a.last_used_flush_seconds,
+                             ThrottleConfig(a.failure_burst, a.failure_rate))
         m = Metrics(settings.model_name, eng.stats, settings.engine.lora.max_loras, residency=eng.adapter_residency)
         # No hooks passed in: quotas and metering (assembly/usage_hooks.py).
         usage = app.state.usage = UsageHooks(settings) if hooks is None else hooks

@@ -39,9 +39,9 @@ class UsageHooks(Hooks):
         self.holder = uuid.uuid4().hex[:16]  # this process: its quota leases and its usage journal
         # Quota work that outlives a request runs on the usage writer's thread, which
         # retries it as it retries settlements replayed from the journal.
-        self.quotas = QuotaHooks(url, self.holder, lambda op: self.metering.writer.submit_op(op),
-                                 cache_ttl=settings.quota_cache_ttl, lease_ttl=settings.quota_lease_ttl)
-        self.metering = MeteringHooks(settings, url, self.holder, self.quotas.store.settle, journal)
+        self.quotas = QuotaHooks(settings.quotas, url, self.holder, lambda op: self.metering.writer.submit_op(op))
+        self.metering = MeteringHooks(settings.usage, journal or JournalConfig(settings.data_dir / "usage-journal"),
+                                      url, self.holder, self.quotas.store.settle)
         self._maintenance: asyncio.Task | None = None
 
     # -- lifecycle ------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from loraplex.platform.metering.ledger import JournalConfig, Ledger
 from loraplex.platform.metering.writer import STATUS, Event, UsageWriter
 from loraplex.platform.quotas.admission import Charges, Reservation
 from loraplex.platform.serving.hooks import RequestContext
-from loraplex.platform.settings import Settings
+from loraplex.platform.settings import UsageConfig
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +72,14 @@ class Recorded:
 class MeteringHooks:
     """The usage journal, ledger and batched writer of one gateway process."""
 
-    def __init__(self, settings: Settings, db_url: str, holder: str, settle: Callable[[Reservation, int], None],
-                 journal: JournalConfig | None = None) -> None:
+    def __init__(self, config: UsageConfig, journal: JournalConfig, db_url: str, holder: str,
+                 settle: Callable[[Reservation, int], None]) -> None:
         # Its own engine, no pre-ping (a round trip per checkout): errors are retried instead.
         self.writer_engine = make_db_engine(db_url, pre_ping=False, pool_size=1, max_overflow=1)
-        self.journal_config = journal or JournalConfig(settings.data_dir / "usage-journal")
-        self.journal = Journal(self.journal_config.directory, holder, self.journal_config.max_segment_bytes)
-        self.writer = UsageWriter(self.writer_engine, batch_size=settings.usage_batch_size,
-                                  flush_interval=settings.usage_flush_seconds, max_buffer=settings.usage_max_buffer,
-                                  close_timeout=settings.usage_drain_seconds, journal=self.journal)
+        self.journal_config = journal
+        self.journal = Journal(journal.directory, holder, journal.max_segment_bytes)
+        self.writer = UsageWriter(self.writer_engine, batch_size=config.batch_size, flush_interval=config.flush_seconds,
+                                  max_buffer=config.max_buffer, close_timeout=config.drain_seconds, journal=self.journal)
         # `settle`: a quota settlement replayed from a dead process's journal.
         self.ledger = Ledger(self.journal, self.writer, settle, self.journal_config)
         self._open: dict[str, RequestContext] = {}  # admitted, not finished

@@ -23,6 +23,7 @@ from loraplex.platform.quotas.dialects import open_quota_store
 from loraplex.platform.quotas.limits import key_scope, tenant_scope
 from loraplex.platform.quotas.store import quota_engine
 from loraplex.platform.serving.hooks import RequestContext
+from loraplex.platform.settings import QuotaConfig
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +34,12 @@ Background = Callable[[Callable[[], None]], None]
 class QuotaHooks:
     """Quota reservations for one gateway process, kept in `RequestContext.hook_state`."""
 
-    def __init__(self, db_url: str, holder: str, background: Background, *, cache_ttl: float = 5.0,
-                 lease_ttl: float = 60.0) -> None:
+    def __init__(self, config: QuotaConfig, db_url: str, holder: str, background: Background) -> None:
         # Its own engine, no pre-ping (a round trip per checkout): errors are retried instead.
         self.quota_engine = quota_engine(db_url)
-        self.limits = QuotaCache(self.quota_engine, cache_ttl)
+        self.limits = QuotaCache(self.quota_engine, config.cache_ttl)
         # SQLite takes one writer at a time: one quota thread queues them without lock waits.
-        self.store = open_quota_store(self.quota_engine, holder, lease_ttl,
+        self.store = open_quota_store(self.quota_engine, holder, config.lease_ttl,
                                       threads=4 if self.quota_engine.dialect.name == "postgresql" else 1)
         self.background = background
         self.rejections: dict[str, int] = {}  # limit kind -> requests refused (429)

@@ -26,6 +26,7 @@ from loraplex.platform.tenancy.tenants import create_key, create_tenant
 from loraplex.platform.metering.usage import export_usage
 from loraplex.platform.assembly.usage_hooks import UsageHooks
 from loraplex.platform.db.usage_tables import QuotaLease
+from loraplex.platform.settings import QuotaConfig, UsageConfig
 from sqlalchemy import func, select
 
 from tests.platform.fixtures import BACKENDS, fresh_db_url, pg_schema_url  # noqa: F401 - fixtures
@@ -113,7 +114,8 @@ class Server:
 def metered_settings(base, url: str, **kw):
     """The e2e settings (same data dir: the engine's adapter store) on database `url`,
     with quota changes applying within 50 ms and usage written every 20 ms."""
-    return dataclasses.replace(base, database_url=url, quota_cache_ttl=0.05, usage_flush_seconds=0.02, **kw)
+    return dataclasses.replace(base, database_url=url, quotas=QuotaConfig(cache_ttl=0.05),
+                               usage=UsageConfig(flush_seconds=0.02), **kw)
 
 
 @dataclass

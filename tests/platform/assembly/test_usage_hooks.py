@@ -9,16 +9,16 @@ import pytest
 from loraplex.platform.assembly.usage_hooks import UsageHooks
 from loraplex.platform.errors import MeteringUnavailableError
 from loraplex.platform.quotas.limits import quota_status, set_quota
-from loraplex.platform.settings import Settings
+from loraplex.platform.settings import QuotaConfig, Settings, UsageConfig
 from loraplex.platform.tenancy.tenants import create_tenant
 from tests.platform.metering.test_hooks import ctx_of, done
 
 
 @pytest.fixture
 def hooks_factory(db, tmp_path):
-    def make(**kw) -> UsageHooks:
-        return UsageHooks(Settings(database_url=db.url, data_dir=tmp_path, quota_cache_ttl=0.0,
-                                   usage_flush_seconds=0.01, **kw))
+    def make() -> UsageHooks:
+        return UsageHooks(Settings(database_url=db.url, data_dir=tmp_path, quotas=QuotaConfig(cache_ttl=0.0),
+                                   usage=UsageConfig(flush_seconds=0.01)))
 
     return make
 

@@ -14,7 +14,7 @@ from loraplex.platform.errors import MeteringUnavailableError
 from loraplex.platform.metering.hooks import MeteringHooks, billed_tokens, checkpoint_of, event_of
 from loraplex.platform.serving.auth import Principal
 from loraplex.platform.serving.hooks import RequestContext
-from loraplex.platform.settings import Settings
+from loraplex.platform.settings import Settings, UsageConfig
 from loraplex.platform.tenancy.tenants import create_tenant
 
 
@@ -33,8 +33,9 @@ def done(ctx: RequestContext, out: int, reason: str = "length") -> RequestContex
 def metering_factory(db, tmp_path):
     """The metering part of the hooks the app composes (its settlements go to the quota store)."""
 
-    def make(**kw) -> MeteringHooks:
-        return UsageHooks(Settings(database_url=db.url, data_dir=tmp_path, usage_flush_seconds=0.01, **kw)).metering
+    def make(**usage) -> MeteringHooks:
+        config = UsageConfig(flush_seconds=0.01, **usage)
+        return UsageHooks(Settings(database_url=db.url, data_dir=tmp_path, usage=config)).metering
 
     return make
 
@@ -94,8 +95,8 @@ def test_a_backlog_of_unwritten_events_means_503(db, metering_factory):
 
 def test_the_shutdown_drain_is_the_writers_close_timeout(metering_factory):
     """`--usage-drain-timeout`: how long closing keeps writing the journal to the database."""
-    h = metering_factory(usage_drain_seconds=240.0)
+    h = metering_factory(drain_seconds=240.0)
     assert h.writer.close_timeout == 240.0
     asyncio.run(h.close())
-    with pytest.raises(ValueError, match="usage_drain_seconds"):
-        Settings(usage_drain_seconds=-1)
+    with pytest.raises(ValueError, match="drain_seconds"):
+        UsageConfig(drain_seconds=-1)

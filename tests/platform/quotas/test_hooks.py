@@ -13,6 +13,7 @@ from loraplex.platform.quotas.hooks import QuotaHooks
 from loraplex.platform.quotas.limits import quota_status, set_quota
 from loraplex.platform.serving.auth import Principal
 from loraplex.platform.serving.hooks import RequestContext
+from loraplex.platform.settings import QuotaConfig
 from loraplex.platform.tenancy.tenants import create_tenant
 
 
@@ -25,7 +26,7 @@ def ctx_of(t, name: str, max_tokens: int = 20, prompt: int = 10) -> RequestConte
 def quotas(db):
     """QuotaHooks whose background work runs on a thread of its own, awaited at the end."""
     pool = ThreadPoolExecutor(1)
-    hooks = QuotaHooks(db.url, uuid.uuid4().hex[:16], pool.submit, cache_ttl=0.0)
+    hooks = QuotaHooks(QuotaConfig(cache_ttl=0.0), db.url, uuid.uuid4().hex[:16], pool.submit)
     yield hooks
     pool.shutdown(wait=True)
 
