@@ -1,14 +1,16 @@
 """The gateway's per-request core, shared by every route: model resolution, lanes,
-admission hooks, metrics, and the engine call.
+admission hooks, metrics, and the engine call. `Gateway.handle` takes one generation
+call from parsing to its output stream; the routes only speak HTTP around it.
 """
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from loraplex.engine.client import EngineClient
 from loraplex.engine.output import RequestOutput
@@ -24,8 +26,8 @@ from loraplex.platform.serving.gaie import lower_lane, objective_lane, parse_obj
 from loraplex.platform.serving.hooks import Hooks, RequestContext
 from loraplex.platform.serving.metrics import Metrics
 from loraplex.platform.serving.prompt_batch import PromptTally, merge_prompt_streams
-from loraplex.platform.serving.protocol import GenRequest
-from loraplex.platform.serving.request_limits import BodyBudget
+from loraplex.platform.serving.protocol import GenRequest, parse_chat, parse_completion
+from loraplex.platform.serving.request_limits import BodyBudget, ParsePool, check_choices, parse_request_json
 from loraplex.platform.serving.render import TokenText
 from loraplex.platform.settings import Settings
 
@@ -35,6 +37,20 @@ ADAPTER_REF_TTL = 1.0  # seconds an adapter name -> version (digest) lookup is r
 # name), never the event loop, and a request waits at most this long for one (then 503).
 ADAPTER_LOOKUP_THREADS = 2
 ADAPTER_LOOKUP_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class Call:
+    """One generation call as HTTP delivered it; `read_body` reads the body within its
+    size limit, charged to the tenant's byte budget (it needs the caller's tenant)."""
+
+    chat: bool
+    authorization: str | None
+    client: str | None  # the caller's address (throttling of failed keys)
+    read_body: Callable[[Principal], Awaitable[bytes]]
+    path_adapter: str | None = None  # /adapters/{adapter}/v1/...
+    lane: str | None = None  # the LANE_HEADER
+    objective: str | None = None  # a GAIE objective header
 
 
 class Gateway:
@@ -91,9 +107,30 @@ class Gateway:
         if not self.engine.is_running:
             raise EngineDeadError("the engine is not running")
 
+    # -- one call ---------------------------------------------------------------------
+    async def handle(self, call: Call, pool: ParsePool
+                     ) -> tuple[RequestContext, GenRequest, AsyncIterator[RequestOutput]]:
+        """parse -> admit -> run: who asks, for which model and lane, with which request
+        (request_limits.py bounds what each step may cost before admission; tokenizing
+        and chat templates run on `pool`); then the request's context and output stream,
+        which admits (quotas) before the engine sees the request."""
+        principal = await self.auth.authenticate(call.authorization, call.client)
+        self.check_serving()
+        limits = self.settings.limits
+        raw = await call.read_body(principal)
+        body = await pool.run(parse_request_json, raw, limits, call.chat, self.max_model_len,
+                              self.tokenizer.max_token_chars)
+        adapter = self.resolve_model(principal, body.get("model"), call.path_adapter)
+        lane = self.lane_for(principal, call.lane, body.get("priority"), call.objective)
+        req = await pool.run(parse_chat if call.chat else parse_completion, body, self.tokenizer, self.max_model_len)
+        check_choices(req.num_sequences, limits)
+        ref = await self.resolve_adapter_ref(adapter)  # may query the registry: off the event loop
+        ctx, stream = self._start(principal, req, adapter, lane, "chatcmpl" if call.chat else "cmpl", ref)
+        return ctx, req, stream
+
     # -- the engine call -------------------------------------------------------------
-    def start(self, principal: Principal, req: GenRequest, adapter: str | None, lane: Lane,
-              prefix: str, ref: AdapterRef | None = None) -> tuple[RequestContext, AsyncIterator[RequestOutput]]:
+    def _start(self, principal: Principal, req: GenRequest, adapter: str | None, lane: Lane,
+               prefix: str, ref: AdapterRef | None = None) -> tuple[RequestContext, AsyncIterator[RequestOutput]]:
         """The request's context and output stream. Nothing happens until the stream is
         first awaited: admission runs then, so a stream never started was never admitted.
         `ref`: the adapter's version from `resolve_adapter_ref` (else looked up here)."""
