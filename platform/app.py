@@ -22,7 +22,7 @@ from loraplex.platform.assembly.usage_hooks import UsageHooks
 from loraplex.platform.errors import ERRORS, api_error, error_response
 from loraplex.platform.serving.gateway import Gateway
 from loraplex.platform.serving.hooks import Hooks
-from loraplex.platform.serving.metrics import CONTENT_TYPE, Metrics
+from loraplex.platform.metrics import CONTENT_TYPE, Metrics
 from loraplex.platform.serving.openai_routes import openai_routes
 from loraplex.platform.serving.openapi import openai_openapi
 from loraplex.platform.serving.request_limits import ParsePool

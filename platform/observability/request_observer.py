@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 class RequestMetrics(Protocol):
-    """The per-request series an observer feeds (serving/metrics.py's `Metrics`)."""
+    """The per-request series an observer feeds (platform/metrics.py's `Metrics`)."""
 
     def request_started(self, adapter: str | None, lane: Lane, digest: str | None = None) -> None: ...
 

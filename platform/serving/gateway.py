@@ -24,7 +24,7 @@ from loraplex.platform.observability.request_observer import RequestObserver
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
 from loraplex.platform.serving.gaie import lower_lane, objective_lane, parse_objective
 from loraplex.platform.serving.hooks import Hooks, RequestContext
-from loraplex.platform.serving.metrics import Metrics
+from loraplex.platform.metrics import Metrics
 from loraplex.platform.serving.prompt_batch import PromptTally, merge_prompt_streams
 from loraplex.platform.serving.protocol import GenRequest, parse_chat, parse_completion
 from loraplex.platform.serving.request_limits import BodyBudget, ParsePool, check_choices, parse_request_json

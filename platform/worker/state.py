@@ -15,7 +15,7 @@ from loraplex.engine.request import AdapterRef
 from loraplex.platform.errors import ShuttingDownError
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
 from loraplex.platform.routing.view import WorkerStats
-from loraplex.platform.serving.metrics import Metrics
+from loraplex.platform.metrics import Metrics
 from loraplex.platform.tenancy.throttle import FailureThrottle
 from loraplex.platform.worker.config import WorkerConfig
 

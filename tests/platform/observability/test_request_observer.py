@@ -10,7 +10,7 @@ from loraplex.engine.output import RequestOutput
 from loraplex.platform.lanes import Lane
 from loraplex.platform.observability.request_observer import RequestObserver
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
-from loraplex.platform.serving.metrics import Metrics
+from loraplex.platform.metrics import Metrics
 
 
 def _samples(m: Metrics) -> dict[str, float]:
