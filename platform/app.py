@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Mount, Route
 
 from loraplex.engine.client import EngineClient
@@ -20,6 +20,7 @@ from loraplex.platform.db.database import Database
 from loraplex.platform.assembly.engine_factory import build_engine
 from loraplex.platform.assembly.usage_hooks import UsageHooks
 from loraplex.platform.errors import ERRORS, api_error, error_response
+from loraplex.platform.http import json_response
 from loraplex.platform.serving.gateway import Gateway
 from loraplex.platform.serving.hooks import Hooks
 from loraplex.platform.metrics import CONTENT_TYPE, Metrics
@@ -39,7 +40,7 @@ async def health(request: Request) -> Response:
     """Liveness: the process and its engine loop are alive."""
     gw: Gateway = request.app.state.gateway
     ok = gw.engine.is_running
-    return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+    return json_response({"status": "ok" if ok else "engine stopped"}, 200 if ok else 503)
 
 
 async def ready(request: Request) -> Response:
@@ -55,8 +56,8 @@ async def ready(request: Request) -> Response:
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         problems.append(f"database unreachable: {type(exc).__name__}")
     if problems:
-        return JSONResponse({"status": "not ready", "problems": problems}, status_code=503)
-    return JSONResponse({"status": "ready", "model": gw.model_name})
+        return json_response({"status": "not ready", "problems": problems}, 503)
+    return json_response({"status": "ready", "model": gw.model_name})
 
 
 async def metrics(request: Request) -> Response:
@@ -64,7 +65,7 @@ async def metrics(request: Request) -> Response:
 
 
 async def openai_document(request: Request) -> Response:
-    return JSONResponse(request.app.state.openai_openapi)
+    return json_response(request.app.state.openai_openapi)
 
 
 async def _domain_error(request: Request, exc: Exception) -> Response:
