@@ -36,7 +36,7 @@ from loraplex.engine.request import SamplingParams  # noqa: E402
 from loraplex.platform.app import create_app  # noqa: E402
 from loraplex.platform.db.database import Database, migrate  # noqa: E402
 from loraplex.platform.assembly.engine_factory import build_engine  # noqa: E402
-from loraplex.platform.settings import Settings  # noqa: E402
+from loraplex.platform.settings import AuthConfig, Settings  # noqa: E402
 from loraplex.platform.tenancy.tenants import create_key, create_tenant  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -151,7 +151,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench_gateway_"))
     config = EngineConfig(model=ModelConfig(model=model_dir(args.model, tmp), dtype=args.dtype, max_model_len=512),
                           cache=CacheConfig(num_blocks=256), num_threads=args.threads)
-    settings = Settings(engine=config, data_dir=tmp / "data", last_used_flush_seconds=5)
+    settings = Settings(engine=config, data_dir=tmp / "data", auth=AuthConfig(last_used_flush_seconds=5))
     migrate(settings.db_url)
     db = Database(settings.db_url)
     create_tenant(db, "bench")

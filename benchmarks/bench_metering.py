@@ -193,13 +193,14 @@ def bench_gateway_cpu(url: str, tmp: Path, requests: int, concurrency: int) -> d
     from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig
     from loraplex.platform.assembly.engine_factory import build_engine
     from loraplex.platform.quotas.limits import set_quota
-    from loraplex.platform.settings import Settings
+    from loraplex.platform.settings import AuthConfig, Settings
     from loraplex.platform.tenancy.tenants import create_key
 
     torch.set_num_threads(1)
     config = EngineConfig(model=ModelConfig(model=model_dir("tiny", tmp), dtype="float32", max_model_len=512),
                           cache=CacheConfig(num_blocks=256), num_threads=1)
-    settings = Settings(engine=config, data_dir=tmp / "data", database_url=url, last_used_flush_seconds=5)
+    settings = Settings(engine=config, data_dir=tmp / "data", database_url=url,
+                        auth=AuthConfig(last_used_flush_seconds=5))
     db = Database(url)
     keys = {}
     for label, limits in (("no limits", {}), ("all four limits", dict(rpm=10**7, tpm=10**9, max_concurrency=1000,
@@ -237,7 +238,7 @@ def bench_gateway_cpu(url: str, tmp: Path, requests: int, concurrency: int) -> d
                     t.start()
                 for t in threads:
                     t.join()
-                server.config.app.state.usage.writer.flush()
+                server.config.app.state.usage.metering.writer.flush()
                 p1 = time.process_time()
                 e1 = time.clock_gettime(time.pthread_getcpuclockid(eng_thread.ident))
                 samples.append((p1 - p0 - (e1 - e0) - client_cpu[0]) / (per * concurrency) * 1e3)

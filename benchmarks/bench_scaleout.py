@@ -44,7 +44,7 @@ from loraplex.platform.tenancy.adapter_directory import AdapterDirectory  # noqa
 from loraplex.platform.fleet.model_info import fetch_model_info  # noqa: E402
 from loraplex.platform.routing import RouterConfig  # noqa: E402
 from loraplex.platform.assembly.engine_factory import build_engine  # noqa: E402
-from loraplex.platform.settings import Settings  # noqa: E402
+from loraplex.platform.settings import AuthConfig, Settings  # noqa: E402
 from loraplex.platform.tenancy.adapter_registry import add_adapter, open_store, shared_blob_store  # noqa: E402
 from loraplex.platform.tenancy.tenants import create_key, create_tenant  # noqa: E402
 from tests.e2e.fleet import processes as P  # noqa: E402
@@ -60,11 +60,11 @@ def _fleet_config(workers: list[P.Proc], policy: str = "affinity") -> FleetConfi
 def _remote(settings: Settings, workers: list[P.Proc], tmp: Path, policy: str = "affinity"
             ) -> tuple[RemoteEngineClient, Settings]:
     config = _fleet_config(workers, policy)
-    info = fetch_model_info(config, Path(tempfile.mkdtemp(dir=tmp)))
+    served_name, info = fetch_model_info(config, Path(tempfile.mkdtemp(dir=tmp)))
     engine = RemoteEngineClient(config, info, AdapterDirectory(Database(settings.db_url)))
     gw_settings = Settings(engine=EngineConfig(model=ModelConfig(model=str(info.model_dir))),
                            data_dir=settings.data_dir, database_url=settings.database_url,
-                           served_model_name=info.model, last_used_flush_seconds=5)
+                           served_model_name=served_name, auth=AuthConfig(last_used_flush_seconds=5))
     return engine, gw_settings
 
 
@@ -72,7 +72,7 @@ def _remote(settings: Settings, workers: list[P.Proc], tmp: Path, policy: str = 
 def hop(args, tmp: Path, mdir: str) -> None:
     config = EngineConfig(model=ModelConfig(model=mdir, dtype="float32", max_model_len=MAX_MODEL_LEN),
                           cache=CacheConfig(num_blocks=256), num_threads=1)
-    settings = Settings(engine=config, data_dir=tmp / "hop", last_used_flush_seconds=5)
+    settings = Settings(engine=config, data_dir=tmp / "hop", auth=AuthConfig(last_used_flush_seconds=5))
     migrate(settings.db_url)
     db = Database(settings.db_url)
     create_tenant(db, "bench")

@@ -6,6 +6,7 @@ through a queue and are applied between steps, so the engine itself needs no loc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -14,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-from .client import AdapterResidency, EngineStats
+from .client import AdapterResidency, EngineStats, ModelInfo
 from .engine import LLMEngine, RequestOutput
 from .errors import EngineDeadError, InvalidRequestError, StreamStalledError, UnknownAdapterError
 from .request import AdapterRef, Lane, SamplingParams
@@ -59,6 +60,13 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def model_info(self) -> ModelInfo:
+        e = self.engine
+        info = ModelInfo(e.max_model_len, e.arch.vocab_size, tuple(e.tokenizer.eos_token_ids), e.model_dir)
+        if e.lora is None:
+            return info
+        return dataclasses.replace(info, max_loras=e.lora.config.max_loras, max_lora_rank=e.lora.config.max_lora_rank)
+
     # -- adapters -----------------------------------------------------------------------
     def resolve_adapter(self, name: str) -> AdapterRef | None:
         lora = self.engine.lora
@@ -79,6 +87,15 @@ class AsyncEngine:
 
     def remove_adapter(self, name: str) -> None:
         self._disk_store().remove(name)
+
+    async def prefetch_adapter(self, ref: AdapterRef) -> None:
+        """Loads off the engine thread (the LoRA manager's loader)."""
+        if self.engine.lora is None:
+            raise UnknownAdapterError("this engine serves no adapters")
+        await asyncio.wrap_future(self.engine.lora.prefetch(ref.digest))
+
+    def drop_adapter(self, digest: str) -> bool:
+        return self.engine.lora is not None and self.engine.lora.drop(digest)
 
     def _disk_store(self) -> Any:
         """The disk store the engine resolves names in; a source that resolves them
@@ -247,6 +264,12 @@ class AsyncEngine:
             return await fut
         finally:
             self._calls.pop(key, None)
+
+    async def start(self) -> None:
+        """Nothing to bind to the caller's loop: the engine thread runs from construction."""
+
+    async def aclose(self) -> None:
+        """Nothing bound to the caller's loop; `shutdown` stops the engine thread."""
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Protocol, runtime_checkable
 from .request import AdapterRef, Lane, SamplingParams
 
 if TYPE_CHECKING:
-    from .engine import RequestOutput
+    from .output import RequestOutput
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,19 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_position: tuple[int, ...] = ()
     by_adapter: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model an engine serves: its limits, and the folder holding its config.json and
+    tokenizer files (what another process needs to tokenize for it)."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    model_dir: Path
+    max_loras: int = 0  # device adapter slots; 0: this engine serves no adapters
+    max_lora_rank: int = 64
 
 
 @dataclass(frozen=True)
@@ -109,9 +122,17 @@ class EngineClient(Protocol):
       `UnknownAdapterError`), so the version metered is the version run; None when the
       engine serves no adapters (it then refuses adapter requests itself).
     - `add_adapter` / `remove_adapter` change the adapters the engine can serve;
-      `adapter_residency` tells where each version is.
-    - `tokenizer`, `max_model_len` describe the model; `is_running` is False once the
+      `adapter_residency` tells where each version is. `prefetch_adapter` brings a
+      version into the CPU tier (fetched from its store on first use; raises as
+      `generate` would for a version that cannot be loaded, `UnknownAdapterError` when
+      the engine serves no adapters); `drop_adapter` forgets a version's CPU-tier copy
+      unless a request holds it (True when dropped).
+    - `tokenizer`, `max_model_len` and `model_info` describe the model; `is_running` is False once the
       engine loop stopped; `shutdown` stops it.
+    - `start` runs once inside the event loop that will use the client, before its first
+      call, and `aclose` once at that loop's end (a remote client's connections and
+      health poller live in the loop). Neither starts or stops the engine: whoever built
+      the engine calls `shutdown`.
     """
 
     @property
@@ -140,4 +161,14 @@ class EngineClient(Protocol):
 
     def remove_adapter(self, name: str) -> None: ...
 
+    async def prefetch_adapter(self, ref: AdapterRef) -> None: ...
+
+    def drop_adapter(self, digest: str) -> bool: ...
+
+    def model_info(self) -> ModelInfo: ...
+
     def shutdown(self, timeout: float = 10.0) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...

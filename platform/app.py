@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Mount, Route
 
 from loraplex.engine.client import EngineClient
@@ -18,16 +18,18 @@ from loraplex.platform.admin.vllm_lora import vllm_lora_routes
 from loraplex.platform.serving.auth import Authenticator
 from loraplex.platform.db.database import Database
 from loraplex.platform.assembly.engine_factory import build_engine
+from loraplex.platform.assembly.usage_hooks import UsageHooks
 from loraplex.platform.errors import ERRORS, api_error, error_response
-from loraplex.platform.serving.gateway import Gateway, Hooks
-from loraplex.platform.serving.metrics import CONTENT_TYPE, Metrics
+from loraplex.platform.http import json_response
+from loraplex.platform.serving.gateway import Gateway
+from loraplex.platform.serving.hooks import Hooks
+from loraplex.platform.metrics import CONTENT_TYPE, Metrics
 from loraplex.platform.serving.openai_routes import openai_routes
 from loraplex.platform.serving.openapi import openai_openapi
 from loraplex.platform.serving.request_limits import ParsePool
 from loraplex.platform.serving.tokenize_routes import tokenize_routes
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy.throttle import ThrottleConfig
-from loraplex.platform.metering.hooks import UsageHooks
 from loraplex.platform.observability.request_id import RequestIdMiddleware
 from loraplex.platform.observability.tracing import TraceContextMiddleware, Tracing, TracingConfig
 
@@ -38,7 +40,7 @@ async def health(request: Request) -> Response:
     """Liveness: the process and its engine loop are alive."""
     gw: Gateway = request.app.state.gateway
     ok = gw.engine.is_running
-    return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+    return json_response({"status": "ok" if ok else "engine stopped"}, 200 if ok else 503)
 
 
 async def ready(request: Request) -> Response:
@@ -54,8 +56,8 @@ async def ready(request: Request) -> Response:
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         problems.append(f"database unreachable: {type(exc).__name__}")
     if problems:
-        return JSONResponse({"status": "not ready", "problems": problems}, status_code=503)
-    return JSONResponse({"status": "ready", "model": gw.model_name})
+        return json_response({"status": "not ready", "problems": problems}, 503)
+    return json_response({"status": "ready", "model": gw.model_name})
 
 
 async def metrics(request: Request) -> Response:
@@ -63,7 +65,7 @@ async def metrics(request: Request) -> Response:
 
 
 async def openai_document(request: Request) -> Response:
-    return JSONResponse(request.app.state.openai_openapi)
+    return json_response(request.app.state.openai_openapi)
 
 
 async def _domain_error(request: Request, exc: Exception) -> Response:
@@ -83,22 +85,16 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
     @asynccontextmanager
     async def lifespan(app: Starlette):
         eng = engine if engine is not None else await asyncio.to_thread(build_engine, settings)
-        # An engine client with async start()/aclose() (a remote one: its connections and
-        # health poller live in this loop) is started and closed with the app.
-        if hasattr(eng, "aclose"):
-            await eng.start()
+        await eng.start()  # a remote client's connections and health poller live in this loop
         db = Database(settings.db_url)
-        auth = Authenticator(db, settings.auth_cache_ttl, settings.auth_negative_ttl,
-                             settings.last_used_flush_seconds,
-                             ThrottleConfig(settings.auth_failure_burst, settings.auth_failure_rate))
+        a = settings.auth
+        auth = Authenticator(db, a.cache_ttl, a.negative_ttl, a.last_used_flush_seconds,
+                             ThrottleConfig(a.failure_burst, a.failure_rate))
         m = Metrics(settings.model_name, eng.stats, settings.engine.lora.max_loras, residency=eng.adapter_residency)
-        # No hooks passed in: quotas and metering (metering/hooks.py). Hooks with async
-        # start()/close() (UsageHooks do) are started and closed with the app.
+        # No hooks passed in: quotas and metering (assembly/usage_hooks.py).
         usage = app.state.usage = UsageHooks(settings) if hooks is None else hooks
-        if hasattr(usage, "start"):
-            await usage.start()
-        if hasattr(usage, "register_metrics"):
-            usage.register_metrics(m.registry)
+        await usage.start()
+        usage.register_metrics(m.registry)
         tracing = Tracing(TracingConfig(otlp_endpoint=settings.otlp_endpoint, service_name=settings.service_name))
         gw = app.state.gateway = Gateway(settings, eng, auth, m, usage, tracing)
         app.state.parse_pool = ParsePool()  # tokenizing and chat templates, off the event loop
@@ -110,11 +106,10 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
         finally:
             gw.draining = True
             await app.state.admin.close()  # the audit rows of failed sign-ins still being counted
-            if hasattr(usage, "close"):
-                try:
-                    await usage.close()  # finishes what is still open, flushes the usage writer
-                except Exception:  # noqa: BLE001 - must not block shutdown
-                    log.exception("closing quotas/metering failed")
+            try:
+                await usage.close()  # finishes what is still open, flushes the usage writer
+            except Exception:  # noqa: BLE001 - must not block shutdown
+                log.exception("closing quotas/metering failed")
             try:
                 await auth.close()
             except Exception:  # noqa: BLE001 - a DB hiccup at exit must not block shutdown
@@ -123,8 +118,7 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
             gw.close()
             if engine is None:
                 await asyncio.to_thread(eng.shutdown)
-            if hasattr(eng, "aclose"):
-                await eng.aclose()
+            await eng.aclose()
             db.dispose()
             await asyncio.to_thread(tracing.shutdown)  # exports the spans still buffered
 

@@ -1,4 +1,5 @@
-"""Platform settings: one frozen dataclass composed with the engine's `EngineConfig`."""
+"""Platform settings: one frozen dataclass composed of the engine's `EngineConfig` and
+one frozen group per subsystem (limits, auth, admin, quotas, usage)."""
 from __future__ import annotations
 
 import os
@@ -43,7 +44,7 @@ class ServerLimits:
     backlog: int = 2048
     max_header_bytes: int = 64 * 1024
     # Request bodies: the OpenAI routes, and the admin API's JSON (the adapter upload has
-    # Settings.admin_max_upload_bytes); the unauthenticated sign-in gets the small one.
+    # Settings.admin.max_upload_bytes); the unauthenticated sign-in gets the small one.
     max_body_bytes: int = 4 * 2**20
     # Request body bytes one tenant may send per second (every route it reaches with its
     # key), past a burst of one largest body: what its JSON costs to parse is bounded.
@@ -69,6 +70,73 @@ class ServerLimits:
 
 
 @dataclass(frozen=True)
+class AuthConfig:
+    """API key authentication (serving/auth.py) and the failed-authentication throttle."""
+
+    # How long a validated API key is trusted without asking the database again. A key
+    # revoked (or a tenant disabled, or a grant removed) elsewhere stops working within
+    # this many seconds; expiry is checked on every request and is exact.
+    cache_ttl: float = 5.0
+    # Unknown keys are remembered this long, so a flood of bad keys cannot hammer the DB.
+    negative_ttl: float = 2.0
+    # Failed authentication (API keys, admin tokens) one client address may make in a
+    # burst, and how many per second after it; past that it gets 429 with Retry-After for
+    # unknown API keys and admin tokens (valid API keys and admin sessions are still served).
+    failure_burst: int = 20
+    failure_rate: float = 1.0
+    # last_used_at is kept in memory and written in one batch this often (and at shutdown).
+    last_used_flush_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.cache_ttl < 0 or self.negative_ttl < 0:
+            raise ValueError("auth cache TTLs must be >= 0")
+        if self.failure_burst < 1 or not self.failure_rate > 0:
+            raise ValueError("auth failure_burst must be >= 1 and failure_rate > 0")
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    """The admin API (admin/)."""
+
+    # The admin API's token; None: $LORAPLEX_ADMIN_TOKEN, else the one `serve` generated
+    # at first start (its hash is in <data_dir>/admin-token.sha256). See admin/auth.py.
+    token: str | None = None
+    # Adapter uploads through the admin API larger than this are refused (413).
+    max_upload_bytes: int = 1 << 30
+    # Failed admin sign-ins and Bearer tokens are audited as one row per this many seconds
+    # (the first at once), however many there were (admin/failed_auth.py).
+    audit_failure_window: float = 60.0
+
+
+@dataclass(frozen=True)
+class QuotaConfig:
+    """Quotas (quotas/)."""
+
+    # Limits are cached per process this long (a change applies within it).
+    cache_ttl: float = 5.0
+    # A dead process's quota leases expire (and are given back) after this long.
+    lease_ttl: float = 60.0
+
+
+@dataclass(frozen=True)
+class UsageConfig:
+    """Metering (metering/writer.py)."""
+
+    # The usage writer's batch size and flush interval, and the backlog of unwritten
+    # events at which new requests get 503 until the database catches up.
+    batch_size: int = 500
+    flush_seconds: float = 0.25
+    max_buffer: int = 100_000
+    # At shutdown, how long the usage writer keeps trying to put the journal's events into
+    # the database before leaving them in the journal (replayed at the next start there).
+    drain_seconds: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.drain_seconds < float("inf"):
+            raise ValueError("usage drain_seconds must be a finite number of seconds >= 0")
+
+
+@dataclass(frozen=True)
 class Settings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     data_dir: Path = field(default_factory=default_data_dir)
@@ -91,41 +159,13 @@ class Settings:
     served_model_name: str | None = None
     # (name, path) pairs registered (public) at `serve` start.
     adapters: tuple[tuple[str, str], ...] = ()
-    # How long a validated API key is trusted without asking the database again. A key
-    # revoked (or a tenant disabled, or a grant removed) elsewhere stops working within
-    # this many seconds; expiry is checked on every request and is exact.
-    auth_cache_ttl: float = 5.0
-    # Unknown keys are remembered this long, so a flood of bad keys cannot hammer the DB.
-    auth_negative_ttl: float = 2.0
-    # Failed authentication (API keys, admin tokens) one client address may make in a
-    # burst, and how many per second after it; past that it gets 429 with Retry-After for
-    # unknown API keys and admin tokens (valid API keys and admin sessions are still served).
-    auth_failure_burst: int = 20
-    auth_failure_rate: float = 1.0
-    # Failed admin sign-ins and Bearer tokens are audited as one row per this many seconds
-    # (the first at once), however many there were (admin/failed_auth.py).
-    audit_failure_window: float = 60.0
-    # last_used_at is kept in memory and written in one batch this often (and at shutdown).
-    last_used_flush_seconds: float = 30.0
+    # API keys (serving/auth.py), the admin API (admin/), quotas (quotas/), metering (metering/).
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
+    quotas: QuotaConfig = field(default_factory=QuotaConfig)
+    usage: UsageConfig = field(default_factory=UsageConfig)
     # `serve`: create the demo tenant (and print its key) on first start.
     create_demo_tenant: bool = True
-    # The admin API's token; None: $LORAPLEX_ADMIN_TOKEN, else the one `serve` generated
-    # at first start (its hash is in <data_dir>/admin-token.sha256). See admin/auth.py.
-    admin_token: str | None = None
-    # Adapter uploads through the admin API larger than this are refused (413).
-    admin_max_upload_bytes: int = 1 << 30
-    # Quotas (quotas/): limits are cached per process this long (a change applies within
-    # it); a dead process's quota leases expire (and are given back) after this long.
-    quota_cache_ttl: float = 5.0
-    quota_lease_ttl: float = 60.0
-    # Metering (metering/writer.py): the usage writer's batch size and flush interval, and the
-    # backlog of unwritten events at which new requests get 503 until the DB catches up.
-    usage_batch_size: int = 500
-    usage_flush_seconds: float = 0.25
-    usage_max_buffer: int = 100_000
-    # At shutdown, how long the usage writer keeps trying to put the journal's events into
-    # the database before leaving them in the journal (replayed at the next start there).
-    usage_drain_seconds: float = 10.0
     # Where every replica fetches adapter versions from (s3://bucket/prefix or a database
     # URL); None: $LORAPLEX_ADAPTER_STORE, else the platform's database when it is
     # PostgreSQL, else none (the embedded default keeps its local folder only).
@@ -153,16 +193,10 @@ class Settings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser())
-        if self.auth_cache_ttl < 0 or self.auth_negative_ttl < 0:
-            raise ValueError("auth cache TTLs must be >= 0")
-        if self.auth_failure_burst < 1 or not self.auth_failure_rate > 0:
-            raise ValueError("auth_failure_burst must be >= 1 and auth_failure_rate > 0")
         if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
             raise ValueError("request_timeout must be a finite number of seconds > 0")
         if self.adapter_cache_max_bytes is not None and self.adapter_cache_max_bytes <= 0:
             raise ValueError("adapter_cache_max_bytes must be > 0 (or None: no bound)")
-        if not 0 <= self.usage_drain_seconds < float("inf"):
-            raise ValueError("usage_drain_seconds must be a finite number of seconds >= 0")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
 

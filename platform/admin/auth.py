@@ -1,6 +1,6 @@
 """Admin credentials: the admin token, browser sessions signed with it, and CSRF tokens.
 
-The admin token comes from (first found): `Settings.admin_token`, $LORAPLEX_ADMIN_TOKEN
+The admin token comes from (first found): `Settings.admin.token`, $LORAPLEX_ADMIN_TOKEN
 (comma-separated to accept several while rotating), or the token `loraplex serve`
 generates at first start, of which only the sha256 is kept, in
 <data_dir>/admin-token.sha256 (mode 0600). With none of these the admin API answers 401
@@ -90,8 +90,8 @@ def token_file(settings: Settings) -> Path:
 
 def configured_token_hashes(settings: Settings) -> tuple[list[str], str]:
     """(sha256 hex of every accepted admin token, where they came from)."""
-    if settings.admin_token:
-        tokens, source = [settings.admin_token], "settings"
+    if settings.admin.token:
+        tokens, source = [settings.admin.token], "settings"
     elif os.environ.get(ADMIN_TOKEN_ENV, "").strip():
         tokens, source = [t.strip() for t in os.environ[ADMIN_TOKEN_ENV].split(",") if t.strip()], f"${ADMIN_TOKEN_ENV}"
     else:
@@ -164,8 +164,8 @@ class AdminAuth:
     @classmethod
     def from_settings(cls, settings: Settings, db: Database) -> AdminAuth:
         hashes, source = configured_token_hashes(settings)
-        env_or_settings = bool(settings.admin_token or os.environ.get(ADMIN_TOKEN_ENV, "").strip())
-        throttle = ThrottleConfig(burst=settings.auth_failure_burst, per_second=settings.auth_failure_rate)
+        env_or_settings = bool(settings.admin.token or os.environ.get(ADMIN_TOKEN_ENV, "").strip())
+        throttle = ThrottleConfig(burst=settings.auth.failure_burst, per_second=settings.auth.failure_rate)
         return cls(hashes, db, source, watch=None if env_or_settings else token_file(settings), throttle=throttle)
 
     def _entries(self, hashes: list[str]) -> dict[str, str]:

@@ -6,7 +6,7 @@ Errors: platform/errors.py (the same `{"error": {...}}` body as the OpenAI route
 
 Every change writes one audit row (tenancy/audit.py) naming the admin credential that made it.
 Changes to who may use what (keys revoked, tenants disabled, grants) take effect at once
-in this process (its key cache is cleared) and within `auth_cache_ttl` on other replicas.
+in this process (its key cache is cleared) and within `Settings.auth.cache_ttl` on other replicas.
 
 Adapter uploads stream to a private staging folder with a size limit, are validated in
 full by the adapter store, and are published atomically: an adapter is visible (to the

@@ -50,7 +50,7 @@ class AdminState:
             log.warning("admin API: no admin token configured (set $LORAPLEX_ADMIN_TOKEN); /admin is locked")
         st = cls(settings, db, gateway, auth, store)
         st.failures = FailureAudit(lambda actor, action, target, details: st.audit(actor, action, target, **details),
-                                   settings.audit_failure_window)
+                                   settings.admin.audit_failure_window)
         return st
 
     def start(self) -> None:

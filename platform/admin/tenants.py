@@ -66,11 +66,9 @@ def _set_quotas(st: AdminState, tenant: str, values: dict | None) -> None:
     set_quota(st.db, tenant, **values)
 
 
-def _quotas_changed(st: AdminState, request: Request) -> None:
-    usage_hooks = getattr(request.app.state, "usage", None)
-    limits = getattr(usage_hooks, "limits", None)
-    if limits is not None:
-        limits.invalidate()
+def _quotas_changed(st: AdminState) -> None:
+    if st.gateway.hooks is not None:
+        st.gateway.hooks.quotas_changed()
 
 
 # -- handlers: session -----------------------------------------------------------------------
@@ -138,7 +136,7 @@ async def create_tenant_(request: Request, st: AdminState, admin: Admin, query: 
         return t, _get_quotas(st, t.name)
 
     t, limits = await asyncio.to_thread(make)
-    _quotas_changed(st, request)
+    _quotas_changed(st)
     await st.audit(admin, "tenant.create", f"tenant:{t.name}", default_lane=t.default_lane,
                    allowed_lanes=list(t.allowed_lanes), weight=t.weight, request_timeout=t.request_timeout,
                    **({"quotas": body["quotas"]} if body.get("quotas") else {}))
@@ -159,7 +157,7 @@ async def update_tenant_(request: Request, st: AdminState, admin: Admin, query: 
 
     before, t, limits = await asyncio.to_thread(change)
     st.access_changed()
-    _quotas_changed(st, request)
+    _quotas_changed(st)
     changes: dict[str, Any] = {}
     if (before.default_lane, before.allowed_lanes) != (t.default_lane, t.allowed_lanes):
         changes["lanes"] = {"from": [before.default_lane, list(before.allowed_lanes)],

@@ -51,7 +51,7 @@ def upload_limit(st: AdminState) -> int:
     this base model and rank cap can be that large (the config plus the weights; a zip
     of them is no larger, give or take its headers)."""
     largest_adapter = st.store.max_file_bytes + MAX_CONFIG_BYTES + _MULTIPART_OVERHEAD
-    return min(st.settings.admin_max_upload_bytes, largest_adapter)
+    return min(st.settings.admin.max_upload_bytes, largest_adapter)
 
 
 async def receive_upload(request: Request, st: AdminState, on_field) -> Upload:

@@ -72,15 +72,15 @@ def gateway(args: argparse.Namespace) -> int:
     open_db(base).dispose()  # migrate (a no-op when current)
     base.data_dir.mkdir(parents=True, exist_ok=True)
     model_dir = Path(tempfile.mkdtemp(prefix="gateway-model-", dir=base.data_dir))
-    info = fetch_model_info(fleet, model_dir)
-    settings = replace(base, served_model_name=info.model, engine=EngineConfig(
+    served_name, info = fetch_model_info(fleet, model_dir)
+    settings = replace(base, served_model_name=served_name, engine=EngineConfig(
         model=ModelConfig(model=str(model_dir), max_model_len=info.max_model_len),
         lora=LoRAConfig(max_loras=max(1, info.max_loras), max_lora_rank=info.max_lora_rank)))
     engine = RemoteEngineClient(fleet, info, AdapterDirectory(Database(settings.db_url)))
     admin_token = ensure_admin_token(settings)
     app = create_app(settings, engine)
     url = f"http://{settings.host}:{settings.port}"
-    print(f"loraplex: gateway for {info.model} at {url}/v1 over workers "
+    print(f"loraplex: gateway for {served_name} at {url}/v1 over workers "
           f"{args.workers or args.workers_dns}; database {Database.display_url(settings.db_url)}", flush=True)
     if admin_token:
         print(f"loraplex: admin token generated (shown only this once):\n\n    {admin_token}\n", flush=True)

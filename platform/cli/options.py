@@ -8,7 +8,7 @@ import json
 import re
 
 from loraplex.platform.serving.gaie import parse_objective
-from loraplex.platform.settings import DEFAULT_ADAPTER_CACHE_BYTES, ServerLimits, Settings
+from loraplex.platform.settings import DEFAULT_ADAPTER_CACHE_BYTES, AdminConfig, AuthConfig, ServerLimits, UsageConfig
 
 # What clears a limit or a timeout on the command line.
 CLEAR = ("none", "off", "unlimited", "clear")
@@ -88,14 +88,14 @@ def server_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--forwarded-allow-ips", default="127.0.0.1", metavar="IPS",
                    help="proxies trusted for X-Forwarded-For/-Proto: addresses or CIDR ranges, comma-separated, "
                         "or '*'")
-    g.add_argument("--auth-failure-burst", type=int, default=Settings.auth_failure_burst, metavar="N",
+    g.add_argument("--auth-failure-burst", type=int, default=AuthConfig.failure_burst, metavar="N",
                    help="failed authentications one address may make in a burst before 429 (valid keys "
                         "are always served)")
-    g.add_argument("--auth-failure-rate", type=float, default=Settings.auth_failure_rate, metavar="PER_S",
+    g.add_argument("--auth-failure-rate", type=float, default=AuthConfig.failure_rate, metavar="PER_S",
                    help="failed authentications per second an address earns back after its burst")
     g.add_argument("--secure-cookies", action="store_true",
                    help="mark the admin session cookie Secure on every request (behind a TLS-terminating proxy)")
-    g.add_argument("--usage-drain-timeout", type=float, default=Settings.usage_drain_seconds, metavar="S",
+    g.add_argument("--usage-drain-timeout", type=float, default=UsageConfig.drain_seconds, metavar="S",
                    help="at shutdown, seconds to keep writing the usage journal's events to the database "
                         "(what is left stays in the journal; default 10)")
     g.add_argument("--header-timeout", type=float, default=d.header_timeout, metavar="S",
@@ -114,7 +114,7 @@ def server_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-rate", type=parse_size, default=d.body_bytes_per_second, metavar="SIZE",
                    help="request body bytes per second one tenant may send, past a burst of one "
                         "--max-body-size body; past it, 429 (default 1MiB)")
-    g.add_argument("--max-upload-size", type=parse_size, default=Settings.admin_max_upload_bytes, metavar="SIZE",
+    g.add_argument("--max-upload-size", type=parse_size, default=AdminConfig.max_upload_bytes, metavar="SIZE",
                    help="adapter uploads through the admin API (default 1GiB)")
     p.add_argument("--inference-objective", action="append", type=objective_arg, default=[],
                    metavar="NAME=LANE|PRIORITY",
@@ -129,9 +129,10 @@ def server_settings(args: argparse.Namespace) -> dict:
                           max_connections_per_client=args.max_connections_per_client,
                           max_body_bytes=args.max_body_size, body_bytes_per_second=args.max_body_rate)
     return {"limits": limits, "metrics_host": args.metrics_host, "metrics_port": args.metrics_port or None,
-            "forwarded_allow_ips": args.forwarded_allow_ips, "admin_max_upload_bytes": args.max_upload_size,
-            "auth_failure_burst": args.auth_failure_burst, "auth_failure_rate": args.auth_failure_rate,
-            "secure_cookies": args.secure_cookies, "usage_drain_seconds": args.usage_drain_timeout,
+            "forwarded_allow_ips": args.forwarded_allow_ips,
+            "admin": AdminConfig(max_upload_bytes=args.max_upload_size),
+            "auth": AuthConfig(failure_burst=args.auth_failure_burst, failure_rate=args.auth_failure_rate),
+            "secure_cookies": args.secure_cookies, "usage": UsageConfig(drain_seconds=args.usage_drain_timeout),
             "inference_objectives": tuple(args.inference_objective)}
 
 

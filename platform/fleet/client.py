@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import orjson
 
-from loraplex.engine.client import AdapterResidency, EngineStats, LaneDepth
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.client import AdapterResidency, EngineStats, LaneDepth, ModelInfo
+from loraplex.engine.output import RequestOutput
 from loraplex.engine.errors import EngineDeadError
 from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.tokenizer import Tokenizer
@@ -33,7 +33,6 @@ from loraplex.platform.fleet.errors import (
     WorkerUnreachableError,
     error_from_body,
 )
-from loraplex.platform.fleet.model_info import ModelInfo
 from loraplex.platform.fleet import wire
 from loraplex.platform.observability.request_id import REQUEST_ID_HEADER, current_request_id
 from loraplex.platform.observability.tracing import inject_trace_context
@@ -125,6 +124,9 @@ class RemoteEngineClient:
     def is_running(self) -> bool:
         return self._http is not None and not self._closed
 
+    def model_info(self) -> ModelInfo:
+        return self.info
+
     # -- adapters --------------------------------------------------------------------
     def resolve_adapter(self, name: str) -> AdapterRef:
         return self.adapters.resolve(name)
@@ -143,6 +145,12 @@ class RemoteEngineClient:
 
     def remove_adapter(self, name: str) -> None:
         raise WorkerError("a gateway removes adapters through its registry (admin API)")
+
+    async def prefetch_adapter(self, ref: AdapterRef) -> None:
+        raise WorkerError("a gateway's workers fetch adapter versions from the shared adapter store on first use")
+
+    def drop_adapter(self, digest: str) -> bool:
+        raise WorkerError("a gateway's workers keep their own adapter tiers")
 
     # -- stats -----------------------------------------------------------------------
     def stats(self) -> EngineStats:

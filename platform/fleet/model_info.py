@@ -9,10 +9,11 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from loraplex.engine.client import ModelInfo
 
 from loraplex.platform.fleet.config import FleetConfig
 from loraplex.platform.fleet.errors import WorkerUnreachableError
@@ -22,19 +23,9 @@ log = logging.getLogger(__name__)
 MODEL_PATH = "/internal/v1/model"
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    model: str  # the served name
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    model_dir: Path  # config.json and the tokenizer's files
-    max_lora_rank: int = 64
-    max_loras: int = 0
-
-
-def write_model_dir(doc: dict, folder: Path) -> ModelInfo:
-    """Write the files of a `/internal/v1/model` answer into `folder`; the ModelInfo."""
+def write_model_dir(doc: dict, folder: Path) -> tuple[str, ModelInfo]:
+    """Write the files of a `/internal/v1/model` answer into `folder`; the served model's
+    name and its ModelInfo (`model_dir` is `folder`)."""
     folder.mkdir(parents=True, exist_ok=True)
     files = doc.get("tokenizer_files") or {}
     for name, data in files.items():
@@ -45,12 +36,13 @@ def write_model_dir(doc: dict, folder: Path) -> ModelInfo:
         tmp.replace(folder / name)
     if not (folder / "config.json").is_file():
         raise WorkerUnreachableError("the worker's model description lacks config.json")
-    return ModelInfo(str(doc["model"]), int(doc["max_model_len"]), int(doc["vocab_size"]),
+    info = ModelInfo(int(doc["max_model_len"]), int(doc["vocab_size"]),
                      tuple(int(t) for t in doc.get("eos_token_ids", ())), folder,
-                     int(doc.get("max_lora_rank", 64)), int(doc.get("max_loras", 0)))
+                     max_loras=int(doc.get("max_loras", 0)), max_lora_rank=int(doc.get("max_lora_rank", 64)))
+    return str(doc["model"]), info
 
 
-def fetch_model_info(config: FleetConfig, folder: Path) -> ModelInfo:
+def fetch_model_info(config: FleetConfig, folder: Path) -> tuple[str, ModelInfo]:
     """Ask the workers, in turn, until one describes the model (within `startup_wait_s`)."""
     discovery = discovery_for(workers=config.workers, workers_dns=config.workers_dns)
     deadline = time.monotonic() + config.startup_wait_s

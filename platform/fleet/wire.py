@@ -17,13 +17,13 @@ from typing import Any
 
 import orjson
 
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.output import RequestOutput
 from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.structured.spec import StructuredOutput
 
 from loraplex.platform.errors import ConfigError, WeakSecretError
-from loraplex.platform.lanes import lane_name
+from loraplex.platform.lanes import lane_name, lane_named
 from loraplex.platform.routing.view import prefix_key
 
 STATS_HEADER = "x-loraplex-stats"  # the worker's WorkerStats JSON at admission
@@ -99,15 +99,18 @@ class GenerateRequest:
         ids = doc.get("prompt_token_ids")
         if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
             raise InvalidRequestError("'prompt_token_ids' must be a non-empty list of integers")
-        lane = doc.get("lane", "standard")
-        if not isinstance(lane, str):
+        lane_doc = doc.get("lane", "standard")
+        if not isinstance(lane_doc, str):
             raise InvalidRequestError("'lane' must be interactive, standard or batch")
+        lane = lane_named(lane_doc)
+        if lane is None:
+            raise InvalidRequestError(f"unknown lane {lane_doc!r}; use interactive, standard or batch")
         weight, timeout = doc.get("tenant_weight", 1.0), doc.get("timeout")
         if not _is_number(weight) or not 0 < weight < float("inf"):
             raise InvalidRequestError("'tenant_weight' must be a finite number > 0")
         if timeout is not None and (not _is_number(timeout) or not 0 < timeout < float("inf")):
             raise InvalidRequestError("'timeout' must be null or a finite number of seconds > 0")
-        return cls(rid, ids, sampling_from_json(doc.get("sampling", {})), Lane.parse(lane),
+        return cls(rid, ids, sampling_from_json(doc.get("sampling", {})), lane,
                    adapter_from_json(doc.get("adapter")), _str(doc, "cache_salt"), _str(doc, "tenant"),
                    float(weight), None if timeout is None else float(timeout))
 

@@ -32,11 +32,9 @@ from pathlib import Path
 
 from loraplex.platform.metering.journal import Journal
 from loraplex.platform.metering.writer import Event, UsageWriter
-from loraplex.platform.quotas.admission import Reservation, charges_of
+from loraplex.platform.quotas.admission import Charges, Reservation, charges_of
 
 log = logging.getLogger(__name__)
-
-Charges = list[tuple[str, str, int, int]]
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,13 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from loraplex.engine.engine import RequestOutput
+    from loraplex.engine.output import RequestOutput
     from loraplex.engine.request import Lane
     from loraplex.platform.observability.tracing import RequestTrace
 
 
 class RequestMetrics(Protocol):
-    """The per-request series an observer feeds (serving/metrics.py's `Metrics`)."""
+    """The per-request series an observer feeds (platform/metrics.py's `Metrics`)."""
 
     def request_started(self, adapter: str | None, lane: Lane, digest: str | None = None) -> None: ...
 

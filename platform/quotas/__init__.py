@@ -25,6 +25,9 @@ the UTC day or calendar month for budgets. Reservations count in the window wher
 were admitted. Replicas must have synchronized clocks (NTP), as they compute windows.
 
 The limits themselves are read through a per-process cache (`QuotaCache`, TTL
-`Settings.quota_cache_ttl`, 5 s): a change made by the CLI or another replica applies
+`Settings.quotas.cache_ttl`, 5 s): a change made by the CLI or another replica applies
 within that time. A tenant without limits costs no database work per request at all.
+
+`hooks.QuotaHooks` is the gateway's side of this: a reservation at admission, its
+settlement at finish (assembly/usage_hooks.py runs it beside metering).
 """

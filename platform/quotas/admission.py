@@ -10,14 +10,16 @@ from loraplex.platform.errors import RateLimitedError
 from loraplex.platform.quotas.limits import LIMIT_NAMES, Limits
 from loraplex.platform.quotas.windows import minute_start, period_bounds
 
+# (scope, kind, window_start, amount) of everything a request took to give back or settle (not rpm).
+Charges = list[tuple[str, str, int, int]]
+
 
 @dataclass
 class Reservation:
     """What one admitted request took; settled exactly once."""
 
     request_id: str
-    # (scope, kind, window_start, amount) of everything to give back or settle (not rpm).
-    charges: list[tuple[str, str, int, int]]
+    charges: Charges
     leased: bool
     settled: bool = False
 
@@ -99,7 +101,7 @@ def settle_moves(charges, tokens_used: int, live: bool) -> list[tuple[str, str, 
 
 
 
-def charges_of(value) -> list[tuple[str, str, int, int]]:
+def charges_of(value) -> Charges:
     if isinstance(value, str):  # some drivers hand JSON back as text
         value = json.loads(value)
     return [(s, k, int(w), int(a)) for s, k, w, a in value]

@@ -3,22 +3,22 @@
 Cost per request on a cache hit: one sha256 and one dict lookup; no database access.
 
 Bounded staleness (documented contract): a validated key is trusted for
-`Settings.auth_cache_ttl` seconds (default 5). A key revoked, a tenant disabled, or an
+`Settings.auth.cache_ttl` seconds (default 5). A key revoked, a tenant disabled, or an
 adapter grant changed by another process (the CLI, another replica) therefore takes
 effect within that many seconds. Expiry (`expires_at`) is checked on every request
-and is exact. Unknown keys are remembered for `auth_negative_ttl` seconds so a flood of
+and is exact. Unknown keys are remembered for `Settings.auth.negative_ttl` seconds so a flood of
 bad keys cannot hammer the database; a key created meanwhile is unaffected (it is new).
 Failed attempts are throttled per client address (tenancy/throttle.py), but many tenants
 may share an address (a proxy's), so a throttled address is never refused a valid key:
 past its burst, a key that is not cached and whose digest is not among the keys the
-database holds (tenancy/known_keys.py, refreshed every `auth_cache_ttl` seconds, at
+database holds (tenancy/known_keys.py, refreshed every `cache_ttl` seconds, at
 least every `MIN_KNOWN_KEYS_REFRESH`) gets 429 without a database query, and a
 malformed one without even a hash. Lookups run on their own small thread pool, so a
 flood of unknown keys never delays `/ready` or other database work;
 `ping()` (readiness) has a thread of its own.
 
 `last_used_at` is recorded in memory (a set of key ids) and written in one UPDATE for all
-keys used, every `last_used_flush_seconds` (and at shutdown), never per request; the
+keys used, every `Settings.auth.last_used_flush_seconds` (and at shutdown), never per request; the
 stored time is therefore accurate to that interval.
 """
 from __future__ import annotations

@@ -1,33 +1,33 @@
 """The gateway's per-request core, shared by every route: model resolution, lanes,
-admission hooks, metrics, and the engine call.
+admission hooks, metrics, and the engine call. `Gateway.handle` takes one generation
+call from parsing to its output stream; the routes only speak HTTP around it.
 """
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 from loraplex.engine.client import EngineClient
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.output import RequestOutput
 from loraplex.engine.errors import EngineDeadError, StreamStalledError
 from loraplex.engine.request import AdapterRef, Lane
 
 from loraplex.platform.serving.auth import Authenticator, Principal
 from loraplex.platform.errors import ModelNotFoundError, RegistryUnavailableError, ShuttingDownError
 from loraplex.platform.lanes import lane_name, parse_lane
-from loraplex.platform.observability.request_id import current_request_id
 from loraplex.platform.observability.request_observer import RequestObserver
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
 from loraplex.platform.serving.gaie import lower_lane, objective_lane, parse_objective
-from loraplex.platform.serving.metrics import Metrics
+from loraplex.platform.serving.hooks import Hooks, RequestContext
+from loraplex.platform.metrics import Metrics
 from loraplex.platform.serving.prompt_batch import PromptTally, merge_prompt_streams
-from loraplex.platform.serving.protocol import GenRequest
-from loraplex.platform.serving.request_limits import BodyBudget
+from loraplex.platform.serving.protocol import GenRequest, parse_chat, parse_completion
+from loraplex.platform.serving.request_limits import BodyBudget, ParsePool, check_choices, parse_request_json
 from loraplex.platform.serving.render import TokenText
 from loraplex.platform.settings import Settings
 
@@ -39,54 +39,18 @@ ADAPTER_LOOKUP_THREADS = 2
 ADAPTER_LOOKUP_TIMEOUT = 5.0
 
 
-@dataclass
-class RequestContext:
-    """One request as admission/metering hooks see it."""
+@dataclass(frozen=True)
+class Call:
+    """One generation call as HTTP delivered it; `read_body` reads the body within its
+    size limit, charged to the tenant's byte budget (it needs the caller's tenant)."""
 
-    request_id: str
-    principal: Principal
-    model: str  # what the client sees: the base model's name or the adapter's
-    adapter: str | None
-    lane: Lane
-    num_prompt_tokens: int
-    max_tokens: int
-    received_at: float = field(default_factory=time.time)
-    # Filled in as the request runs.
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    # Prompt tokens the engine processed (billed even if no token came out).
-    num_processed_prompt_tokens: int = 0
-    # stop | length | abort (client left or cancelled) | error
-    finish_reason: str | None = None
-    # The adapter version (content digest) the engine runs: the one metered.
-    adapter_digest: str | None = None
-    # What admission hooks keep for finish (a quota reservation); the gateway never reads it.
-    hook_state: object = None
-    # The HTTP request's x-request-id (logs, traces, the worker hop); not unique.
-    correlation_id: str | None = field(default_factory=current_request_id)
-
-
-class Hooks(Protocol):
-    """Where quotas and metering plug in.
-
-    `admit` runs before the engine sees the request and may raise RateLimitedError (429
-    with Retry-After); `finish` runs exactly once for every admitted request, on every
-    path (success, stop, disconnect, engine error, shutdown), with the final counts.
-
-    `admit` raising (CancelledError included: the client left while it ran) means "not
-    admitted": `finish` will not run, so admit must undo whatever it took before raising.
-    `finish` should not raise; it runs inside the request's cleanup.
-    """
-
-    async def admit(self, ctx: RequestContext) -> None: ...
-
-    async def finish(self, ctx: RequestContext) -> None: ...
-
-    def progress(self, ctx: RequestContext, out: RequestOutput) -> Awaitable[None] | None:
-        """Each engine output, before the gateway hands it on (`ctx` still counts only what
-        was handed on before it). An awaitable returned is awaited first (a checkpoint)."""
+    chat: bool
+    authorization: str | None
+    client: str | None  # the caller's address (throttling of failed keys)
+    read_body: Callable[[Principal], Awaitable[bytes]]
+    path_adapter: str | None = None  # /adapters/{adapter}/v1/...
+    lane: str | None = None  # the LANE_HEADER
+    objective: str | None = None  # a GAIE objective header
 
 
 class Gateway:
@@ -143,9 +107,30 @@ class Gateway:
         if not self.engine.is_running:
             raise EngineDeadError("the engine is not running")
 
+    # -- one call ---------------------------------------------------------------------
+    async def handle(self, call: Call, pool: ParsePool
+                     ) -> tuple[RequestContext, GenRequest, AsyncIterator[RequestOutput]]:
+        """parse -> admit -> run: who asks, for which model and lane, with which request
+        (request_limits.py bounds what each step may cost before admission; tokenizing
+        and chat templates run on `pool`); then the request's context and output stream,
+        which admits (quotas) before the engine sees the request."""
+        principal = await self.auth.authenticate(call.authorization, call.client)
+        self.check_serving()
+        limits = self.settings.limits
+        raw = await call.read_body(principal)
+        body = await pool.run(parse_request_json, raw, limits, call.chat, self.max_model_len,
+                              self.tokenizer.max_token_chars)
+        adapter = self.resolve_model(principal, body.get("model"), call.path_adapter)
+        lane = self.lane_for(principal, call.lane, body.get("priority"), call.objective)
+        req = await pool.run(parse_chat if call.chat else parse_completion, body, self.tokenizer, self.max_model_len)
+        check_choices(req.num_sequences, limits)
+        ref = await self.resolve_adapter_ref(adapter)  # may query the registry: off the event loop
+        ctx, stream = self._start(principal, req, adapter, lane, "chatcmpl" if call.chat else "cmpl", ref)
+        return ctx, req, stream
+
     # -- the engine call -------------------------------------------------------------
-    def start(self, principal: Principal, req: GenRequest, adapter: str | None, lane: Lane,
-              prefix: str, ref: AdapterRef | None = None) -> tuple[RequestContext, AsyncIterator[RequestOutput]]:
+    def _start(self, principal: Principal, req: GenRequest, adapter: str | None, lane: Lane,
+               prefix: str, ref: AdapterRef | None = None) -> tuple[RequestContext, AsyncIterator[RequestOutput]]:
         """The request's context and output stream. Nothing happens until the stream is
         first awaited: admission runs then, so a stream never started was never admitted.
         `ref`: the adapter's version from `resolve_adapter_ref` (else looked up here)."""

@@ -43,7 +43,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from loraplex.platform.errors import RateLimitedError, api_error
-from loraplex.platform.serving.metrics import CONTENT_TYPE
+from loraplex.platform.metrics import CONTENT_TYPE
 from loraplex.platform.settings import ServerLimits, Settings
 
 # After an early answer, how long and how much of the unread body is still taken in.

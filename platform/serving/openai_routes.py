@@ -26,20 +26,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.output import RequestOutput
 
 from loraplex.platform.errors import api_error, error_response, mapping_of
 from loraplex.platform.http import ClientDisconnected, json_response, until_disconnected
 from loraplex.platform.serving.gaie import OBJECTIVE_HEADER
-from loraplex.platform.serving.gateway import LANE_HEADER, Gateway
-from loraplex.platform.serving.protocol import GenRequest, parse_chat, parse_completion
+from loraplex.platform.serving.gateway import LANE_HEADER, Call, Gateway
+from loraplex.platform.serving.protocol import GenRequest
 from loraplex.platform.serving.auth import Principal
-from loraplex.platform.serving.request_limits import (
-    check_choices,
-    check_content_length,
-    parse_request_json,
-    read_charged_body,
-)
+from loraplex.platform.serving.request_limits import check_content_length, read_charged_body
 from loraplex.platform.serving.streaming import SSEResponse
 from loraplex.platform.serving.render import ChunkStream, Collected, render_response
 from loraplex.platform.tenancy.throttle import client_address
@@ -75,34 +70,19 @@ def api_endpoint(endpoint: str) -> Callable:
     return deco
 
 
-async def _body(request: Request, gw: Gateway, principal: Principal, chat: bool) -> dict:
-    """The body read within its size limit and the tenant's byte budget, its JSON within
-    its shape limits (parsed on the parse pool)."""
-    limits = gw.settings.limits
-    raw = await read_charged_body(request, principal.tenant, gw.body_budget, limits.max_body_bytes)
-    return await request.app.state.parse_pool.run(parse_request_json, raw, limits, chat, gw.max_model_len,
-                                                  gw.tokenizer.max_token_chars)
-
-
 async def _generate(request: Request, gw: Gateway, chat: bool) -> Response:
-    """One way through: parse -> admit -> run -> render."""
-    # parse: who asks, for which model and lane, with which request (request_limits.py
-    # bounds what each step may cost before admission)
-    check_content_length(request, gw.settings.limits.max_body_bytes)
-    principal = await gw.auth.authenticate(request.headers.get("authorization"), client_address(request))
-    gw.check_serving()
-    body = await _body(request, gw, principal, chat)
-    adapter = gw.resolve_model(principal, body.get("model"), request.path_params.get("adapter"))
-    lane = gw.lane_for(principal, request.headers.get(LANE_HEADER), body.get("priority"),
-                       request.headers.get(OBJECTIVE_HEADER))
-    parse = parse_chat if chat else parse_completion
-    req = await request.app.state.parse_pool.run(parse, body, gw.tokenizer, gw.max_model_len)
-    check_choices(req.num_sequences, gw.settings.limits)
-    # admit and run: the gateway's stream admits (quotas) before the engine sees the request
-    ref = await gw.resolve_adapter_ref(adapter)  # may query the registry: off the event loop
-    ctx, stream = gw.start(principal, req, adapter, lane, "chatcmpl" if chat else "cmpl", ref)
+    """HTTP around `Gateway.handle` (parse -> admit -> run): the call in, the response out."""
+    limits = gw.settings.limits
+    check_content_length(request, limits.max_body_bytes)  # 413 before anything is read or looked up
+
+    def read_body(principal: Principal) -> Awaitable[bytes]:
+        return read_charged_body(request, principal.tenant, gw.body_budget, limits.max_body_bytes)
+
+    call = Call(chat, request.headers.get("authorization"), client_address(request), read_body,
+                request.path_params.get("adapter"), request.headers.get(LANE_HEADER),
+                request.headers.get(OBJECTIVE_HEADER))
+    ctx, req, stream = await gw.handle(call, request.app.state.parse_pool)
     head = {"id": ctx.request_id, "created": int(ctx.received_at), "model": ctx.model}
-    # render
     if req.stream:
         first = await until_disconnected(request.receive, anext(stream))
         chunks = ChunkStream(req, head, gw.token_text)

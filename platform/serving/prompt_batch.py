@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.output import RequestOutput
 
 Carry = Callable[[Awaitable[RequestOutput | None]], Awaitable[RequestOutput | None]]
 _DONE = object()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.output import RequestOutput
 from loraplex.platform.errors import PlatformError, api_error
 from loraplex.platform.serving.prompt_batch import PromptTally
 from loraplex.platform.serving.protocol import GenRequest

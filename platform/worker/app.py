@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from loraplex.adapters.errors import AdapterError
 from loraplex.adapters.sources import BlobAdapterSource
-from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.client import EngineClient
 from loraplex.engine.errors import EngineError
 
 from loraplex.platform.errors import PlatformError, RateLimitedError, api_error
@@ -27,7 +27,7 @@ from loraplex.platform.worker.state import WorkerState
 
 log = logging.getLogger(__name__)
 
-Loader = Callable[[], tuple[AsyncEngine, "BlobAdapterSource | None"]]
+Loader = Callable[[], tuple[EngineClient, "BlobAdapterSource | None"]]
 
 
 async def _error(request: Request, exc: Exception) -> Response:

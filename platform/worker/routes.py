@@ -18,7 +18,7 @@ from loraplex.engine.errors import InvalidRequestError
 from loraplex.platform.errors import AuthenticationError, RateLimitedError
 from loraplex.platform.http import ClientDisconnected, json_body, json_response, unless_disconnected, wait_disconnect
 from loraplex.platform.serving.gaie import FAIRNESS_HEADER, OBJECTIVE_HEADER, fairness_key, lower_lane, objective_lane
-from loraplex.platform.serving.metrics import CONTENT_TYPE
+from loraplex.platform.metrics import CONTENT_TYPE
 from loraplex.platform.tenancy.throttle import client_address
 from loraplex.platform.fleet.wire import STATS_HEADER, GenerateRequest, adapter_from_json
 from loraplex.platform.worker.state import WorkerState

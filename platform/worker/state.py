@@ -8,14 +8,14 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.errors import EngineDeadError, EngineOverloadedError, UnknownAdapterError
+from loraplex.engine.client import EngineClient
+from loraplex.engine.errors import EngineDeadError, EngineOverloadedError
 from loraplex.engine.request import AdapterRef
 
 from loraplex.platform.errors import ShuttingDownError
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
 from loraplex.platform.routing.view import WorkerStats
-from loraplex.platform.serving.metrics import Metrics
+from loraplex.platform.metrics import Metrics
 from loraplex.platform.tenancy.throttle import FailureThrottle
 from loraplex.platform.worker.config import WorkerConfig
 
@@ -39,7 +39,7 @@ class WorkerState:
         self.token = config.token  # the shared secret, read once
         self.auth_throttle = FailureThrottle()  # wrong tokens, per caller address
         self.model_name = model_name
-        self.engine: AsyncEngine | None = None
+        self.engine: EngineClient | None = None
         self.source: BlobAdapterSource | None = None
         self.metrics: Metrics | None = None
         self.model_info: dict[str, Any] = {}
@@ -50,14 +50,12 @@ class WorkerState:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def attach(self, engine: AsyncEngine, source: BlobAdapterSource | None) -> None:
-        lora = engine.engine.lora
-        self.metrics = Metrics(self.model_name, engine.stats, lora.config.max_loras if lora is not None else 0,
-                               residency=engine.adapter_residency)
-        self.model_info = {"model": self.model_name, "max_model_len": engine.engine.max_model_len,
-                           "vocab_size": engine.engine.arch.vocab_size,
-                           "eos_token_ids": list(engine.tokenizer.eos_token_ids),
-                           "tokenizer_files": tokenizer_files(engine.engine.model_dir)}
+    def attach(self, engine: EngineClient, source: BlobAdapterSource | None) -> None:
+        info = engine.model_info()
+        self.metrics = Metrics(self.model_name, engine.stats, info.max_loras, residency=engine.adapter_residency)
+        self.model_info = {"model": self.model_name, "max_model_len": info.max_model_len,
+                           "vocab_size": info.vocab_size, "eos_token_ids": list(info.eos_token_ids),
+                           "tokenizer_files": tokenizer_files(info.model_dir)}
         self.source = source
         self.engine = engine  # last: the routes take a set engine to mean "ready"
 
@@ -66,14 +64,14 @@ class WorkerState:
     def ready(self) -> bool:
         return self.engine is not None and self.engine.is_running and not self.draining
 
-    def running_engine(self) -> AsyncEngine:
+    def running_engine(self) -> EngineClient:
         if self.engine is None:
             raise EngineOverloadedError("the worker is still loading its model")
         if not self.engine.is_running:
             raise EngineDeadError("the engine is not running")
         return self.engine
 
-    def check_admitting(self) -> AsyncEngine:
+    def check_admitting(self) -> EngineClient:
         if self.draining:
             raise ShuttingDownError("the worker is draining; send the request to another worker")
         return self.running_engine()
@@ -97,17 +95,13 @@ class WorkerState:
         first use, off the engine thread); refusals happen here, before any output."""
         if ref is None:
             return
-        lora = self.running_engine().engine.lora
-        if lora is None:
-            raise UnknownAdapterError("this worker serves no adapters")
-        await asyncio.wrap_future(lora.prefetch(ref.digest))
+        await self.running_engine().prefetch_adapter(ref)
         if self.metrics is not None:
             self.metrics.adapter_named(ref.name, ref.digest)
 
     def unload(self, digest: str) -> None:
         """Drop a version's CPU-tier copy and local cache, unless a request still holds it."""
-        lora = self.running_engine().engine.lora
-        if lora is not None and lora.drop(digest) and self.source is not None:
+        if self.running_engine().drop_adapter(digest) and self.source is not None:
             self.source.evict(digest)
 
     # -- stats -----------------------------------------------------------------------

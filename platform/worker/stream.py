@@ -17,8 +17,9 @@ from collections.abc import Mapping
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-from loraplex.engine.async_engine import MAX_STREAM_BACKLOG, AsyncEngine
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.async_engine import MAX_STREAM_BACKLOG
+from loraplex.engine.client import EngineClient
+from loraplex.engine.output import RequestOutput
 from loraplex.engine.errors import StreamStalledError
 
 from loraplex.platform.lanes import lane_name
@@ -47,7 +48,7 @@ class Relay:
         self._ready = asyncio.Event()
         self._task: asyncio.Task | None = None
 
-    def start(self, engine: AsyncEngine) -> None:
+    def start(self, engine: EngineClient) -> None:
         if self.aborted:  # aborted while its adapter was fetched: it never reaches the engine
             self.done = True
             self._ready.set()

@@ -16,7 +16,7 @@ import pytest
 
 from loraplex.platform.app import create_app
 from loraplex.platform.db.database import Database, migrate
-from loraplex.platform.settings import Settings
+from loraplex.platform.settings import AdminConfig, Settings
 from tests.e2e.conftest import LiveServer
 from tests.platform.fixtures import BACKENDS, fresh_db_url
 
@@ -126,9 +126,10 @@ def admin_live(request, tmp_path_factory, base_settings, tiny_engine, pg_schema_
     migrate(url)
     db = Database(url)
     # The engine's adapter store (under base_settings.data_dir) is the one uploads go to.
-    settings = dataclasses.replace(base_settings, database_url=url, admin_token=ADMIN_TOKEN,
-                                   admin_max_upload_bytes=UPLOAD_LIMIT, auth_cache_ttl=30.0,
-                                   auth_failure_burst=100_000)  # every test sends wrong tokens from one address
+    settings = dataclasses.replace(base_settings, database_url=url,
+                                   admin=AdminConfig(token=ADMIN_TOKEN, max_upload_bytes=UPLOAD_LIMIT),
+                                   # every test sends wrong tokens from one address
+                                   auth=dataclasses.replace(base_settings.auth, cache_ttl=30.0, failure_burst=100_000))
     app = create_app(settings, tiny_engine)
     with LiveServer(app) as server:
         doc = httpx.get(f"{server.url}/admin/api/openapi.json").json()

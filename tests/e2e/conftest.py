@@ -23,8 +23,8 @@ from loraplex.platform.app import create_app
 from loraplex.platform.db.database import Database, migrate
 from loraplex.platform.assembly.engine_factory import build_engine
 from loraplex.platform.errors import RateLimitedError
-from loraplex.platform.serving.gateway import RequestContext
-from loraplex.platform.settings import ServerLimits, Settings
+from loraplex.platform.serving.hooks import Hooks, RequestContext
+from loraplex.platform.settings import AuthConfig, ServerLimits, Settings
 from loraplex.platform.tenancy.tenants import create_key, create_tenant
 from tests.platform.fixtures import BACKENDS, empty_db_url, fresh_db_url, pg_schema_url, tiny_adapters  # noqa: F401
 
@@ -68,7 +68,7 @@ class LiveServer:
 
 
 @dataclass
-class RecordingHooks:
+class RecordingHooks(Hooks):
     """Admission/metering hooks that record every request; tenant `limited` gets 429."""
 
     admitted: list[RequestContext] = field(default_factory=list)
@@ -81,9 +81,6 @@ class RecordingHooks:
 
     async def finish(self, ctx: RequestContext) -> None:
         self.finished.append(ctx)
-
-    def progress(self, ctx: RequestContext, out) -> None:
-        return None
 
 
 @dataclass
@@ -118,7 +115,7 @@ def base_settings(tmp_path_factory, tiny_llama_dir) -> Settings:
     # Tests send large bodies back to back from one tenant to reach other caps; the body
     # budget has tests of its own (tests/e2e/isolation/).
     return Settings(engine=tiny_engine_config(tiny_llama_dir), data_dir=tmp_path_factory.mktemp("loraplex_data"),
-                    auth_cache_ttl=0.5, auth_negative_ttl=0.5, last_used_flush_seconds=0.5,
+                    auth=AuthConfig(cache_ttl=0.5, negative_ttl=0.5, last_used_flush_seconds=0.5),
                     limits=ServerLimits(body_bytes_per_second=1 << 30))
 
 

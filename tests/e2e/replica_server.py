@@ -29,7 +29,7 @@ def main() -> None:
     from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig
     from loraplex.platform.app import create_app
     from loraplex.platform.assembly.engine_factory import build_engine
-    from loraplex.platform.settings import Settings
+    from loraplex.platform.settings import QuotaConfig, Settings, UsageConfig
 
     from tests.e2e.usage_support import ChaosEngine
 
@@ -38,7 +38,7 @@ def main() -> None:
     config = EngineConfig(model=ModelConfig(model=args.model_dir, dtype="float32", max_model_len=256),
                           cache=CacheConfig(num_blocks=128, block_size=16), num_threads=1)
     settings = Settings(engine=config, data_dir=args.data_dir, database_url=args.database_url,
-                        quota_cache_ttl=0.05, usage_flush_seconds=0.02)
+                        quotas=QuotaConfig(cache_ttl=0.05), usage=UsageConfig(flush_seconds=0.02))
     engine = ChaosEngine(build_engine(settings))
     engine.delay = args.delay
     sock = socket.socket()

@@ -12,6 +12,7 @@ import pytest
 
 from loraplex.platform.app import create_app
 from loraplex.platform.db.database import migrate
+from loraplex.platform.settings import AdminConfig
 from tests.e2e.admin_fixtures import ADMIN_TOKEN
 from tests.e2e.conftest import LiveServer
 from tests.platform.fixtures import BACKENDS, fresh_db_url
@@ -24,8 +25,9 @@ BURST = 30
 def server(request, tmp_path_factory, base_settings, tiny_engine, pg_schema_url) -> Iterator[str]:
     url = fresh_db_url(request.param, tmp_path_factory.mktemp("audit_db"), pg_schema_url)
     migrate(url)
-    settings = dataclasses.replace(base_settings, database_url=url, admin_token=ADMIN_TOKEN,
-                                   audit_failure_window=WINDOW, auth_failure_burst=100_000)
+    settings = dataclasses.replace(base_settings, database_url=url,
+                                   admin=AdminConfig(token=ADMIN_TOKEN, audit_failure_window=WINDOW),
+                                   auth=dataclasses.replace(base_settings.auth, failure_burst=100_000))
     with LiveServer(create_app(settings, tiny_engine)) as live:
         yield live.url
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 
 from loraplex.platform.admin.auth import token_hash
+from loraplex.platform.settings import AdminConfig
 from tests.e2e.admin_fixtures import ADMIN_TOKEN, admin_live  # noqa: F401 - fixtures
 
 
@@ -61,8 +62,8 @@ def test_secure_cookies_marks_the_cookie_secure_behind_a_proxy_it_does_not_trust
 
     url = f"sqlite:///{tmp_path / 'secure.db'}"
     migrate(url)
-    settings = dataclasses.replace(base_settings, database_url=url, admin_token=ADMIN_TOKEN, secure_cookies=True,
-                                   forwarded_allow_ips="")
+    settings = dataclasses.replace(base_settings, database_url=url, admin=AdminConfig(token=ADMIN_TOKEN),
+                                   secure_cookies=True, forwarded_allow_ips="")
     with LiveServer(create_app(settings, tiny_engine)) as server:
         r = _sign_in(server.url, ADMIN_TOKEN)
     cookies = r.headers.get_list("set-cookie")

@@ -16,6 +16,7 @@ from loraplex.adapters import AdapterStore, BaseShapes
 from loraplex.platform.app import create_app
 from loraplex.platform.db.database import Database, migrate
 from loraplex.platform.tenancy.adapter_registry import add_adapter
+from loraplex.platform.settings import AdminConfig
 from tests.e2e.admin_fixtures import (  # noqa: F401 - fixtures
     ADMIN_TOKEN,
     UPLOAD_LIMIT,
@@ -34,8 +35,9 @@ def gateways(request, tmp_path_factory, base_settings, tiny_engine, pg_schema_ur
     # PostgreSQL: the adapter_blobs table is the shared store; SQLite: a folder both reach.
     shared = None if request.param == "postgresql" else str(tmp_path_factory.mktemp("shared-store"))
     apps = [create_app(dataclasses.replace(base_settings, database_url=url, adapter_store=shared,
-                                           data_dir=tmp_path_factory.mktemp(f"gateway-{i}"), admin_token=ADMIN_TOKEN,
-                                           admin_max_upload_bytes=UPLOAD_LIMIT), tiny_engine)
+                                           data_dir=tmp_path_factory.mktemp(f"gateway-{i}"), 
+                                           admin=AdminConfig(token=ADMIN_TOKEN, max_upload_bytes=UPLOAD_LIMIT)),
+                       tiny_engine)
             for i in range(2)]
     db = Database(url)
     with LiveServer(apps[0]) as one, LiveServer(apps[1]) as other:

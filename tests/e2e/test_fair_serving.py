@@ -50,7 +50,7 @@ class Fair:
         deadline = time.monotonic() + 15
         while self.hooks.open_requests and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert self.hooks.writer.flush(15)
+        assert self.hooks.metering.writer.flush(15)
 
     def event(self, request_id: str) -> UsageEvent:
         with self.db.session() as s:

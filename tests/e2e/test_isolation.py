@@ -62,7 +62,7 @@ def test_revoked_key_gets_401_within_the_cache_ttl(live):
     client = openai.OpenAI(base_url=f"{live.url}/v1", api_key=key, max_retries=0)
     client.completions.create(model=live.model, prompt="x", **GREEDY)  # valid and now cached
     revoke_key(live.db, key_prefix(key))
-    time.sleep(live.settings.auth_cache_ttl + 0.1)
+    time.sleep(live.settings.auth.cache_ttl + 0.1)
     with pytest.raises(openai.AuthenticationError) as e:
         client.completions.create(model=live.model, prompt="x", **GREEDY)
     assert "revoked" in e.value.body["message"]

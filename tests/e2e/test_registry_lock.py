@@ -44,7 +44,7 @@ def test_a_locked_adapters_table_is_a_503_and_health_still_answers(tmp_path, bas
     key = create_key(db, "tenant")
     # Keys stay cached for the whole test: only the adapter lookup meets the lock.
     settings = dataclasses.replace(base_settings, database_url=url, data_dir=tmp_path / "replica",
-                                   auth_cache_ttl=600.0)
+                                   auth=dataclasses.replace(base_settings.auth, cache_ttl=600.0))
     path = make_random_peft_adapter(tiny_llama_dir, tmp_path / "ad", rank=4, seed=77)
     store = AdapterStore(tmp_path / "publisher", BaseShapes.from_model_dir(Path(tiny_llama_dir)))
     add_adapter(db, store, "locked-ad", path, public=True, blobs=shared_blob_store(settings, db))

@@ -20,7 +20,7 @@ from loraplex.adapters import AdapterStore, BaseShapes
 from loraplex.platform.app import create_app
 from loraplex.platform.db.database import Database, migrate
 from loraplex.platform.assembly.engine_factory import build_engine
-from loraplex.platform.settings import Settings
+from loraplex.platform.settings import AdminConfig, Settings
 from loraplex.platform.tenancy.adapter_registry import add_adapter
 from loraplex.platform.tenancy.tenants import create_key, create_tenant
 from tests.e2e.admin_fixtures import ADMIN_TOKEN, UPLOAD_LIMIT, AdminClient, adapter_files
@@ -30,7 +30,7 @@ from tests.platform.fixtures import BACKENDS, fresh_db_url
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 12
 # A replica learns of a version published elsewhere from the database: its name cache
-# (gateway.ADAPTER_REF_TTL) and auth cache (base_settings.auth_cache_ttl) expire well within this.
+# (gateway.ADAPTER_REF_TTL) and auth cache (base_settings.auth.cache_ttl) expire well within this.
 CONVERGE_S = 10.0
 
 T = TypeVar("T")
@@ -66,8 +66,8 @@ def replicas(request, tmp_path_factory, base_settings, pg_schema_url) -> Iterato
     create_tenant(db, "tenant")
     key = create_key(db, "tenant")
     settings = [dataclasses.replace(base_settings, database_url=url, adapter_store=shared,
-                                    data_dir=tmp_path_factory.mktemp(f"replica-{i}"), admin_token=ADMIN_TOKEN,
-                                    admin_max_upload_bytes=UPLOAD_LIMIT)
+                                    data_dir=tmp_path_factory.mktemp(f"replica-{i}"), 
+                                    admin=AdminConfig(token=ADMIN_TOKEN, max_upload_bytes=UPLOAD_LIMIT))
                 for i in range(2)]
     engines = [build_engine(s) for s in settings]  # each replica's own engine, as `serve` builds it
     try:

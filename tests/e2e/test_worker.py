@@ -259,7 +259,7 @@ def test_the_token_is_read_without_its_newline_and_a_short_one_is_refused(tmp_pa
     env = {**os.environ, "LORAPLEX_INTERNAL_TOKEN": TOKEN + "\n"}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LORAPLEX_INTERNAL_TOKEN", TOKEN + "\n")
-        info = fetch_model_info(FleetConfig(workers=worker.url, startup_wait_s=30), tmp_path / "model")
+        _, info = fetch_model_info(FleetConfig(workers=worker.url, startup_wait_s=30), tmp_path / "model")
     assert info.max_model_len == WORKER_MAX_LEN
     secret = tmp_path / "token"
     secret.write_text(TOKEN + "\n")

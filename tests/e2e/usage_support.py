@@ -24,8 +24,9 @@ from loraplex.platform.db.database import Database, migrate
 from loraplex.platform.quotas.limits import quota_status, set_quota
 from loraplex.platform.tenancy.tenants import create_key, create_tenant
 from loraplex.platform.metering.usage import export_usage
-from loraplex.platform.metering.hooks import UsageHooks
+from loraplex.platform.assembly.usage_hooks import UsageHooks
 from loraplex.platform.db.usage_tables import QuotaLease
+from loraplex.platform.settings import QuotaConfig, UsageConfig
 from sqlalchemy import func, select
 
 from tests.platform.fixtures import BACKENDS, fresh_db_url, pg_schema_url  # noqa: F401 - fixtures
@@ -113,7 +114,8 @@ class Server:
 def metered_settings(base, url: str, **kw):
     """The e2e settings (same data dir: the engine's adapter store) on database `url`,
     with quota changes applying within 50 ms and usage written every 20 ms."""
-    return dataclasses.replace(base, database_url=url, quota_cache_ttl=0.05, usage_flush_seconds=0.02, **kw)
+    return dataclasses.replace(base, database_url=url, quotas=QuotaConfig(cache_ttl=0.05),
+                               usage=UsageConfig(flush_seconds=0.02), **kw)
 
 
 @dataclass
@@ -147,7 +149,7 @@ class Metered:
         while self.hooks.open_requests and time.monotonic() < deadline:
             time.sleep(0.01)
         assert self.hooks.open_requests == 0, "requests still open"
-        assert self.hooks.writer.flush(timeout), "usage events not written"
+        assert self.hooks.metering.writer.flush(timeout), "usage events not written"
 
     def events(self, tenant: str) -> list[dict]:
         return export_events(self.db, tenant)

@@ -71,7 +71,7 @@ def test_a_valid_key_is_served_from_an_address_flooding_junk_keys(isolated: Isol
             got = beta.chat.completions.create(model=isolated.model, **CHAT)
             assert got.choices[0].message.content is not None
         # A key made elsewhere (the CLI, another replica) is served from the throttled
-        # address once this replica's known keys are refreshed (auth_cache_ttl).
+        # address once this replica's known keys are refreshed (Settings.auth.cache_ttl).
         late = isolated.openai("acme", key=create_key(isolated.db, "acme"))
 
         def served() -> bool:

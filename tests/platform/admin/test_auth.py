@@ -21,7 +21,7 @@ from loraplex.platform.admin.auth import (
 from loraplex.platform.admin.sessions import server_secret
 from loraplex.platform.db.database import Database
 from loraplex.platform.errors import AdminAuthenticationError, ConfigError, CsrfError, RateLimitedError
-from loraplex.platform.settings import Settings
+from loraplex.platform.settings import AdminConfig, Settings
 
 TOKEN = "a-long-enough-admin-token-0123"
 
@@ -125,7 +125,7 @@ def test_token_sources(tmp_path, monkeypatch, db):
     s = Settings(data_dir=tmp_path)
     assert AdminAuth.from_settings(s, db).configured is False
     with pytest.raises(ConfigError, match="too short"):
-        AdminAuth.from_settings(Settings(data_dir=tmp_path, admin_token="short"), db)
+        AdminAuth.from_settings(Settings(data_dir=tmp_path, admin=AdminConfig(token="short")), db)
     monkeypatch.setenv(ADMIN_TOKEN_ENV, f"{TOKEN}, {TOKEN}-next")  # two while rotating
     auth = AdminAuth.from_settings(s, db)
     assert auth.check_token(TOKEN) and auth.check_token(f"{TOKEN}-next")
@@ -134,9 +134,9 @@ def test_token_sources(tmp_path, monkeypatch, db):
     monkeypatch.delenv(ADMIN_TOKEN_ENV)
     # Settings win over the environment.
     monkeypatch.setenv(ADMIN_TOKEN_ENV, TOKEN)
-    assert AdminAuth.from_settings(Settings(data_dir=tmp_path, admin_token=TOKEN + "-s"), db).check_token(TOKEN + "-s")
+    assert AdminAuth.from_settings(Settings(data_dir=tmp_path, admin=AdminConfig(token=TOKEN + "-s")), db).check_token(TOKEN + "-s")
     with pytest.raises(AdminAuthenticationError):
-        AdminAuth.from_settings(Settings(data_dir=tmp_path, admin_token=TOKEN + "-s"), db).check_token(TOKEN)
+        AdminAuth.from_settings(Settings(data_dir=tmp_path, admin=AdminConfig(token=TOKEN + "-s")), db).check_token(TOKEN)
 
 
 def test_generated_token_once_hash_only_and_reset_applies_at_once(tmp_path, db):

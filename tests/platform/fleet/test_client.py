@@ -33,7 +33,7 @@ def _model_doc(model_dir) -> dict:
 
 @pytest.fixture
 def client(tmp_path, tiny_llama_dir, db):
-    info = write_model_dir(_model_doc(tiny_llama_dir), tmp_path / "model")
+    _, info = write_model_dir(_model_doc(tiny_llama_dir), tmp_path / "model")
     config = FleetConfig(workers=f"http://127.0.0.1:{free_port()},http://127.0.0.1:{free_port()}",
                          router=RouterConfig(health_interval_s=60))
     return RemoteEngineClient(config, info, AdapterDirectory(db))
@@ -41,7 +41,7 @@ def client(tmp_path, tiny_llama_dir, db):
 
 def test_the_model_is_described_by_a_worker(client, tiny_llama_dir):
     assert isinstance(client, EngineClient)
-    assert client.max_model_len == 256 and client.info.max_lora_rank == 16
+    assert client.max_model_len == 256 and client.model_info().max_lora_rank == 16
     assert client.tokenizer.encode("hello world") == client.tokenizer.hf.encode("hello world")
 
 

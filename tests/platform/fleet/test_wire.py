@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from loraplex.adapters.errors import AdapterNotFoundError, BlobStoreError
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.output import RequestOutput
 from loraplex.engine.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError
 from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.structured.spec import StructuredOutput

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.output import RequestOutput
 from loraplex.engine.errors import InvalidRequestError
 from loraplex.engine.request import SamplingParams
 from loraplex.platform.fleet.wire import (

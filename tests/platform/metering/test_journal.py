@@ -250,8 +250,8 @@ def test_recovery_keeps_the_records_after_a_damaged_one_and_reports_the_loss(db,
 
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from loraplex.platform.metering.hooks import UsageHooks
-    from loraplex.platform.settings import Settings
+    from loraplex.platform.assembly.usage_hooks import UsageHooks
+    from loraplex.platform.settings import Settings, UsageConfig
 
     t = create_tenant(db, "acme")
     folder = tmp_path / "usage-journal"
@@ -266,11 +266,11 @@ def test_recovery_keeps_the_records_after_a_damaged_one_and_reports_the_loss(db,
     path.write_bytes(bytes(damaged))
 
     async def main() -> bytes:
-        hooks = UsageHooks(Settings(database_url=db.url, data_dir=tmp_path, usage_flush_seconds=0.01))
+        hooks = UsageHooks(Settings(database_url=db.url, data_dir=tmp_path, usage=UsageConfig(flush_seconds=0.01)))
         registry = CollectorRegistry()
         hooks.register_metrics(registry)
         await hooks.start()
-        assert await asyncio.to_thread(hooks.writer.flush, 20)
+        assert await asyncio.to_thread(hooks.metering.writer.flush, 20)
         text = generate_latest(registry)
         await hooks.close()
         return text

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from loraplex.engine.client import EngineStats
 from loraplex.engine.request import Lane
-from loraplex.platform.serving.metrics import Metrics
+from loraplex.platform.metrics import Metrics
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "loraplex.json"
 SERIES = re.compile(r"((?:vllm|loraplex):[a-z0-9_]+)(\{[^}]*\})?")

@@ -5,7 +5,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.engine.client import AdapterLoad, EngineStats
 from loraplex.engine.request import Lane
-from loraplex.platform.serving.metrics import Metrics
+from loraplex.platform.metrics import Metrics
 from loraplex.platform.observability.request_metrics import (
     BASE_ADAPTER, OTHER_ADAPTER, SUPERSEDES, AdapterLabels, RequestMetrics)
 

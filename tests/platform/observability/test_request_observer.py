@@ -6,11 +6,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.engine.client import EngineStats
-from loraplex.engine.engine import RequestOutput
+from loraplex.engine.output import RequestOutput
 from loraplex.platform.lanes import Lane
 from loraplex.platform.observability.request_observer import RequestObserver
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
-from loraplex.platform.serving.metrics import Metrics
+from loraplex.platform.metrics import Metrics
 
 
 def _samples(m: Metrics) -> dict[str, float]:

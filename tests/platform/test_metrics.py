@@ -7,8 +7,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.engine.client import AdapterResidency, EngineStats
 from loraplex.platform.lanes import Lane
-from loraplex.platform.serving import metrics as metrics_module
-from loraplex.platform.serving.metrics import Metrics
+from loraplex.platform import metrics as metrics_module
+from loraplex.platform.metrics import Metrics
 
 
 class Tiers:

@@ -1,9 +1,9 @@
-"""Prometheus metrics with vLLM's names, one registry per app.
+"""Prometheus metrics with vLLM's names, one registry per app (a gateway's or a worker's).
 
 Engine-state series (running/waiting, KV usage, preemptions, prefix cache, lanes) are
 read from the engine's stats snapshot at scrape time; per-request series (tokens,
 latencies by lane and adapter: `observability.request_metrics.RequestMetrics`) are
-observed by the gateway as requests run, and engine events (preemptions by lane,
+observed as requests run (`request_observer.RequestObserver`), and engine events (preemptions by lane,
 adapter loads, evictions and load latency) are carried over from the snapshot at each
 scrape. Label sets stay bounded: model_name, lane, adapter (a bounded set), finish
 reason, endpoint and status code; never tenant or key ids.
