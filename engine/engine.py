@@ -16,15 +16,15 @@ from .client import AdapterLoad, AdapterResidency, EngineStats, LaneDepth, SpecD
 from .config import EngineConfig
 from .errors import InvalidRequestError, UnknownAdapterError
 from .output import RequestOutput
+from .output_processor import OutputProcessor
 from .request import AdapterRef, Lane, Request, RequestStatus, SamplingParams
 from .runner.model_runner import ModelRunner
-from .sampler import Logprobs
 from .sched.block_pool import KVCacheManager
 from .sched.scheduler import Scheduler
 from .spec import DraftProposer, create_proposer
 from .structured.compile_pool import CompilePool
 from .structured.grammar import GrammarCompiler, RequestGrammar, StructuredConfig
-from .tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +45,6 @@ class _Group:
     request_id: str
     child_ids: list[str]
     unfinished: set[str]
-
-
-@dataclass
-class _Stream:
-    """Per-request output state: detokenizer and stop-string matcher."""
-
-    detok: IncrementalDetokenizer
-    stop: StopChecker
 
 
 class LLMEngine:
@@ -78,7 +70,7 @@ class LLMEngine:
                                    adapter_pages=self._adapter_pages if lora_manager is not None else None,
                                    propose=self.proposer.propose if self.proposer else None,
                                    max_drafts=config.speculative.num_speculative_tokens)
-        self._streams: dict[str, _Stream] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self._finish)
         self._groups: dict[str, _Group] = {}
         self._choice_of: dict[str, tuple[_Group, int]] = {}  # child id -> (group, index)
         self._ids = itertools.count()
@@ -152,7 +144,7 @@ class LLMEngine:
         return rid
 
     def _check_free(self, rid: str) -> None:
-        if rid in self.scheduler.requests or rid in self._streams or rid in self._groups:
+        if rid in self.scheduler.requests or rid in self.outputs or rid in self._groups:
             # The scheduler only asserts this; a reused id would cross two requests' streams.
             raise InvalidRequestError(f"request id {rid!r} is already in use")
 
@@ -166,7 +158,7 @@ class LLMEngine:
         self.scheduler.add_request(req)
         if ref is not None:
             self.lora.retain(ref)
-        self._streams[rid] = _Stream(IncrementalDetokenizer(self.tokenizer, ids), StopChecker(sampling.stop))
+        self.outputs.add(req)
         return req
 
     def _adapter_ref(self, adapter: str | AdapterRef | None) -> AdapterRef | None:
@@ -181,7 +173,7 @@ class LLMEngine:
         for rid in group.child_ids if group is not None else [request_id]:
             self._choice_of.pop(rid, None)
             self._finish(rid, RequestStatus.FINISHED_ABORTED)
-            self._streams.pop(rid, None)
+            self.outputs.drop(rid)
 
     def _finish(self, request_id: str, status: RequestStatus) -> Request | None:
         req = self.scheduler.finish(request_id, status)
@@ -231,18 +223,13 @@ class LLMEngine:
         for s in plan.seqs:
             self.num_prompt_tokens += max(0, min(s.start_pos + len(s.token_ids), reqs[s.request_id].num_prompt_tokens)
                                           - s.start_pos)
-        outs = [self._output(reqs[rid], n, result.logprobs[rid], rid in done) for rid, n in first.items()]
+        outs = [self.outputs.output(reqs[rid], n, result.logprobs[rid], rid in done) for rid, n in first.items()]
         self.num_generation_tokens += sum(len(o.new_token_ids) for o in outs)
         if self.report_prefill:  # prompt chunks that sampled nothing (a first prefill, not a recompute)
-            outs += [self._prefill_output(r) for r in (reqs[s.request_id] for s in plan.seqs)
+            outs += [self.outputs.prefill(r) for r in (reqs[s.request_id] for s in plan.seqs)
                      if r.request_id not in result.tokens and r.request_id not in done and not r.num_output_tokens]
         outs = failed + outs
         return [self._as_choice(o) for o in outs] if self._choice_of else outs
-
-    @staticmethod
-    def _prefill_output(req: Request) -> RequestOutput:
-        return RequestOutput(req.request_id, [], "", False, None, req.num_prompt_tokens, max(req.num_cached_tokens, 0),
-                             0, num_processed_prompt_tokens=min(req.num_computed_tokens, req.num_prompt_tokens))
 
     def _as_choice(self, out: RequestOutput) -> RequestOutput:
         """A child's output as its n > 1 request's: the request's id, the choice's index."""
@@ -269,7 +256,7 @@ class LLMEngine:
         outs = []
         for req in [r for r in self.scheduler.waiting if r.adapter and r.adapter.digest in broken]:
             self._finish(req.request_id, RequestStatus.FINISHED_ERROR)
-            self._streams.pop(req.request_id, None)
+            self.outputs.drop(req.request_id)
             req.stop_reason = f"adapter {req.adapter.name!r} could not be loaded: {broken[req.adapter.digest]}"
             outs.append(RequestOutput(req.request_id, [], "", True, "error", req.num_prompt_tokens, 0,
                                       req.num_output_tokens, stop_reason=req.stop_reason))
@@ -308,60 +295,8 @@ class LLMEngine:
         outs = []
         for req in self.scheduler.expire():
             self._release(req)
-            stream = self._streams.pop(req.request_id, None)
-            tail = stream.stop.feed(stream.detok.flush())[0] + stream.stop.flush() if stream else ""
-            outs.append(RequestOutput(req.request_id, [], tail, True, req.status.value, req.num_prompt_tokens,
-                                      max(req.num_cached_tokens, 0), req.num_output_tokens,
-                                      num_processed_prompt_tokens=min(req.num_computed_tokens, req.num_prompt_tokens)
-                                      if not req.num_output_tokens else req.num_prompt_tokens))
+            outs.append(self.outputs.expired(req))
         return outs
-
-    def _output(self, req: Request, first: int, lps: list[Logprobs | None], finished: bool) -> RequestOutput:
-        """The output of `req`'s tokens from index `first` on (one, or what verified drafts
-        kept). A stop string ends it at the token that completes it: tokens a draft
-        produced past that point are dropped, as plain decoding never made them."""
-        stream = self._streams[req.request_id]
-        tokens, text, stopped = req.output_token_ids[first:], "", False
-        for n, token in enumerate(tokens, 1):
-            piece, stopped = stream.stop.feed(stream.detok.step([token]))
-            text += piece
-            if stopped:
-                del req.output_token_ids[first + n:]
-                tokens = tokens[:n]
-                break
-        if stopped and not finished:
-            self._finish(req.request_id, RequestStatus.FINISHED_STOPPED)
-            req.stop_reason = stream.stop.matched
-            finished = True
-        elif stopped:
-            req.stop_reason = stream.stop.matched
-            req.status = RequestStatus.FINISHED_STOPPED
-        elif finished:
-            # Text the detokenizer or stop matcher still held back is final now.
-            tail, stopped = stream.stop.feed(stream.detok.flush())
-            text += tail if stopped else tail + stream.stop.flush()
-            if stopped:
-                req.stop_reason = stream.stop.matched
-        if finished:
-            self._streams.pop(req.request_id, None)
-        out = RequestOutput(
-            request_id=req.request_id, new_token_ids=tokens, new_text=text, finished=finished,
-            finish_reason=req.status.value if finished else None,
-            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=req.num_output_tokens, logprobs=[lp for lp in lps[:len(tokens)] if lp],
-            stop_reason=req.stop_reason,
-            num_processed_prompt_tokens=req.num_prompt_tokens,
-            prompt_logprobs=self._prompt_logprobs(req))
-        if req.num_output_tokens == 1 and req.scheduled_time is not None and req.first_token_time is not None:
-            out.queue_time = max(0.0, req.scheduled_time - req.arrival_time)
-            out.prefill_time = max(0.0, req.first_token_time - req.scheduled_time)
-        return out
-
-    @staticmethod
-    def _prompt_logprobs(req: Request) -> list[Logprobs | None] | None:
-        if req.sampling.prompt_logprobs is None or req.num_output_tokens != 1:
-            return None
-        return [None] + [req.prompt_logprobs[p] for p in range(1, req.num_prompt_tokens)]
 
     def generate(self, prompts: list[str | list[int]], sampling: SamplingParams | list[SamplingParams] | None = None,
                  **kwargs) -> list[RequestOutput]:
