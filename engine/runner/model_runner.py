@@ -156,8 +156,8 @@ class ModelRunner:
     def _replay(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
         """The step's hidden states from a CUDA graph, or None when it runs eagerly (a
         prefill chunk in it, wider than the widest graph, no graphs)."""
-        if self.graphs is None:
-            return None
+        if self.graphs is None or self._saved_modules_in([s.adapter_slot for s in seqs]):
+            return None  # the graphs hold the base embedding, norms and head
         if self.graphs.policy.width_for_step([len(s.token_ids) for s in seqs]) is None:
             return None
         step = DecodeInputs.from_rows([(s.token_ids[0], s.start_pos, s.block_ids, s.adapter_slot) for s in seqs],
@@ -201,7 +201,7 @@ class ModelRunner:
                 sample_seqs.append(s)
         if not rows:
             return {}, {}
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(hidden[rows], self._heads([s.adapter_slot for s in sample_seqs]))
         reqs = [requests[s.request_id] for s in sample_seqs]
         sample_rows = [SampleRow(r.sampling, r.num_output_tokens, r.prompt_token_ids, r.output_token_ids, r.grammar)
                        for r in reqs]
@@ -216,15 +216,25 @@ class ModelRunner:
             pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
         meta = self.backend.build_metadata([(s.start_pos, len(s.token_ids), s.block_ids) for s in seqs],
                                            self.block_size)
-        lora = self.lora.batch([(len(s.token_ids), s.adapter_slot) for s in seqs]) if self.lora is not None else None
+        lora = saved = None
+        if self.lora is not None:
+            rows = [(len(s.token_ids), s.adapter_slot) for s in seqs]
+            lora, saved = self.lora.batch(rows), self.lora.saved_batch(rows)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        return self.model(input_ids, positions, meta, self.kv_caches, lora)
+        return self.model(input_ids, positions, meta, self.kv_caches, lora, saved)
+
+    def _saved_modules_in(self, slots: list[int]) -> bool:
+        return self.lora is not None and self.lora.saved.any_of(slots)
+
+    def _heads(self, row_slots: list[int]):
+        """The logit rows of adapters with their own final norm or lm_head (saved_modules.py)."""
+        return self.lora.saved.heads(row_slots) if self._saved_modules_in(row_slots) else None
 
     def _prompt_logprobs(self, seqs: list, hidden: torch.Tensor, requests: dict[str, Request]) -> None:
         """Logprobs of the prompt tokens this step's chunks predict (row p predicts token
         p + 1), stored on the requests that ask for them."""
-        rows, targets, top_n, where = [], [], [], []
+        rows, targets, top_n, where, slots = [], [], [], [], []
         end = 0
         for s in seqs:
             req = requests[s.request_id]
@@ -234,11 +244,12 @@ class ModelRunner:
                 continue  # a recompute after preemption: already reported
             for pos in range(s.start_pos, min(s.start_pos + len(s.token_ids), req.num_prompt_tokens - 1)):
                 rows.append(first + pos - s.start_pos)
+                slots.append(s.adapter_slot)
                 targets.append(req.prompt_token_ids[pos + 1])
                 top_n.append(n)
                 where.append((req, pos + 1))
         for lo in range(0, len(rows), _PROMPT_LOGPROB_ROWS):
             hi = lo + _PROMPT_LOGPROB_ROWS
-            logits = self.model.compute_logits(hidden[rows[lo:hi]])
+            logits = self.model.compute_logits(hidden[rows[lo:hi]], self._heads(slots[lo:hi]))
             for (req, pos), lp in zip(where[lo:hi], top_logprobs(logits, targets[lo:hi], top_n[lo:hi])):
                 req.prompt_logprobs[pos] = lp
