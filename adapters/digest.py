@@ -29,6 +29,9 @@ LORA_CONFIG_FIELDS: dict[str, Any] = {
     "rank_pattern": {},
     "alpha_pattern": {},
 }
+# Fields that change what the adapter computes only when set (saved modules): hashed only
+# then, so adapters without them keep the digest they always had.
+OPTIONAL_FIELDS: tuple[str, ...] = ("modules_to_save", "trainable_token_indices", "ensure_weight_tying")
 # PEFT stores these as sets (saved in arbitrary order), so their order carries no meaning.
 _SET_FIELDS = ("target_modules", "exclude_modules", "layers_to_transform", "layers_pattern")
 
@@ -60,6 +63,13 @@ def canonical_config_json(config: dict[str, Any]) -> str:
             value = [[k, _number(v) if name == "alpha_pattern" else v] for k, v in value.items()]
         canon[name] = value
     canon["lora_alpha"] = _number(canon["lora_alpha"])
+    for name in OPTIONAL_FIELDS:
+        if config.get(name):
+            # modules_to_save is a set to PEFT; token ids keep their order (row i is id i's).
+            value = config[name]
+            if name == "modules_to_save" and isinstance(value, list):
+                value = sorted(value, key=json.dumps)
+            canon[name] = value
     return json.dumps(canon, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 

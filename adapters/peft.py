@@ -25,6 +25,7 @@ from .digest import adapter_digest
 from .errors import AdapterTooLargeError, AdapterValidationError
 from .limits import MAX_CONFIG_BYTES, max_header_bytes
 from .peft_config import LoraSpec, parse_lora_config, targets_to_json
+from .peft_saved import SavedModules, build_saved, pair_saved, saved_tensor_name
 from .safetensors_header import FLOAT_DTYPES, TensorInfo, read_header
 from .shapes import LORA_MODULES, MODULE_PARENT, BaseShapes, module_key
 
@@ -92,6 +93,7 @@ class LoRAAdapter:
     size_bytes: int  # bytes of the loaded tensors (in the requested dtype)
     weights: dict[tuple[int, str], LoRAWeight] = field(repr=False)
     resolved_targets: list[list[Any]] = field(repr=False, default_factory=list)  # see write_resolved_targets
+    saved: SavedModules | None = field(repr=False, default=None)  # modules_to_save, trainable_token_indices
 
 
 def load_peft_adapter(
@@ -115,12 +117,19 @@ def load_peft_adapter(
             f"{WEIGHTS_NAME} is {size} bytes, over the {max_weights_bytes} byte limit for this base model"
         )
     header = read_header(weights_path, max_header_bytes(base))
-    names = _pair_tensors(header, base, spec)
+    saved_names = pair_saved(list(header), spec.saved, base)
+    names = _pair_tensors({n: i for n, i in header.items() if n not in saved_names}, base, spec)
     for key, roles in names.items():
         for role, name in roles.items():
             _check_declared(name, header[name], _expected_shape(role, key, spec, base))
+    for name, (_, shape) in saved_names.items():
+        _check_declared(name, header[name], shape)
     tensors = _read_safetensors(weights_path)
     normalized: dict[str, torch.Tensor] = {}
+    saved: dict[str, torch.Tensor] = {}
+    for name, (norm, shape) in saved_names.items():
+        _check_tensor(name, tensors[name], shape)
+        normalized[norm], saved[norm] = tensors[name], _cast(name, tensors[name], dtype)
     weights: dict[tuple[int, str], LoRAWeight] = {}
     for key, roles in sorted(names.items()):
         loaded = {}
@@ -132,15 +141,18 @@ def load_peft_adapter(
         weights[key] = LoRAWeight(a=loaded["A"], b=loaded["B"], scale=spec.targets[key].scale,
                                   bias=loaded.get("bias"), magnitude=loaded.get("magnitude"))
     present = {m for _, m in weights}
+    extra = build_saved(spec.saved, saved)
     return LoRAAdapter(
         digest=adapter_digest(raw, normalized),
         rank=max(w.rank for w in weights.values()),
         target_modules=tuple(m for m in LORA_MODULES if m in present),
         alpha=spec.alpha,
         use_rslora=spec.use_rslora,
-        size_bytes=sum(t.nbytes for w in weights.values() for t in w.tensors()),
+        size_bytes=sum(t.nbytes for w in weights.values() for t in w.tensors())
+        + (0 if extra is None else sum(t.nbytes for t in extra.tensors())),
         weights=weights,
         resolved_targets=targets_to_json(spec),
+        saved=extra,
     )
 
 
@@ -261,15 +273,17 @@ def _parse_name(name: str) -> tuple[int, str, str]:
 
 def normalized_tensor_name(name: str) -> str:
     """The PEFT file name of a tensor (`base_model.model.<module>.lora_A.weight`), as digested."""
+    if (saved := saved_tensor_name(name)) is not None:
+        return saved
     layer, module, role = _parse_name(name)
     return f"base_model.model.{module_key(layer, module)}.{_ROLE_SUFFIX[role]}"
 
 
 def _explain_unexpected(name: str) -> str:
-    if "embed_tokens" in name or "lm_head" in name or "lora_embedding" in name:
+    if "lora_embedding" in name or re.search(r"(embed_tokens|lm_head)\.lora_", name):
         return f"unexpected tensor {name} (LoRA on embeddings/lm_head is not supported)"
     if "modules_to_save" in name:
-        return f"modules_to_save is not supported (found {name})"
+        return f"unexpected tensor {name} (only embed_tokens, lm_head and the norms can be saved modules)"
     return f"unexpected tensor {name}"
 
 

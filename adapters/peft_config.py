@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import AdapterValidationError
 from .patterns import PATTERN_BUDGET_S, PatternMatcher
+from .peft_saved import SavedSpec, parse_saved_spec
 from .shapes import EMBEDDING_MODULES, LORA_MODULES, BaseShapes, base_module_names, module_key
 
 # PEFT's default target_modules for llama, mistral and qwen2 when the config leaves them null.
@@ -51,6 +52,7 @@ class LoraSpec:
     targets: dict[tuple[int, str], ModuleSpec]
     use_dora: bool = False  # every target carries a magnitude vector (DoRA)
     lora_bias: bool = False  # every target's lora_B carries a bias
+    saved: SavedSpec = field(default_factory=SavedSpec)  # modules_to_save and trainable_token_indices
 
 
 def parse_lora_config(
@@ -79,7 +81,7 @@ def parse_lora_config(
     kinds = dict(use_rslora=use_rslora, use_dora=use_dora, lora_bias=lora_bias)
     if resolved is not None:
         stored = _targets_from_json(resolved, base, max_rank, use_rslora)
-        return LoraSpec(r=r, alpha=alpha, targets=stored, **kinds)
+        return LoraSpec(r=r, alpha=alpha, targets=stored, saved=_saved(raw, base, stored), **kinds)
     matcher = PatternMatcher(budget_s)
     rank_pattern = _pattern_dict(raw, "rank_pattern", matcher)
     alpha_pattern = _pattern_dict(raw, "alpha_pattern", matcher)
@@ -94,7 +96,11 @@ def parse_lora_config(
         if (ak := _pattern_key(alpha_pattern, key, matcher, "alpha_pattern")) is not None:
             ma = _alpha(alpha_pattern[ak], f"alpha_pattern[{ak!r}] for {key}")
         targets[(layer, module)] = ModuleSpec(rank=mr, alpha=ma, scale=_scale(ma, mr, use_rslora))
-    return LoraSpec(r=r, alpha=alpha, targets=targets, **kinds)
+    return LoraSpec(r=r, alpha=alpha, targets=targets, saved=_saved(raw, base, targets), **kinds)
+
+
+def _saved(raw: dict[str, Any], base: BaseShapes, targets: dict[tuple[int, str], ModuleSpec]) -> SavedSpec:
+    return parse_saved_spec(raw, base, {module_key(layer, module) for layer, module in targets})
 
 
 def targets_to_json(spec: LoraSpec) -> list[list[Any]]:
@@ -142,13 +148,9 @@ def _flag(raw: dict[str, Any], name: str) -> bool:
 
 
 def _refuse_unsupported(raw: dict[str, Any]) -> None:
-    if raw.get("modules_to_save"):
-        raise AdapterValidationError(
-            f"modules_to_save is not supported (it ships full copies of {raw['modules_to_save']!r})"
-        )
     if raw.get("bias", "none") not in (None, "none"):
         raise AdapterValidationError(f"bias={raw['bias']!r} is not supported (it retrains base model biases)")
-    for name in ("trainable_token_indices", "target_parameters", "layer_replication"):
+    for name in ("target_parameters", "layer_replication"):
         if raw.get(name):
             raise AdapterValidationError(f"{name} is not supported")
     for name in _VARIANT_FIELDS:

@@ -58,6 +58,10 @@ class BaseShapes:
     intermediate_size: int
     q_size: int  # num_heads * head_dim
     kv_size: int  # num_kv_heads * head_dim
+    # What saved modules (modules_to_save, trainable_token_indices) are checked against;
+    # 0: unknown, and every saved embedding or lm_head is refused.
+    vocab_size: int = 0
+    tie_word_embeddings: bool = False
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> BaseShapes:
@@ -74,6 +78,8 @@ class BaseShapes:
                 intermediate_size=int(config["intermediate_size"]),
                 q_size=heads * head_dim,
                 kv_size=kv_heads * head_dim,
+                vocab_size=int(config.get("vocab_size") or 0),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             )
         except KeyError as e:
             raise AdapterError(f"base model config lacks {e.args[0]!r}") from None

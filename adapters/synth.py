@@ -4,7 +4,9 @@ The adapter is written by PEFT itself (`get_peft_model` + `save_pretrained`), so
 exactly what users upload. PEFT initialises lora_B to zero (a no-op adapter); A, B and
 lora_B's bias (lora_bias=true) are refilled with random values so the adapter visibly
 changes the model's output, and DoRA's magnitude vectors (use_dora=true) are perturbed
-around their initial column norms, so that the rescale matters too.
+around their initial column norms, so that the rescale matters too. Saved modules
+(modules_to_save) and trainable token rows start as copies of the base weights; they
+are perturbed likewise (relative noise), so that serving the base's instead shows.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def make_random_peft_adapter(
         for name, param in sorted(peft_model.named_parameters()):
             if ".lora_A." in name or ".lora_B." in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * init_scale)
-            elif ".lora_magnitude_vector." in name:
+            elif ".lora_magnitude_vector." in name or ".modules_to_save." in name or "trainable_tokens_delta" in name:
                 param.mul_(1 + torch.randn(param.shape, generator=gen) * init_scale)
     out = Path(out_dir)
     peft_model.save_pretrained(str(out))

@@ -26,7 +26,9 @@ from ..errors import InvalidRequestError, UnknownAdapterError
 from ..request import AdapterRef
 from .backend import LoRABackend, LoRAHook
 from .epilogue import BaseWeights, module_epilogues
-from .packing import GROUPS, pack_adapter, projection_sizes, segments_of
+from .packing import pack_adapter, projection_sizes, segments_of
+from .saved_modules import SavedBatch, SavedModuleSlots, to_device
+from .sizing import entry_device_bytes, max_lora_device_bytes
 from .staging import CudaStager, StagedAdapter, Stager
 from .torch_backend import TorchLoRABackend
 
@@ -137,6 +139,7 @@ class LoRAManager:
             rows = self.max_rows = self.config.max_loras or fixed_rows or INITIAL_ROWS
         self.backend = backend(rows, arch.num_layers, self.in_sizes, self.out_sizes,
                                self.config.max_lora_rank, dtype, device)
+        self.saved = SavedModuleSlots()  # modules_to_save, trainable tokens
         if self.stager is None and torch.device(device).type == "cuda":
             self.stager = CudaStager(torch.device(device))
 
@@ -254,7 +257,7 @@ class LoRAManager:
         with self._lock:
             self._cpu[digest] = adapter
             self._cpu.move_to_end(digest)
-            self._bytes[digest] = _device_bytes(adapter, self.dtype)
+            self._bytes[digest] = entry_device_bytes(adapter, self.dtype)
             self._pending.pop(digest, None)
             stage = self._reserve_staging(digest)
             self._trim()
@@ -311,12 +314,8 @@ class LoRAManager:
         it is in the CPU tier (`ready`), else the largest an adapter may take."""
         with self._lock:
             known = self._bytes.get(ref.digest)
-        if known is not None:
-            return known
-        per_layer = sum(self.config.max_lora_rank * (self.in_sizes[g] + sum(self.out_sizes[m] for m in mods))
-                        for g, mods in GROUPS.items())
-        epilogue = 8 * sum(self.out_sizes.values())  # fp32 scale and shift (DoRA, lora_bias)
-        return (per_layer * self.dtype.itemsize + epilogue) * self.num_layers
+        return known if known is not None else max_lora_device_bytes(
+            self.in_sizes, self.out_sizes, self.num_layers, self.config.max_lora_rank, self.dtype)
 
     # -- device rows -----------------------------------------------------------------
     def load(self, loads: list[tuple[int, AdapterRef]]) -> None:
@@ -330,13 +329,11 @@ class LoRAManager:
                     del self._staged[ref.digest]
                 else:
                     staged = None
-            if staged is not None:
-                packed = self.stager.take(staged)
-            else:
-                if adapter is None:  # not prefetched (e.g. evicted meanwhile): load inline
-                    adapter = self._fetch(ref.digest)
-                packed = self._pack(adapter, self.device)
+            if adapter is None:  # not prefetched (e.g. evicted meanwhile): load inline
+                adapter = self._fetch(ref.digest)
+            packed = self.stager.take(staged) if staged is not None else self._pack(adapter, self.device)
             self.backend.set_slot(row, packed)
+            self.saved.set_slot(row, to_device(getattr(adapter[0], "saved", None), self.dtype, self.device))
             with self._lock:
                 old = self._rows.get(row)
                 if old is not None and self._device.get(old.digest) == row:
@@ -359,6 +356,10 @@ class LoRAManager:
         segments = segments_of(seqs)
         return self.backend.batch(segments) if segments else None
 
+    def saved_batch(self, seqs: list[tuple[int, int]]) -> SavedBatch | None:
+        """As `batch`: the step's rows of adapters with saved modules, None without."""
+        return self.saved.batch(segments_of(seqs)) if self.saved.slots else None
+
     def tiers(self) -> dict[str, list[str]]:
         """Where each adapter is now: on the device (resident, in use or idle), CPU tier (digests)."""
         with self._lock:
@@ -380,14 +381,6 @@ class LoRAManager:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _device_bytes(entry: tuple, dtype: torch.dtype) -> int:
-    """Bytes of an adapter's A and B over every layer and module, in `dtype`, and of its
-    fp32 epilogues (DoRA, lora_bias)."""
-    adapter, epilogues = entry
-    epilogue = sum(t.numel() for parts in epilogues.values() for t in parts if t is not None) * 4
-    return sum(w.a.numel() + w.b.numel() for w in adapter.weights.values()) * dtype.itemsize + epilogue
 
 
 def _follow(shared: Future) -> Future:

@@ -6,6 +6,8 @@ deltas added into their slices.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +18,7 @@ from ..kernels.torch.attention import paged_attention, write_kv
 from ..kernels.torch.layer_ops import TorchLayerOps, rms_norm
 from ..kernels.torch.linear import PackedLinear, pack_linears
 from ..lora.backend import LoRAHook
+from ..lora.saved_modules import HeadRows, SavedBatch
 
 
 class LlamaLayer(nn.Module):
@@ -31,19 +34,23 @@ class LlamaLayer(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, h, bias=False)
         self.input_layernorm = nn.Parameter(torch.ones(h))
         self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+        self.norm_with = partial(rms_norm, eps=arch.rms_norm_eps)  # an adapter's own norm weights
         # KV write, attention and layer ops: the torch path until the runner sets its
         # kernel backend's (set_attention_ops, set_layer_ops).
         self.write_kv, self.attn_impl = write_kv, paged_attention
         self.ops = TorchLayerOps
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, lora: LoRAHook | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, lora: LoRAHook | None,
+                saved: SavedBatch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream, this layer's MLP output): the next layer adds the two as part
-        of its first norm, so the residual add is fused into it."""
+        of its first norm, so the residual add is fused into it. `saved`: the step's rows
+        of adapters with saved modules (their own norms)."""
         a, L, ops = self.arch, self.index, self.ops
         T = x.shape[0]
         x, h = ops.add_rms_norm(x, delta, self.input_layernorm, a.rms_norm_eps)
+        if saved is not None:
+            saved.norm(L, 0, x, h, self.norm_with)
         qkv = self.qkv_proj(h)
         if lora is not None:
             lora.apply(L, "qkv", h, qkv)
@@ -55,6 +62,8 @@ class LlamaLayer(nn.Module):
         if lora is not None:
             lora.apply(L, "o", o, attn)
         x, h = ops.add_rms_norm(x, attn, self.post_attention_layernorm, a.rms_norm_eps)
+        if saved is not None:
+            saved.norm(L, 1, x, h, self.norm_with)
         gu = self.gate_up_proj(h)
         if lora is not None:
             lora.apply(L, "gate_up", h, gu)
@@ -106,20 +115,31 @@ class LlamaModel(nn.Module):
         return (emb.cos() * scale).to(dtype)[:, None, :], (emb.sin() * scale).to(dtype)[:, None, :]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: LoRAHook | None = None) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: LoRAHook | None = None,
+                saved: SavedBatch | None = None) -> torch.Tensor:
+        """`saved`: the step's rows of adapters with saved modules (saved_modules.py)."""
         x = self.embed_tokens(input_ids)
+        if saved is not None:
+            saved.embed(input_ids, x)
         cos, sin = self.rope(positions, x.dtype)
         delta = None
         for layer, kv in zip(self.layers, kv_caches):
-            x, delta = layer(x, delta, cos, sin, kv, meta, lora)
+            x, delta = layer(x, delta, cos, sin, kv, meta, lora, saved)
         return x + delta if delta is not None else x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, heads: HeadRows | None = None) -> torch.Tensor:
+        """fp32 logits of `hidden`'s rows; `heads`: those rows of adapters with their own
+        final norm or lm_head (rows), which compute theirs with them."""
         h = rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
+        if heads is not None:
+            return heads.logits(hidden, h, self._head, partial(rms_norm, eps=self.arch.rms_norm_eps))
+        return self._head(h).float()
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
         if self.packed_head is not None:
-            return self.packed_head(h).float()
+            return self.packed_head(h)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, w).float()
+        return F.linear(h, w)
 
     @torch.no_grad()
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:

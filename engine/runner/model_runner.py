@@ -168,8 +168,8 @@ class ModelRunner:
     def _replay(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
         """The step's hidden states from a CUDA graph, or None when it runs eagerly (a
         prefill chunk in it, wider than the widest graph, no graphs)."""
-        if self.graphs is None:
-            return None
+        if self.graphs is None or self._saved_modules_in([s.adapter_slot for s in seqs]):
+            return None  # the graphs hold the base embedding, norms and head
         if self.graphs.policy.width_for_step([len(s.token_ids) for s in seqs]) is None:
             return None
         step = DecodeInputs.from_rows([(s.token_ids[0], s.start_pos, s.block_ids, s.adapter_slot) for s in seqs],
@@ -204,7 +204,7 @@ class ModelRunner:
         result = StepResult()
         if any(requests[s.request_id].sampling.prompt_logprobs is not None for s in seqs):
             result.prompt_logprobs = self._prompt_logprobs(seqs, hidden, requests)
-        rows, sample_rows, owners, end = [], [], [], 0
+        rows, sample_rows, owners, slots, end = [], [], [], [], 0
         for s in seqs:
             end += len(s.token_ids)
             if s.sample:
@@ -217,9 +217,11 @@ class ModelRunner:
                                                  req.output_token_ids + drafts[:i] if i else req.output_token_ids,
                                                  req.grammar))
                     owners.append(s.request_id)
+                    slots.append(s.adapter_slot)
         if not rows:
             return result
-        tokens, logprobs = self.sampler.sample(self.model.compute_logits(hidden[rows]), sample_rows)
+        logits = self.model.compute_logits(hidden[rows], self._heads(slots))
+        tokens, logprobs = self.sampler.sample(logits, sample_rows)
         for rid, tok, lp in zip(owners, tokens, logprobs):
             result.tokens.setdefault(rid, []).append(tok)
             result.logprobs.setdefault(rid, []).append(lp)
@@ -232,16 +234,26 @@ class ModelRunner:
             pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
         meta = self.backend.build_metadata([(s.start_pos, len(s.token_ids), s.block_ids) for s in seqs],
                                            self.block_size)
-        lora = self.lora.batch([(len(s.token_ids), s.adapter_slot) for s in seqs]) if self.lora is not None else None
+        lora = saved = None
+        if self.lora is not None:
+            rows = [(len(s.token_ids), s.adapter_slot) for s in seqs]
+            lora, saved = self.lora.batch(rows), self.lora.saved_batch(rows)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        return self.model(input_ids, positions, meta, self.kv_caches, lora)
+        return self.model(input_ids, positions, meta, self.kv_caches, lora, saved)
+
+    def _saved_modules_in(self, slots: list[int]) -> bool:
+        return self.lora is not None and self.lora.saved.any_of(slots)
+
+    def _heads(self, row_slots: list[int]):
+        """The logit rows of adapters with their own final norm or lm_head (saved_modules.py)."""
+        return self.lora.saved.heads(row_slots) if self._saved_modules_in(row_slots) else None
 
     def _prompt_logprobs(self, seqs: list, hidden: torch.Tensor, requests: dict[str, Request]
                          ) -> dict[str, dict[int, Logprobs]]:
         """Logprobs of the prompt tokens this step's chunks predict (row p predicts token
         p + 1), by request and position, for the requests that ask for them."""
-        rows, targets, top_n, where = [], [], [], []
+        rows, targets, top_n, where, slots = [], [], [], [], []
         found: dict[str, dict[int, Logprobs]] = {}
         end = 0
         for s in seqs:
@@ -252,12 +264,13 @@ class ModelRunner:
                 continue  # a recompute after preemption: already reported
             for pos in range(s.start_pos, min(s.start_pos + len(s.token_ids), req.num_prompt_tokens - 1)):
                 rows.append(first + pos - s.start_pos)
+                slots.append(s.adapter_slot)
                 targets.append(req.prompt_token_ids[pos + 1])
                 top_n.append(n)
                 where.append((req, pos + 1))
         for lo in range(0, len(rows), _PROMPT_LOGPROB_ROWS):
             hi = lo + _PROMPT_LOGPROB_ROWS
-            logits = self.model.compute_logits(hidden[rows[lo:hi]])
+            logits = self.model.compute_logits(hidden[rows[lo:hi]], self._heads(slots[lo:hi]))
             for (req, pos), lp in zip(where[lo:hi], top_logprobs(logits, targets[lo:hi], top_n[lo:hi])):
                 found.setdefault(req.request_id, {})[pos] = lp
         return found

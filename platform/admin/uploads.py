@@ -54,6 +54,20 @@ def upload_limit(st: AdminState) -> int:
     return min(st.settings.admin.max_upload_bytes, largest_adapter)
 
 
+def _over_limit(st: AdminState, limit: int, size: int | None = None) -> PayloadTooLargeError:
+    """The refusal of an upload over `limit`, naming which bound it is: the configured one
+    can be smaller than the largest valid adapter, whose size saved copies of the
+    embedding and lm_head (modules_to_save: [vocab, hidden] each) dominate."""
+    what = f"the upload is {size} bytes, over" if size is not None else "the upload is over"
+    if limit >= st.store.max_file_bytes + MAX_CONFIG_BYTES + _MULTIPART_OVERHEAD:
+        return PayloadTooLargeError(f"{what} the {limit} byte limit (the largest adapter for this base model)")
+    base = st.store.base
+    matrix = 4 * base.vocab_size * base.hidden_size
+    return PayloadTooLargeError(
+        f"{what} the {limit} byte limit (admin_max_upload_bytes); an adapter that saves embed_tokens or lm_head "
+        f"(modules_to_save) carries {matrix} bytes for each in float32, so raise the limit to upload one")
+
+
 async def receive_upload(request: Request, st: AdminState, on_field) -> Upload:
     """Stream a multipart body to a staging folder; fields go to `on_field(name, value)` as
     they arrive (so a bad adapter name stops the upload before its files are read)."""
@@ -67,7 +81,7 @@ async def receive_upload(request: Request, st: AdminState, on_field) -> Upload:
                                         "(adapter_config.json, adapter_model.safetensors) or a .zip of the folder")
     length = request.headers.get("content-length")
     if length and length.isascii() and length.isdigit() and len(length) < 20 and int(length) > limit:
-        raise PayloadTooLargeError(f"the upload is {int(length)} bytes, over the {limit} byte limit")
+        raise _over_limit(st, limit, int(length))
     uploads = st.store.root / "uploads"
     uploads.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="upload-", dir=uploads))
@@ -112,7 +126,7 @@ async def receive_upload(request: Request, st: AdminState, on_field) -> Upload:
         chunk = data[start:end]
         state["total"] += len(chunk)
         if state["total"] > limit:
-            raise PayloadTooLargeError(f"the upload is over the {limit} byte limit")
+            raise _over_limit(st, limit)
         if part["kind"] == "file":
             part["f"].write(chunk)
             if len(part["head"]) < 16:

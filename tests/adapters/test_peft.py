@@ -177,9 +177,10 @@ def test_missing_weights_file(lora_copy: Path, base: BaseShapes) -> None:
     reject(lora_copy, base, "adapter_model.safetensors is missing")
 
 
-def test_modules_to_save_is_refused(make_adapter: Callable[..., Path], base: BaseShapes) -> None:
-    lora = make_adapter(rank=4, target_modules=["q_proj"], lora_config={"modules_to_save": ["lm_head"]})
-    reject(lora, base, "modules_to_save is not supported")
+def test_modules_to_save_of_a_lora_target_is_refused(lora_copy: Path, base: BaseShapes, files: Any) -> None:
+    files.write_config(lora_copy, modules_to_save=["q_proj"])
+    reject(lora_copy, base, "modules_to_save entry 'q_proj' names model.layers.0.self_attn.q_proj, which is also "
+                            "a LoRA target")
 
 
 def test_embed_tokens_target_is_refused(make_adapter: Callable[..., Path], base: BaseShapes) -> None:

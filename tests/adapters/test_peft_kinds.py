@@ -121,19 +121,18 @@ def test_dora_with_lora_bias_is_refused(lora_copy: Path, base: BaseShapes, files
 
 def test_kinds_still_refused(make_adapter: Callable[..., Path], lora_copy: Path, base: BaseShapes,
                              files: Any) -> None:
-    lora = make_adapter(rank=4, target_modules=["q_proj"], lora_config={"modules_to_save": ["lm_head"]})
-    reject(lora, base, "modules_to_save is not supported")
-    files.write_config(lora_copy, trainable_token_indices=[3, 5])
-    reject(lora_copy, base, "trainable_token_indices is not supported")
-    files.write_config(lora_copy, trainable_token_indices=None, use_dora="yes")
+    files.write_config(lora_copy, use_dora="yes")
     reject(lora_copy, base, "use_dora must be true or false, not 'yes'")
 
 
 def test_full_rank_dora_fits_the_upload_bound(make_adapter: Callable[..., Path], base: BaseShapes,
                                               tmp_path: Path) -> None:
-    """The bound counts one vector per module: a DoRA adapter at the rank cap still uploads."""
-    lora = make_adapter(rank=8, alpha=16, lora_config={"use_dora": True})
-    # Rank 8 on every projection with its magnitude: exactly the bound's tensor bytes.
+    """The bound counts one vector per module, a saved embedding and lm_head and every norm:
+    a DoRA adapter at the rank cap that saves them all still uploads."""
+    lora = make_adapter(rank=8, alpha=16, lora_config={"use_dora": True,
+                                                       "modules_to_save": ["embed_tokens", "lm_head", "norm"]})
+    # Rank 8 on every projection with its magnitude, and every saved module: exactly the
+    # bound's tensor bytes.
     assert max_adapter_bytes(base, 8) == 8 + max_header_bytes(base) + load_peft_adapter(lora, base).size_bytes
     assert (lora / "adapter_model.safetensors").stat().st_size <= max_adapter_bytes(base, 8)
     store = AdapterStore(tmp_path / "store", base, max_rank=8)

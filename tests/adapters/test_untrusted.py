@@ -123,9 +123,11 @@ def test_zip_with_two_adapters_is_refused(store: AdapterStore, tmp_path: Path, l
 
 def test_bound_is_exactly_a_full_rank_adapter(base: BaseShapes, lora_dir: Path) -> None:
     """lora_dir is rank 8 on every projection in float32: its tensors, with one vector per
-    projection (a DoRA magnitude or a lora_B bias), fill the bound exactly."""
+    projection (a DoRA magnitude or a lora_B bias), a saved embedding and lm_head and every
+    norm, fill the bound exactly."""
     vectors = sum(base.module_dims(m)[1] for m in LORA_MODULES) * base.num_layers * 4
-    tensor_bytes = load_peft_adapter(lora_dir, base).size_bytes + vectors
+    saved = (2 * base.vocab_size + 2 * base.num_layers + 1) * base.hidden_size * 4
+    tensor_bytes = load_peft_adapter(lora_dir, base).size_bytes + vectors + saved
     assert max_adapter_bytes(base, 8) == 8 + max_header_bytes(base) + tensor_bytes
     assert max_adapter_bytes(base, 8, torch.bfloat16) == 8 + max_header_bytes(base) + tensor_bytes // 2
     assert (lora_dir / WEIGHTS).stat().st_size <= max_adapter_bytes(base, 8)

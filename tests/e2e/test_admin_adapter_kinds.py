@@ -1,5 +1,6 @@
-"""DoRA and lora_bias adapters uploaded through the admin API serve PEFT's greedy tokens
-through the OpenAI API, on SQLite and PostgreSQL."""
+"""DoRA, lora_bias and saved-module adapters (trainable tokens, saved norms) uploaded through
+the admin API serve PEFT's greedy tokens through the OpenAI API, on SQLite and PostgreSQL;
+one too large for the server's upload limit is refused with a message naming why."""
 from __future__ import annotations
 
 import pytest
@@ -16,12 +17,15 @@ def kind_adapters(tmp_path_factory, tiny_llama_dir):
     from loraplex.adapters.synth import make_random_peft_adapter
 
     root = tmp_path_factory.mktemp("kind_uploads")
+    kinds = (("dora", {"use_dora": True}), ("bias", {"lora_bias": True}),
+             # the prompt's tokens 1523, 312 and 15 are retrained; every RMSNorm is saved
+             ("saved", {"trainable_token_indices": [15, 1523, 312], "modules_to_save": ["norm"]}))
     return {kind: make_random_peft_adapter(tiny_llama_dir, root / kind, rank=8, seed=31 + i, init_scale=0.3,
-                                           lora_config={flag: True})
-            for i, (kind, flag) in enumerate((("dora", "use_dora"), ("bias", "lora_bias")))}
+                                           lora_config=extra)
+            for i, (kind, extra) in enumerate(kinds)}
 
 
-def test_uploaded_dora_and_lora_bias_adapters_generate_as_peft(admin_live, kind_adapters, tiny_llama_dir):  # noqa: F811
+def test_uploaded_adapter_kinds_generate_as_peft(admin_live, kind_adapters, tiny_llama_dir):  # noqa: F811
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
@@ -45,4 +49,22 @@ def test_uploaded_dora_and_lora_bias_adapters_generate_as_peft(admin_live, kind_
     finally:
         for name in names:
             api.delete(f"/adapters/{name}")
+        api.close()
+
+
+def test_a_saved_lm_head_over_the_upload_limit_is_refused_naming_why(admin_live, tmp_path,  # noqa: F811
+                                                                     tiny_llama_dir):
+    """The tiny model's lm_head is 12.6 MB in float32, over this server's 4 MiB
+    admin_max_upload_bytes (the store's own bound, which counts it, is larger)."""
+    from loraplex.adapters.synth import make_random_peft_adapter
+
+    folder = make_random_peft_adapter(tiny_llama_dir, tmp_path / "head", rank=4, target_modules=["q_proj"],
+                                      lora_config={"modules_to_save": ["lm_head"]})
+    api = admin_live.client()
+    try:
+        r = api.post("/adapters", data={"name": f"head-{admin_live.backend}"}, files=adapter_files(folder))
+        assert r.status_code == 413, r.text
+        assert "(admin_max_upload_bytes); an adapter that saves embed_tokens or lm_head" in r.text
+        assert f"carries {4 * 49152 * 64} bytes" in r.text
+    finally:
         api.close()

@@ -85,3 +85,20 @@ def test_triton_engine_serves_dora_and_lora_bias_as_peft(tiny_qwen2_dir, tmp_pat
     engine = LLMEngine(cfg, LoRAManager(store, cfg.lora))
     assert isinstance(engine.lora.backend, StackedLoRAWeights)
     assert run_greedy_with_adapters(engine, prompts, list(ASSIGN), list(MAX_TOKENS)) == ref
+
+
+def test_triton_engine_serves_saved_modules_as_peft(tiny_llama_dir, tmp_path):
+    """Trainable tokens, a saved lm_head, saved norms and a saved embedding beside a plain
+    adapter and base requests: PEFT's greedy tokens."""
+    from tests.engine.lora.test_oracle import _engine
+    from tests.engine.lora.test_oracle_saved import ASSIGN, MAX_TOKENS, SAVED, make_saved_adapters, saved_prompts
+    from tests.engine.oracle import hf_greedy, run_greedy_with_adapters
+
+    dirs = make_saved_adapters(tiny_llama_dir, tmp_path / "saved", SAVED)
+    prompts = saved_prompts()
+    ref = [hf_greedy(tiny_llama_dir, [p], [n], adapter_dir=dirs[a] if a else None)[0]
+           for p, n, a in zip(prompts, MAX_TOKENS, ASSIGN)]
+    engine, _ = _engine(tiny_llama_dir, tmp_path / "store", dirs, kernels="triton", max_loras=4,
+                        max_num_batched_tokens=64)
+    assert isinstance(engine.lora.backend, StackedLoRAWeights)
+    assert run_greedy_with_adapters(engine, prompts, list(ASSIGN), list(MAX_TOKENS)) == ref
