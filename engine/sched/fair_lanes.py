@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
+from ..config import SchedulerConfig
 from ..errors import TenantShareExceededError
 from ..request import Lane, Request
 from .fairness import FairnessConfig, FairQueue
-from .request_queue import RequestQueue
+from .request_queue import LaneQueue, RequestQueue
 
 
 class FairLaneQueue(RequestQueue):
@@ -107,3 +108,12 @@ class FairLaneQueue(RequestQueue):
                 for req in segment:
                     if req in self:
                         yield req
+
+
+def waiting_queue(config: SchedulerConfig, clock: Callable[[], float]) -> RequestQueue:
+    """The waiting queue `config.scheduling` names: FCFS lanes, or tenant-fair lanes."""
+    if config.scheduling == "fcfs":
+        return LaneQueue(config.aging_seconds, clock)
+    # max_waiting 0 (refuse everything) is the scheduler's own check; the shares need >= 1.
+    fairness = FairnessConfig(max_waiting=max(1, config.max_waiting), tenant_share=config.tenant_queue_share)
+    return FairLaneQueue(config.aging_seconds, clock, fairness)

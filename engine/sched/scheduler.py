@@ -14,10 +14,9 @@ from ..errors import EngineOverloadedError, PromptTooLongError
 from ..request import AdapterRef, Lane, Request, RequestStatus
 from .adapter_memory import AdapterMemory
 from .block_pool import KVCacheManager
-from .fair_lanes import FairLaneQueue
-from .fairness import FairnessConfig
+from .fair_lanes import waiting_queue
 from .lane_guard import LaneGuard, Split
-from .request_queue import POLICIES, LaneQueue, RequestQueue
+from .request_queue import POLICIES
 from .speculation import Speculation
 from .step_plan import Budget, ScheduledSeq, SchedulerOutput, StepPlan
 
@@ -37,7 +36,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         # Adapters share the KV pool's memory; `max_loras` optionally caps how many are resident.
         self.adapters = AdapterMemory(kv.pool, max_loras)
-        self.waiting = _waiting_queue(config, lambda: self.clock())
+        self.waiting = waiting_queue(config, lambda: self.clock())
         self.policy = POLICIES[config.policy](config.max_num_seqs)
         self.foreground_lane: Lane | None = None  # as of the last plan
         self.guard = LaneGuard(config.lane_hold_seconds, config.background_step_seconds,
@@ -399,10 +398,3 @@ class Scheduler:
             counts[lane.name.lower()]["waiting"] = n
         return counts
 
-
-def _waiting_queue(config: SchedulerConfig, clock: Callable[[], float]) -> RequestQueue:
-    if config.scheduling == "fcfs":
-        return LaneQueue(config.aging_seconds, clock)
-    # max_waiting 0 (refuse everything) is the scheduler's own check; the shares need >= 1.
-    fairness = FairnessConfig(max_waiting=max(1, config.max_waiting), tenant_share=config.tenant_queue_share)
-    return FairLaneQueue(config.aging_seconds, clock, fairness)

@@ -11,6 +11,7 @@ almost always right still pay, so speculation backs off by itself.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
@@ -100,8 +101,13 @@ class Speculation:
                                           -self._rate.get(seqs[i].request_id, _PRIOR_ACCEPTANCE)))
 
     def _want(self, req: Request, threshold: float) -> int:
-        if self._rate.get(req.request_id, _PRIOR_ACCEPTANCE) > threshold:
-            return self.max_drafts
+        """Drafts worth verifying: the j-th is kept only if the j - 1 before it were, with
+        chance rate^j, so drafting stops where rate^j no longer beats the break-even."""
+        rate = self._rate.get(req.request_id, _PRIOR_ACCEPTANCE)
+        if rate > threshold:
+            if threshold <= 0 or rate >= 1:
+                return self.max_drafts
+            return max(1, min(self.max_drafts, int(math.log(threshold) / math.log(rate))))
         skipped = self._skipped.get(req.request_id, 0) + 1
         self._skipped[req.request_id] = skipped % _PROBE_EVERY
         return 1 if skipped >= _PROBE_EVERY else 0

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import logging
 import math
 import os
 import sys
-from dataclasses import fields
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -35,6 +33,7 @@ from loraplex.platform.cli.options import (
     server_options,
     server_settings,
     serving_options,
+    speculative_config_arg,
 )
 from loraplex.platform.errors import PlatformError, WeakSecretError
 from loraplex.platform.settings import Settings, default_data_dir
@@ -144,7 +143,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="KV pool size, e.g. 1GiB (default: 1GiB on a CPU; on a GPU what "
                         "--gpu-memory-utilization leaves)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    g.add_argument("--speculative-config", type=speculative_config, default=SpeculativeConfig(), metavar="JSON",
+    g.add_argument("--speculative-config", type=speculative_config_arg, default=SpeculativeConfig(), metavar="JSON",
                    help='speculative decoding, as vLLM\'s flag: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)')
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV block count (overrides memory)")
@@ -299,23 +298,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative=args.speculative_config,
     )
 
-
-def speculative_config(text: str) -> SpeculativeConfig:
-    """--speculative-config's JSON object -> SpeculativeConfig, or an error naming the problem."""
-    try:
-        raw = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object such as {\"method\": \"ngram\"}")
-    known = {f.name for f in fields(SpeculativeConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown keys {unknown}; known: {sorted(known)}")
-    try:
-        return SpeculativeConfig(**raw)
-    except (TypeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

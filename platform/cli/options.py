@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from dataclasses import fields
 
+from loraplex.engine.config import SpeculativeConfig
 from loraplex.platform.serving.gaie import parse_objective
 from loraplex.platform.settings import DEFAULT_ADAPTER_CACHE_BYTES, AdminConfig, AuthConfig, ServerLimits, UsageConfig
 
@@ -191,3 +193,21 @@ def adapters_from_args(args: argparse.Namespace, model_names: tuple[str, ...]) -
     if twice:
         raise ValueError(f"adapter {twice[0]!r} is given twice (--adapter / --lora-modules)")
     return tuple(out)
+
+
+def speculative_config_arg(text: str) -> SpeculativeConfig:
+    """--speculative-config's JSON object -> SpeculativeConfig, or an error naming the problem."""
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object such as {\"method\": \"ngram\"}")
+    known = {f.name for f in fields(SpeculativeConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown keys {unknown}; known: {sorted(known)}")
+    try:
+        return SpeculativeConfig(**raw)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
