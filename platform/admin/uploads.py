@@ -68,6 +68,87 @@ def _over_limit(st: AdminState, limit: int, size: int | None = None) -> PayloadT
         f"(modules_to_save) carries {matrix} bytes for each in float32, so raise the limit to upload one")
 
 
+class _PartSink:
+    """python-multipart's callbacks: each file part streamed to the staging folder, each
+    field checked and handed to `on_field` as soon as it is complete."""
+
+    def __init__(self, folder: Path, limit: int, over_limit, on_field) -> None:
+        self.folder, self.limit, self.over_limit, self.on_field = folder, limit, over_limit, on_field
+        self.fields: dict[str, list[str]] = {}
+        self.files: list[tuple[str, Path, bytes]] = []  # (client filename, staged path, first bytes)
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.name = self.value = b""
+        self.part: dict[str, Any] | None = None
+        self.total = self.nfields = 0
+
+    def callbacks(self) -> dict[str, Any]:
+        return dict(on_part_begin=self.on_part_begin, on_part_data=self.on_part_data, on_part_end=self.on_part_end,
+                    on_header_field=self.on_header_field, on_header_value=self.on_header_value,
+                    on_header_end=self.on_header_end, on_headers_finished=self.on_headers_finished)
+
+    def on_part_begin(self) -> None:
+        self.headers, self.part = [], None
+
+    def on_header_field(self, data: bytes, start: int, end: int) -> None:
+        self.name += data[start:end]
+
+    def on_header_value(self, data: bytes, start: int, end: int) -> None:
+        self.value += data[start:end]
+
+    def on_header_end(self) -> None:
+        self.headers.append((self.name.lower(), self.value))
+        self.name, self.value = b"", b""
+
+    def on_headers_finished(self) -> None:
+        from python_multipart.multipart import parse_options_header
+
+        _, opts = parse_options_header(dict(self.headers).get(b"content-disposition", b""))
+        if b"name" not in opts:
+            raise BadRequestError("a multipart part has no name")
+        if b"filename" in opts:
+            if len(self.files) >= _MAX_FILES:
+                raise BadRequestError("upload at most two files: adapter_config.json and adapter_model.safetensors "
+                                      "(or one .zip)")
+            path = self.folder / f"part-{len(self.files)}"
+            client = opts[b"filename"].decode("utf-8", "replace")
+            self.part = {"kind": "file", "f": open(path, "xb"), "path": path, "client": client, "head": b""}
+        else:
+            self.nfields += 1
+            if self.nfields > _MAX_FIELDS:
+                raise BadRequestError("too many form fields")
+            self.part = {"kind": "field", "name": opts[b"name"].decode("utf-8", "replace"), "data": bytearray()}
+
+    def on_part_data(self, data: bytes, start: int, end: int) -> None:
+        part, chunk = self.part, data[start:end]
+        self.total += len(chunk)
+        if self.total > self.limit:
+            raise self.over_limit()
+        if part["kind"] == "file":
+            part["f"].write(chunk)
+            if len(part["head"]) < 16:
+                part["head"] += chunk[: 16 - len(part["head"])]
+        else:
+            part["data"] += chunk
+            if len(part["data"]) > _MAX_FIELD_BYTES:
+                raise BadRequestError(f"form field {part['name']!r} is too long")
+
+    def on_part_end(self) -> None:
+        part = self.part
+        if part["kind"] == "file":
+            part["f"].close()
+            self.files.append((part["client"], part["path"], part["head"]))
+        else:
+            value = part["data"].decode("utf-8", "replace")
+            check_text(value, part["name"])
+            self.fields.setdefault(part["name"], []).append(value)
+            self.on_field(part["name"], value)
+        self.part = None
+
+    def close(self) -> None:
+        if self.part and self.part.get("kind") == "file":
+            self.part["f"].close()
+
+
 async def receive_upload(request: Request, st: AdminState, on_field) -> Upload:
     """Stream a multipart body to a staging folder; fields go to `on_field(name, value)` as
     they arrive (so a bad adapter name stops the upload before its files are read)."""
@@ -85,91 +166,24 @@ async def receive_upload(request: Request, st: AdminState, on_field) -> Upload:
     uploads = st.store.root / "uploads"
     uploads.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="upload-", dir=uploads))
-    fields: dict[str, list[str]] = {}
-    files: list[tuple[str, Path, bytes]] = []  # (client filename, staged path, first bytes)
-    state: dict[str, Any] = {"headers": [], "name": b"", "value": b"", "part": None, "total": 0, "nfields": 0}
-
-    def on_part_begin():
-        state["headers"], state["part"] = [], None
-
-    def on_header_field(data, start, end):
-        state["name"] += data[start:end]
-
-    def on_header_value(data, start, end):
-        state["value"] += data[start:end]
-
-    def on_header_end():
-        state["headers"].append((state["name"].lower(), state["value"]))
-        state["name"], state["value"] = b"", b""
-
-    def on_headers_finished():
-        disp = dict(state["headers"]).get(b"content-disposition", b"")
-        _, opts = parse_options_header(disp)
-        if b"name" not in opts:
-            raise BadRequestError("a multipart part has no name")
-        fname = opts[b"name"].decode("utf-8", "replace")
-        if b"filename" in opts:
-            if len(files) >= _MAX_FILES:
-                raise BadRequestError("upload at most two files: adapter_config.json and adapter_model.safetensors "
-                                      "(or one .zip)")
-            path = folder / f"part-{len(files)}"
-            client = opts[b"filename"].decode("utf-8", "replace")
-            state["part"] = {"kind": "file", "f": open(path, "xb"), "path": path, "client": client, "head": b""}
-        else:
-            state["nfields"] += 1
-            if state["nfields"] > _MAX_FIELDS:
-                raise BadRequestError("too many form fields")
-            state["part"] = {"kind": "field", "name": fname, "data": bytearray()}
-
-    def on_part_data(data, start, end):
-        part = state["part"]
-        chunk = data[start:end]
-        state["total"] += len(chunk)
-        if state["total"] > limit:
-            raise _over_limit(st, limit)
-        if part["kind"] == "file":
-            part["f"].write(chunk)
-            if len(part["head"]) < 16:
-                part["head"] += chunk[: 16 - len(part["head"])]
-        else:
-            part["data"] += chunk
-            if len(part["data"]) > _MAX_FIELD_BYTES:
-                raise BadRequestError(f"form field {part['name']!r} is too long")
-
-    def on_part_end():
-        part = state["part"]
-        if part["kind"] == "file":
-            part["f"].close()
-            files.append((part["client"], part["path"], part["head"]))
-        else:
-            value = part["data"].decode("utf-8", "replace")
-            check_text(value, part["name"])
-            fields.setdefault(part["name"], []).append(value)
-            on_field(part["name"], value)
-        state["part"] = None
-
-    callbacks = dict(on_part_begin=on_part_begin, on_part_data=on_part_data, on_part_end=on_part_end,
-                     on_header_field=on_header_field, on_header_value=on_header_value,
-                     on_header_end=on_header_end, on_headers_finished=on_headers_finished)
-    parser = python_multipart.MultipartParser(params[b"boundary"], callbacks)
+    sink = _PartSink(folder, limit, lambda: _over_limit(st, limit), on_field)
+    parser = python_multipart.MultipartParser(params[b"boundary"], sink.callbacks())
     try:
         async for chunk in request.stream():
             parser.write(chunk)
         parser.finalize()
-        if state["part"] is not None:
+        if sink.part is not None:
             raise BadRequestError("the upload ended in the middle of a part (interrupted?)")
-        source = _arrange(folder, files)
+        source = _arrange(folder, sink.files)
     except BaseException as exc:
-        part = state.get("part")
-        if part and part.get("kind") == "file":
-            part["f"].close()
+        sink.close()
         shutil.rmtree(folder, ignore_errors=True)
         if isinstance(exc, ClientDisconnect):
             raise BadRequestError("the client went away before the upload completed") from None
         if isinstance(exc, python_multipart.exceptions.MultipartParseError):
             raise BadRequestError(f"the multipart body is malformed: {exc}") from None
         raise
-    return Upload(folder, fields, source, state["total"])
+    return Upload(folder, sink.fields, source, sink.total)
 
 
 def _arrange(folder: Path, files: list[tuple[str, Path, bytes]]) -> Path:

@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import ipaddress
 from collections import Counter
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -86,169 +86,182 @@ def over_cap_response(limit: int) -> bytes:
             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
 
 
+class ConnectionGuard:
+    """What every connection of one server shares: its limits, the connections each client
+    address holds, the trusted proxies (not held to the per-address cap)."""
+
+    def __init__(self, limits: ServerLimits, trusted: str = "") -> None:
+        self.limits = limits
+        self.per_client: Counter[str] = Counter()
+        self.proxies = TrustedPeers(trusted)
+        self.over_cap = over_cap_response(limits.max_connections_per_client)
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol under a `ConnectionGuard`: header and body deadlines,
+    the head's size, the per-address connection cap, an early answer closing the
+    connection instead of reading the rest of the body. `guarded_protocol` binds a guard."""
+
+    guard: ClassVar[ConnectionGuard]
+    _timer: asyncio.TimerHandle | None = None
+    _head_bytes = 0
+    _counted: str | None = None  # the address this connection counts against
+    _refused = False  # over the per-address cap: answered 429, never parsed
+    _body_pending = False  # the head is in, the body is not complete yet
+    _body_deadline = 0.0
+    _close_after_response = False  # answered before the body was in
+    _lingering = False
+    _lingered = 0
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(max(0.0, seconds), self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        if self._lingering:
+            self.transport.close()
+            return
+        now = self.loop.time()
+        if self.flow is not None and self.flow.read_paused:  # the app is slow, not the client
+            self._body_deadline = max(self._body_deadline, now + self.guard.limits.body_timeout)
+            self._arm(self.guard.limits.body_timeout)
+            return
+        if self._body_pending and self._body_deadline > now:  # the body's rate earned more time
+            self._arm(self._body_deadline - now)
+            return
+        self.transport.close()
+
+    # -- connections: the per-address cap --------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        peer = transport.get_extra_info("peername")
+        host = peer[0] if isinstance(peer, tuple) and peer else None
+        if host is not None and host not in self.guard.proxies:
+            if self.guard.per_client[host] >= self.guard.limits.max_connections_per_client:
+                self._refuse(transport)
+                return
+            self.guard.per_client[host] += 1
+            self._counted = host
+        super().connection_made(transport)
+        self._arm(self.guard.limits.header_timeout)
+
+    def _refuse(self, transport: asyncio.Transport) -> None:
+        self.transport, self._refused = transport, True
+        transport.write(self.guard.over_cap)
+        self._start_linger()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._counted is not None:
+            self.guard.per_client[self._counted] -= 1
+            if self.guard.per_client[self._counted] <= 0:
+                del self.guard.per_client[self._counted]
+            self._counted = None
+        if not self._refused:
+            super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:  # taken in and dropped, so the client reads our answer
+            self._lingered += len(data)
+            if self._lingered > LINGER_BYTES:
+                self.transport.close()
+            return
+        super().data_received(data)
+
+    def eof_received(self) -> bool | None:
+        if self._lingering:
+            self.transport.close()
+            return None
+        return super().eof_received()
+
+    def _start_linger(self) -> None:
+        self._lingering = True
+        if self.flow is not None:
+            self.flow.resume_reading()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._arm(LINGER_SECONDS)
+
+    # -- the request head --------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = 0
+        self._arm(self.guard.limits.header_timeout)
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value))
+        super().on_header(name, value)
+
+    def _count(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > self.guard.limits.max_header_bytes:
+            raise HeadTooLargeError(f"request head over {self.guard.limits.max_header_bytes} bytes")
+
+    def on_headers_complete(self) -> None:
+        self._body_pending = True
+        self._body_deadline = self.loop.time() + self.guard.limits.body_timeout
+        self._arm(self.guard.limits.body_timeout)
+        probe = self.url.split(b"?", 1)[0] in PROBE_PATHS and self.parser.get_method() == b"GET"
+        saved = self.limit_concurrency
+        if probe:  # never refused for a full server: the probes must see it alive
+            self.limit_concurrency = None
+        try:
+            super().on_headers_complete()
+        finally:
+            self.limit_concurrency = saved
+        if self.cycle is not None:
+            self._watch_early_answer(self.cycle)
+
+    # -- the body ------------------------------------------------------------------------
+    def on_body(self, body: bytes) -> None:
+        self._body_deadline += len(body) / self.guard.limits.body_min_rate
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._body_pending = False
+        self._disarm()
+        super().on_message_complete()
+
+    def _watch_early_answer(self, cycle: Any) -> None:
+        """A response that starts before the body is in says Connection: close, and the
+        connection lingers briefly instead of reading the rest."""
+        send = cycle.send
+
+        async def send_or_close(message: Any) -> None:
+            if message["type"] != "http.response.start" or not (self._body_pending and self.cycle is cycle):
+                await send(message)
+                return
+            self._close_after_response = True
+            cycle.keep_alive = False  # the head says close
+            await send(message)
+            cycle.keep_alive = True  # uvicorn must not close at once: on_response_complete lingers
+
+        cycle.send = send_or_close
+
+    def on_response_complete(self) -> None:
+        if self._close_after_response:
+            self.server_state.total_requests += 1
+            if not self.transport.is_closing():
+                self._start_linger()
+            return
+        super().on_response_complete()
+
+
 def guarded_protocol(limits: ServerLimits, trusted: str = "") -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with the read bounds of `limits`; peers in `trusted`
     (proxies) are not held to the per-address connection cap."""
-    per_client: Counter[str] = Counter()
-    proxies = TrustedPeers(trusted)
-    over_cap = over_cap_response(limits.max_connections_per_client)
-
-    class GuardedHttpProtocol(HttpToolsProtocol):
-        _timer: asyncio.TimerHandle | None = None
-        _head_bytes = 0
-        _counted: str | None = None  # the address this connection counts against
-        _refused = False  # over the per-address cap: answered 429, never parsed
-        _body_pending = False  # the head is in, the body is not complete yet
-        _body_deadline = 0.0
-        _close_after_response = False  # answered before the body was in
-        _lingering = False
-        _lingered = 0
-
-        def _arm(self, seconds: float) -> None:
-            self._disarm()
-            self._timer = self.loop.call_later(max(0.0, seconds), self._expired)
-
-        def _disarm(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-
-        def _expired(self) -> None:
-            self._timer = None
-            if self.transport.is_closing():
-                return
-            if self._lingering:
-                self.transport.close()
-                return
-            now = self.loop.time()
-            if self.flow is not None and self.flow.read_paused:  # the app is slow, not the client
-                self._body_deadline = max(self._body_deadline, now + limits.body_timeout)
-                self._arm(limits.body_timeout)
-                return
-            if self._body_pending and self._body_deadline > now:  # the body's rate earned more time
-                self._arm(self._body_deadline - now)
-                return
-            self.transport.close()
-
-        # -- connections: the per-address cap --------------------------------------------
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            peer = transport.get_extra_info("peername")
-            host = peer[0] if isinstance(peer, tuple) and peer else None
-            if host is not None and host not in proxies:
-                if per_client[host] >= limits.max_connections_per_client:
-                    self._refuse(transport)
-                    return
-                per_client[host] += 1
-                self._counted = host
-            super().connection_made(transport)
-            self._arm(limits.header_timeout)
-
-        def _refuse(self, transport: asyncio.Transport) -> None:
-            self.transport, self._refused = transport, True
-            transport.write(over_cap)
-            self._start_linger()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            if self._counted is not None:
-                per_client[self._counted] -= 1
-                if per_client[self._counted] <= 0:
-                    del per_client[self._counted]
-                self._counted = None
-            if not self._refused:
-                super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            if self._lingering:  # taken in and dropped, so the client reads our answer
-                self._lingered += len(data)
-                if self._lingered > LINGER_BYTES:
-                    self.transport.close()
-                return
-            super().data_received(data)
-
-        def eof_received(self) -> bool | None:
-            if self._lingering:
-                self.transport.close()
-                return None
-            return super().eof_received()
-
-        def _start_linger(self) -> None:
-            self._lingering = True
-            if self.flow is not None:
-                self.flow.resume_reading()
-            if self.transport.can_write_eof():
-                self.transport.write_eof()
-            self._arm(LINGER_SECONDS)
-
-        # -- the request head --------------------------------------------------------------
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._head_bytes = 0
-            self._arm(limits.header_timeout)
-
-        def on_url(self, url: bytes) -> None:
-            self._count(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count(len(name) + len(value))
-            super().on_header(name, value)
-
-        def _count(self, n: int) -> None:
-            self._head_bytes += n
-            if self._head_bytes > limits.max_header_bytes:
-                raise HeadTooLargeError(f"request head over {limits.max_header_bytes} bytes")
-
-        def on_headers_complete(self) -> None:
-            self._body_pending = True
-            self._body_deadline = self.loop.time() + limits.body_timeout
-            self._arm(limits.body_timeout)
-            probe = self.url.split(b"?", 1)[0] in PROBE_PATHS and self.parser.get_method() == b"GET"
-            saved = self.limit_concurrency
-            if probe:  # never refused for a full server: the probes must see it alive
-                self.limit_concurrency = None
-            try:
-                super().on_headers_complete()
-            finally:
-                self.limit_concurrency = saved
-            if self.cycle is not None:
-                self._watch_early_answer(self.cycle)
-
-        # -- the body ------------------------------------------------------------------------
-        def on_body(self, body: bytes) -> None:
-            self._body_deadline += len(body) / limits.body_min_rate
-            super().on_body(body)
-
-        def on_message_complete(self) -> None:
-            self._body_pending = False
-            self._disarm()
-            super().on_message_complete()
-
-        def _watch_early_answer(self, cycle: Any) -> None:
-            """A response that starts before the body is in says Connection: close, and the
-            connection lingers briefly instead of reading the rest."""
-            send = cycle.send
-
-            async def send_or_close(message: Any) -> None:
-                if message["type"] != "http.response.start" or not (self._body_pending and self.cycle is cycle):
-                    await send(message)
-                    return
-                self._close_after_response = True
-                cycle.keep_alive = False  # the head says close
-                await send(message)
-                cycle.keep_alive = True  # uvicorn must not close at once: on_response_complete lingers
-
-            cycle.send = send_or_close
-
-        def on_response_complete(self) -> None:
-            if self._close_after_response:
-                self.server_state.total_requests += 1
-                if not self.transport.is_closing():
-                    self._start_linger()
-                return
-            super().on_response_complete()
-
-    return GuardedHttpProtocol
+    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"guard": ConnectionGuard(limits, trusted)})
 
 
 def uvicorn_config(app: Any, settings: Settings, **kw: Any) -> uvicorn.Config:
