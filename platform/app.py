@@ -78,6 +78,32 @@ async def _domain_error(request: Request, exc: Exception) -> Response:
     return resp
 
 
+def _routes(settings: Settings) -> list:
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        # With a metrics port of its own (listener.py), /metrics is not on the tenants' port.
+        *([Route("/metrics", metrics, methods=["GET"])] if settings.metrics_port is None else []),
+        Route("/v1/openapi.json", openai_document, methods=["GET"]),
+        *vllm_lora_routes(),  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter (admin token)
+        Mount("/v1", routes=openai_routes()),
+        Mount("/adapters/{adapter}/v1", routes=openai_routes()),
+        *tokenize_routes(),  # vLLM's /tokenize and /detokenize
+        Mount("/adapters/{adapter}", routes=tokenize_routes()),
+        *admin_routes(),  # /admin/api/... (JSON) and /admin/ (the UI)
+    ]
+
+
+def _middleware(settings: Settings) -> list[Middleware]:
+    # Every request gets an id (the client's x-request-id when sane): in the response
+    # headers, error bodies, log lines, traces and its usage event. With tracing on, a
+    # client's traceparent makes its trace the parent of the request's spans.
+    middleware = [Middleware(RequestIdMiddleware)]
+    if settings.otlp_endpoint:
+        middleware.append(Middleware(TraceContextMiddleware))
+    return middleware
+
+
 def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks: Hooks | None = None) -> Starlette:
     """The gateway app. With `engine=None` the lifespan builds the engine from settings
     (and shuts it down at exit); an engine passed in stays owned by the caller."""
@@ -122,27 +148,8 @@ def create_app(settings: Settings, engine: EngineClient | None = None, *, hooks:
             db.dispose()
             await asyncio.to_thread(tracing.shutdown)  # exports the spans still buffered
 
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/ready", ready, methods=["GET"]),
-        # With a metrics port of its own (listener.py), /metrics is not on the tenants' port.
-        *([Route("/metrics", metrics, methods=["GET"])] if settings.metrics_port is None else []),
-        Route("/v1/openapi.json", openai_document, methods=["GET"]),
-        *vllm_lora_routes(),  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter (admin token)
-        Mount("/v1", routes=openai_routes()),
-        Mount("/adapters/{adapter}/v1", routes=openai_routes()),
-        *tokenize_routes(),  # vLLM's /tokenize and /detokenize
-        Mount("/adapters/{adapter}", routes=tokenize_routes()),
-        *admin_routes(),  # /admin/api/... (JSON) and /admin/ (the UI)
-    ]
-    # Every request gets an id (the client's x-request-id when sane): in the response
-    # headers, error bodies, log lines, traces and its usage event. With tracing on, a
-    # client's traceparent makes its trace the parent of the request's spans.
-    middleware = [Middleware(RequestIdMiddleware)]
-    if settings.otlp_endpoint:
-        middleware.append(Middleware(TraceContextMiddleware))
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=dict.fromkeys(ERRORS, _domain_error),
-                    middleware=middleware)
+    app = Starlette(routes=_routes(settings), lifespan=lifespan, exception_handlers=dict.fromkeys(ERRORS, _domain_error),
+                    middleware=_middleware(settings))
     app.state.admin_openapi = openapi()
     app.state.openai_openapi = openai_openapi(settings.limits)
     return app
