@@ -176,60 +176,68 @@ _STATUS_TEXT = {200: "OK", 201: "Created", 400: "Bad input: the message names th
                 501: "Not available in this build"}
 
 
+def _operation(op: Op, path_params: dict[str, dict] | None) -> dict[str, Any]:
+    item: dict[str, Any] = {"operationId": op.operation_id, "summary": op.summary, "tags": [op.tag]}
+    if op.description:
+        item["description"] = op.description
+    params = [{"name": n, "in": "path", "required": True,
+               "schema": (path_params or {}).get(n, {"type": "string", "minLength": 1})}
+              for n in re.findall(r"{(\w+)}", op.path)]
+    if op.method not in ("GET", "HEAD") and op.auth:
+        params.append({"name": "X-CSRF-Token", "in": "header", "required": False, "schema": {"type": "string"},
+                       "description": "The session's CSRF token: required with a session cookie, "
+                                      "not with a Bearer token."})
+    params += op.query
+    if params:
+        item["parameters"] = params
+    if op.body is not None:
+        item["requestBody"] = {"required": True, "content": {"application/json": {"schema": op.body}}}
+    if op.multipart is not None:
+        item["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": op.multipart}}}
+    if not op.auth:
+        item["security"] = []
+    item["responses"] = _responses(op)
+    return item
+
+
+def _responses(op: Op) -> dict[str, Any]:
+    """The success answer, then every error status the operation can give."""
+    responses: dict[str, Any] = {}
+    if op.produces:
+        responses[str(op.ok)] = {"description": _STATUS_TEXT[op.ok],
+                                 "content": {mt: {"schema": s} for mt, s in op.produces.items()}}
+    elif op.ok == 204:
+        responses["204"] = {"description": "Done"}
+    else:
+        schema = {"$ref": f"#/components/schemas/{op.out}"} if isinstance(op.out, str) else (op.out or {})
+        responses[str(op.ok)] = {"description": _STATUS_TEXT[op.ok],
+                                 "content": {"application/json": {"schema": schema}}}
+    codes = set(op.errors)
+    if op.auth:
+        codes |= {401}
+        if op.method not in ("GET", "HEAD"):
+            codes |= {403}
+    if op.body is not None or op.query or op.multipart is not None or "{" in op.path:
+        codes |= {400}
+    if op.body is not None:
+        codes |= {415}
+    if op.body is not None or op.multipart is not None:
+        codes |= {413}  # every body has a size limit
+    if op.auth or op.body is not None:
+        codes |= {429}
+    if "{" in op.path:
+        codes |= {404}
+    for code in sorted(codes):
+        responses[str(code)] = {"$ref": "#/components/responses/Error"}
+    return responses
+
+
 def openapi_document(ops: list[Op], components: dict[str, dict], *, title: str, version: str,
                      description: str, prefix: str = "/admin/api",
                      path_params: dict[str, dict] | None = None) -> dict:
     paths: dict[str, dict] = {}
-    err = {"$ref": "#/components/responses/Error"}
     for op in ops:
-        item: dict[str, Any] = {"operationId": op.operation_id, "summary": op.summary, "tags": [op.tag]}
-        if op.description:
-            item["description"] = op.description
-        params = [{"name": n, "in": "path", "required": True,
-                   "schema": (path_params or {}).get(n, {"type": "string", "minLength": 1})}
-                  for n in re.findall(r"{(\w+)}", op.path)]
-        if op.method not in ("GET", "HEAD") and op.auth:
-            params.append({"name": "X-CSRF-Token", "in": "header", "required": False, "schema": {"type": "string"},
-                           "description": "The session's CSRF token: required with a session cookie, "
-                                          "not with a Bearer token."})
-        params += op.query
-        if params:
-            item["parameters"] = params
-        if op.body is not None:
-            item["requestBody"] = {"required": True, "content": {"application/json": {"schema": op.body}}}
-        if op.multipart is not None:
-            item["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": op.multipart}}}
-        responses: dict[str, Any] = {}
-        if op.produces:
-            responses[str(op.ok)] = {"description": _STATUS_TEXT[op.ok],
-                                     "content": {mt: {"schema": s} for mt, s in op.produces.items()}}
-        elif op.ok == 204:
-            responses["204"] = {"description": "Done"}
-        else:
-            schema = {"$ref": f"#/components/schemas/{op.out}"} if isinstance(op.out, str) else (op.out or {})
-            responses[str(op.ok)] = {"description": _STATUS_TEXT[op.ok],
-                                     "content": {"application/json": {"schema": schema}}}
-        codes = set(op.errors)
-        if op.auth:
-            codes |= {401}
-            if op.method not in ("GET", "HEAD"):
-                codes |= {403}
-        if op.body is not None or op.query or op.multipart is not None or "{" in op.path:
-            codes |= {400}
-        if op.body is not None:
-            codes |= {415}
-        if op.body is not None or op.multipart is not None:
-            codes |= {413}  # every body has a size limit
-        if op.auth or op.body is not None:
-            codes |= {429}
-        if "{" in op.path:
-            codes |= {404}
-        for code in sorted(codes):
-            responses[str(code)] = err
-        if not op.auth:
-            item["security"] = []
-        item["responses"] = responses
-        paths.setdefault(prefix + op.path, {})[op.method.lower()] = item
+        paths.setdefault(prefix + op.path, {})[op.method.lower()] = _operation(op, path_params)
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version, "description": description},
