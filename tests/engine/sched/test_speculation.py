@@ -164,17 +164,24 @@ def test_speculation_backs_off_when_the_batch_is_compute_bound():
     assert light.break_even(1, 0) < 0.02
 
 
-def test_a_request_whose_drafts_fail_stops_drafting_then_probes():
+def drafting(steps: int, model_agrees: bool) -> tuple[Scheduler, list[int]]:
+    """One decoding request, break-even 0.27, its drafts always right or always wrong:
+    how many it drafts at each step."""
     s, drafts = make()
-    req = add(s, "a", max_tokens=200)
-    prefill(s, req)
-    s.guard.cost.model = lambda: CostModel(fixed=0.01, per_decode=0.001, per_prompt=0.003)  # break-even 0.27
+    prefill(s, add(s, "a", max_tokens=200))
+    s.guard.cost.model = lambda: CostModel(fixed=0.01, per_decode=0.001, per_prompt=0.003)
     drafted = []
-    for _ in range(40):
-        drafts.tokens["a"] = [1, 2, 3, 4]
+    for _ in range(steps):
+        drafts.tokens["a"] = [11, 12, 13, 14]
         out = s.schedule()
-        drafted.append(out.seqs[0].num_drafts)
-        s.update(out, {"a": [9] * (out.seqs[0].num_drafts + 1)})  # always wrong
+        k = out.seqs[0].num_drafts
+        drafted.append(k)
+        s.update(out, {"a": ([11, 12, 13, 14][:k] if model_agrees else [9] * k) + [15]})
+    return s, drafted
+
+
+def test_a_request_whose_drafts_fail_stops_drafting_then_probes():
+    s, drafted = drafting(40, model_agrees=False)
     assert s.speculation.rate("a") < 0.27, "below the break-even"
     assert drafted[0] == 1, "a fresh request is presumed right half the time: one draft pays, two do not"
     assert drafted[-16:].count(0) == 15 and drafted[-16:].count(1) == 1, drafted
@@ -193,15 +200,5 @@ def test_finished_requests_leave_no_speculation_state():
 
 
 def test_drafts_grow_with_the_acceptance_rate():
-    s, drafts = make()
-    req = add(s, "a", max_tokens=200)
-    prefill(s, req)
-    s.guard.cost.model = lambda: CostModel(fixed=0.01, per_decode=0.001, per_prompt=0.003)  # break-even 0.27
-    drafted = []
-    for _ in range(12):
-        drafts.tokens["a"] = [11, 12, 13, 14]
-        out = s.schedule()
-        k = out.seqs[0].num_drafts
-        drafted.append(k)
-        s.update(out, {"a": [11, 12, 13, 14][:k] + [15]})  # every draft right
+    _, drafted = drafting(12, model_agrees=True)
     assert drafted[0] == 1 and drafted[-1] == 4 and drafted == sorted(drafted), drafted
