@@ -92,7 +92,7 @@ class AsyncEngine:
         """Loads off the engine thread (the LoRA manager's loader)."""
         if self.engine.lora is None:
             raise UnknownAdapterError("this engine serves no adapters")
-        await asyncio.wrap_future(self.engine.lora.prefetch(ref.digest))
+        await asyncio.wrap_future(self.engine.lora.prefetch(ref))
 
     def drop_adapter(self, digest: str) -> bool:
         return self.engine.lora is not None and self.engine.lora.drop(digest)
@@ -194,7 +194,7 @@ class AsyncEngine:
             # Loaded off the engine thread first (from a shared store: fetched on first
             # use), so a version that cannot be had is refused here with the source's
             # error, before any output, as an engine worker refuses it.
-            loaded = self.engine.lora.prefetch(adapter.digest)
+            loaded = self.engine.lora.prefetch(adapter)
             if loaded.done():  # resident already (or failed): no round trip through the loop
                 loaded.result()
             else:

@@ -158,10 +158,13 @@ def _normalize_logit_bias(bias) -> tuple[tuple[int, float], ...]:
 
 @dataclass(frozen=True)
 class AdapterRef:
-    """Which LoRA adapter a request runs with. `digest` is the content identity."""
+    """Which LoRA adapter a request runs with. `digest` is the content identity.
+    `mixture`: a mixture's components and their weights (engine/mixtures.py), in its
+    canonical order; empty for a stored adapter."""
 
     name: str
     digest: str
+    mixture: tuple[tuple[AdapterRef, float], ...] = ()
 
 
 class RequestStatus(enum.Enum):

@@ -23,9 +23,11 @@ import torch
 
 from ..config import LoRAConfig
 from ..errors import InvalidRequestError, UnknownAdapterError
+from ..mixtures import is_mixture, resolve_mixture
 from ..request import AdapterRef
 from .backend import LoRABackend, LoRAHook
 from .epilogue import BaseWeights, module_epilogues
+from .mixtures import MixtureRecipes
 from .packing import pack_adapter, projection_sizes, segments_of
 from .saved_modules import SavedBatch, SavedModuleSlots, to_device
 from .sizing import entry_device_bytes, max_lora_device_bytes
@@ -112,6 +114,7 @@ class LoRAManager:
         self._device: dict[str, int] = {}  # digest -> its device row
         self._bytes: dict[str, int] = {}  # digest -> device bytes of its weights (CPU-tier adapters)
         self._names: dict[str, str] = {}  # digest -> the name a request last used it by
+        self.mixtures = MixtureRecipes()  # how to build the mixtures requests named
         self.backend: LoRABackend | None = None
         self.base_weights: BaseWeights | None = None  # what DoRA's rescale is computed from
         # The most adapters resident at once: None, bounded by memory (the backend's rows
@@ -145,8 +148,11 @@ class LoRAManager:
 
     # -- names and lifetimes ---------------------------------------------------------
     def ref(self, name: str) -> AdapterRef:
+        """The current version of the adapter (or mixture: engine/mixtures.py) `name` names."""
         from loraplex.adapters import AdapterError, AdapterNotFoundError
 
+        if is_mixture(name):
+            return resolve_mixture(name, self.ref)
         if not isinstance(self.store, NamedAdapterSource):
             raise UnknownAdapterError(f"the adapter {name!r} does not exist (this engine resolves no names)")
         try:
@@ -161,6 +167,7 @@ class LoRAManager:
     def retain(self, ref: AdapterRef) -> None:
         """A request holds `ref` until release(): its weights stay loadable even if the
         adapter is replaced or removed from the store meanwhile."""
+        self.mixtures.know(ref)
         with self._lock:
             self._live[ref.digest] = self._live.get(ref.digest, 0) + 1
             self._names[ref.digest] = ref.name
@@ -200,11 +207,12 @@ class LoRAManager:
                 self._pending[d] = self._pool.submit(self._load_to_cpu, d)
         return False
 
-    def prefetch(self, digest: str) -> Future:
-        """Bring `digest` into the CPU tier off the engine thread. The future's result is
-        None once it is there; its exception is the source's when it cannot be loaded.
-        Each caller gets a future of its own: cancelling it (a client that left) leaves
-        the load to the others waiting for it."""
+    def prefetch(self, adapter: AdapterRef | str) -> Future:
+        """Bring `adapter` (a ref, or a digest) into the CPU tier off the engine thread.
+        The future's result is None once it is there; its exception is the source's when
+        it cannot be loaded. Each caller gets a future of its own: cancelling it (a client
+        that left) leaves the load to the others waiting for it."""
+        digest = self.mixtures.know(adapter)
         with self._lock:
             done: Future = Future()
             if digest in self._cpu or digest in self._device:
@@ -242,7 +250,7 @@ class LoRAManager:
 
     def _fetch(self, digest: str) -> tuple:
         """A CPU-tier entry from the source: the adapter and its epilogues, computed once."""
-        adapter = self.store.load(digest, dtype=self.dtype)
+        adapter = self.mixtures.load(self.store, digest, self.dtype, self.config.max_lora_rank)
         return adapter, module_epilogues(adapter, self.base_weights)
 
     def _pack(self, entry: tuple, device: torch.device):

@@ -17,6 +17,27 @@ def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_tokens: list[
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter_dir)
+    return _greedy(model, prompts, max_tokens)
+
+
+def hf_greedy_mixture(model_dir: Path | str, prompts: list[list[int]], max_tokens: list[int],
+                      adapter_dirs: dict[str, Path], weights: dict[str, float]) -> list[list[int]]:
+    """Greedy continuations with PEFT's `add_weighted_adapter(combination_type="cat")` of
+    the adapters in `adapter_dirs` named in `weights`, in `weights`' order."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    names = list(weights)
+    model = PeftModel.from_pretrained(model, adapter_dirs[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapter_dirs[name], adapter_name=name)
+    model.add_weighted_adapter(names, [weights[n] for n in names], "mixture", combination_type="cat")
+    model.set_adapter("mixture")
+    return _greedy(model, prompts, max_tokens)
+
+
+def _greedy(model, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     model.eval()
     # Like ignore_eos: EOS may be generated but does not stop generation. (min_new_tokens
     # would instead forbid EOS, which changes the greedy choice.)
