@@ -85,7 +85,7 @@ class UsageAdapter(Base):
     __table_args__ = (UniqueConstraint("name", "digest", name="uq_usage_adapters_name_digest"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(64))
+    name: Mapped[str] = mapped_column(String(400))  # an adapter's, or a mixture's (engine/mixtures.py)
     digest: Mapped[str] = mapped_column(String(80))
 
 

@@ -19,6 +19,7 @@ import orjson
 
 from loraplex.engine.output import RequestOutput
 from loraplex.engine.errors import InvalidRequestError
+from loraplex.engine.mixtures import MAX_COMPONENTS, mixture_ref
 from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.structured.spec import StructuredOutput
 
@@ -84,8 +85,7 @@ class GenerateRequest:
     def to_json(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
                 "sampling": sampling_to_json(self.sampling), "lane": lane_name(self.lane),
-                "adapter": None if self.adapter is None else {"name": self.adapter.name,
-                                                              "digest": self.adapter.digest},
+                "adapter": adapter_to_json(self.adapter),
                 "cache_salt": self.cache_salt, "tenant": self.tenant, "tenant_weight": self.tenant_weight,
                 "timeout": self.timeout}
 
@@ -115,14 +115,41 @@ class GenerateRequest:
                    float(weight), None if timeout is None else float(timeout))
 
 
-def adapter_from_json(doc: Any) -> AdapterRef | None:
+def adapter_to_json(ref: AdapterRef | None) -> dict[str, Any] | None:
+    """A ref on the wire; a mixture (engine/mixtures.py) also carries its components."""
+    if ref is None:
+        return None
+    doc: dict[str, Any] = {"name": ref.name, "digest": ref.digest}
+    if ref.mixture:
+        doc["mixture"] = [{"name": c.name, "digest": c.digest, "weight": w} for c, w in ref.mixture]
+    return doc
+
+
+def adapter_from_json(doc: Any, what: str = "'adapter'") -> AdapterRef | None:
     if doc is None:
         return None
-    doc = _object(doc, "'adapter'")
+    doc = _object(doc, what)
+    _no_unknown(doc, {"name", "digest", "mixture"}, what)
     name, digest = doc.get("name"), doc.get("digest")
     if not isinstance(name, str) or not name or not isinstance(digest, str) or not digest.startswith("sha256:"):
-        raise InvalidRequestError("'adapter' must be {\"name\": str, \"digest\": \"sha256:...\"}")
-    return AdapterRef(name, digest)
+        raise InvalidRequestError(f"{what} must be {{\"name\": str, \"digest\": \"sha256:...\"}}")
+    if "mixture" not in doc:
+        return AdapterRef(name, digest)
+    parts = doc["mixture"]
+    if not isinstance(parts, list) or not 0 < len(parts) <= MAX_COMPONENTS:
+        raise InvalidRequestError(f"{what}'s mixture must list 1 to {MAX_COMPONENTS} components")
+    refs = []
+    for part in parts:
+        part = dict(_object(part, f"{what}'s mixture component"))
+        weight = part.pop("weight", None)
+        if not _is_number(weight):
+            raise InvalidRequestError(f"{what}'s mixture components need a numeric weight")
+        refs.append((adapter_from_json(part, f"{what}'s mixture component"), float(weight)))
+    ref = mixture_ref(refs)
+    if (ref.name, ref.digest) != (name, digest):  # one definition of a mixture's identity: the engine's
+        raise InvalidRequestError(f"{what} names mixture {name!r} ({digest}), but its components make "
+                                  f"{ref.name!r} ({ref.digest})")
+    return ref
 
 
 # Each SamplingParams field's JSON type: what the value must be before the dataclass checks ranges.

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 from loraplex.engine.client import EngineClient
 from loraplex.engine.output import RequestOutput
-from loraplex.engine.errors import EngineDeadError, StreamStalledError
+from loraplex.engine.errors import EngineDeadError, InvalidRequestError, StreamStalledError
+from loraplex.engine.mixtures import is_mixture, mixture_name, mixture_ref, parse_adapters_field, parse_mixture
 from loraplex.engine.request import AdapterRef, Lane
 
 from loraplex.platform.serving.auth import Authenticator, Principal
-from loraplex.platform.errors import ModelNotFoundError, RegistryUnavailableError, ShuttingDownError
+from loraplex.platform.errors import BadRequestError, ModelNotFoundError, RegistryUnavailableError, ShuttingDownError
 from loraplex.platform.lanes import lane_name, parse_lane
 from loraplex.platform.observability.request_observer import RequestObserver
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
@@ -76,15 +77,38 @@ class Gateway:
         self.body_budget = BodyBudget(limits.body_bytes_per_second, limits.max_body_bytes)
 
     # -- resolution -----------------------------------------------------------------
-    def resolve_model(self, principal: Principal, model: object, path_adapter: str | None) -> str | None:
-        """The adapter a request runs with (None: the base model). Unknown and not-allowed
-        adapters get the same 404, so a tenant cannot probe for another's adapters."""
-        name = path_adapter if path_adapter is not None else model
-        if path_adapter is None and (name is None or name == "" or name == self.model_name):
+    def resolve_model(self, principal: Principal, model: object, path_adapter: str | None,
+                      adapters: object = None) -> str | None:
+        """The adapter a request runs with (None: the base model): the URL's, the model's,
+        or the mixture the `adapters` extension names (engine/mixtures.py; a mixture may
+        also be spelled as the URL's or the model's adapter, "a*0.7+b*0.3"), by its
+        canonical name. Unknown and not-allowed adapters get the same 404, so a tenant
+        cannot probe for another's adapters; a mixture needs every component allowed."""
+        base = path_adapter is None and model in (None, "", self.model_name)
+        if adapters is not None:
+            if not base:
+                raise BadRequestError("adapters names the adapters to mix: send it with the base model as model "
+                                      "(or no model), not with an adapter in model or the URL", "adapters")
+            return self._allowed_mixture(principal, parse_adapters_field, adapters, "adapters")
+        if base:
             return None
+        name = path_adapter if path_adapter is not None else model
+        if is_mixture(name):
+            return self._allowed_mixture(principal, parse_mixture, name, "model")
         if not isinstance(name, str) or name not in principal.adapters:
             raise ModelNotFoundError(str(name))
         return name
+
+    @staticmethod
+    def _allowed_mixture(principal: Principal, parse: Callable[[object], tuple], spec: object, param: str) -> str:
+        try:
+            components = parse(spec)
+        except InvalidRequestError as exc:
+            raise BadRequestError(str(exc), param) from None
+        for name, _ in components:
+            if name not in principal.adapters:
+                raise ModelNotFoundError(name)
+        return mixture_name(components)
 
     def lane_for(self, principal: Principal, header: str | None, priority: object, objective: str | None) -> Lane:
         """The request's lane: what its key allows (a 403 when asked for more), lowered by
@@ -120,7 +144,7 @@ class Gateway:
         raw = await call.read_body(principal)
         body = await pool.run(parse_request_json, raw, limits, call.chat, self.max_model_len,
                               self.tokenizer.max_token_chars)
-        adapter = self.resolve_model(principal, body.get("model"), call.path_adapter)
+        adapter = self.resolve_model(principal, body.get("model"), call.path_adapter, body.get("adapters"))
         lane = self.lane_for(principal, call.lane, body.get("priority"), call.objective)
         req = await pool.run(parse_chat if call.chat else parse_completion, body, self.tokenizer, self.max_model_len)
         check_choices(req.num_sequences, limits)
@@ -151,6 +175,8 @@ class Gateway:
         """The adapter's current version, resolved here (not on the engine thread) so the
         version metered is the version run; reused for ADAPTER_REF_TTL seconds. Blocking:
         the event loop calls `resolve_adapter_ref` instead."""
+        if is_mixture(name):
+            return _mixture_of([(self.adapter_ref(n), w) for n, w in parse_mixture(name)])
         hit = self._adapter_refs.get(name)
         if hit is not None and hit[1] > time.monotonic():
             return hit[0]
@@ -167,6 +193,8 @@ class Gateway:
         flight, RegistryUnavailableError (503) past ADAPTER_LOOKUP_TIMEOUT."""
         if name is None:
             return None
+        if is_mixture(name):  # each component's version, as a lone adapter's
+            return _mixture_of([(await self.resolve_adapter_ref(n), w) for n, w in parse_mixture(name)])
         hit = self._adapter_refs.get(name)
         if hit is not None and hit[1] > time.monotonic():
             return hit[0]
@@ -247,3 +275,11 @@ class Gateway:
                    for i, prompt in enumerate(req.prompts)]
         return merge_prompt_streams(streams, req.sampling.n, ctx.request_id, trace.carried)
 
+
+
+def _mixture_of(refs: list[tuple[AdapterRef | None, float]]) -> AdapterRef | None:
+    """The mixture of these component versions; None where the engine serves no adapters
+    (it refuses the request itself)."""
+    if any(ref is None for ref, _ in refs):
+        return None
+    return mixture_ref(refs)

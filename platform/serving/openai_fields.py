@@ -20,7 +20,9 @@ from loraplex.platform.errors import BadRequestError
 _SAMPLING = {"model", "frequency_penalty", "presence_penalty", "logit_bias", "max_tokens", "n", "seed", "stop",
              "stream", "stream_options", "temperature", "top_p", "response_format",
              # extensions (vLLM's names)
-             "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "priority"}
+             "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "priority",
+             # loraplex's: an adapter mixture (gateway.resolve_model)
+             "adapters"}
 CHAT_FIELDS = _SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
                            "parallel_tool_calls"}
 COMPLETION_FIELDS = _SAMPLING | {"prompt", "logprobs", "echo", "best_of", "suffix"}
