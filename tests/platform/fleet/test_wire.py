@@ -9,6 +9,7 @@ import pytest
 from loraplex.adapters.errors import AdapterNotFoundError, BlobStoreError
 from loraplex.engine.output import RequestOutput
 from loraplex.engine.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError
+from loraplex.engine.mixtures import mixture_ref
 from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.structured.spec import StructuredOutput
 from loraplex.platform.errors import ShuttingDownError
@@ -16,6 +17,7 @@ from loraplex.platform.routing import prefix_key
 from loraplex.platform.fleet.errors import WorkerError, decode_error, error_status
 from loraplex.platform.fleet.wire import (
     GenerateRequest,
+    adapter_from_json,
     coalesce,
     output_from_json,
     output_to_json,
@@ -55,6 +57,22 @@ def test_the_prefix_key_is_the_adapter_versions_on_both_sides_of_the_wire():
     assert rebound.prefix_key != sent.prefix_key  # the name now means other weights
     assert dataclasses.replace(sent, adapter=None).prefix_key not in (None, sent.prefix_key)
     assert dataclasses.replace(sent, prompt_token_ids=ids[:15]).prefix_key is None  # no full block
+
+
+def test_a_mixture_crosses_with_its_components_and_is_checked():
+    a, b = AdapterRef("a", "sha256:" + "a" * 64), AdapterRef("b", "sha256:" + "b" * 64)
+    mix = mixture_ref([(a, 0.7), (b, -0.3)])
+    sent = GenerateRequest("r1", [1, 2, 3], SamplingParams(), adapter=mix)
+    doc = sent.to_json()
+    assert [c["weight"] for c in doc["adapter"]["mixture"]] == [0.7, -0.3]
+    assert GenerateRequest.from_json(doc).adapter == mix
+    forged = {**doc["adapter"], "digest": a.digest}  # a mixture's identity is its components'
+    with pytest.raises(InvalidRequestError, match="its components make"):
+        adapter_from_json(forged)
+    for bad in ([], [{"name": "a", "digest": a.digest}], [{"name": "a", "digest": a.digest, "weight": 0}],
+                [{"name": "a", "digest": a.digest, "weight": 1, "extra": 1}]):
+        with pytest.raises(InvalidRequestError):
+            adapter_from_json({**doc["adapter"], "mixture": bad})
 
 
 @pytest.mark.parametrize("sampling, field", [

@@ -54,3 +54,19 @@ def test_a_caller_that_stops_waiting_leaves_the_load_to_the_others(blob_engine):
     waiting.cancel()
     assert lora.prefetch(digests["ad2"]).result(timeout=60) is None
     assert digests["ad2"] in lora.tiers()["cpu"]
+
+
+def test_a_mixture_is_built_from_its_components_versions(blob_engine):
+    """A worker resolves no names: the mixture's ref (from the wire) carries its
+    components' digests, fetched from the store; its own digest is in no store."""
+    from loraplex.engine.mixtures import mixture_ref
+
+    engine, digests = blob_engine
+    lora = engine.lora
+    mix = mixture_ref([(AdapterRef("ad1", digests["ad1"]), 0.5), (AdapterRef("ad2", digests["ad2"]), 2.0)])
+    with pytest.raises(AdapterNotFoundError):  # by its digest alone it cannot be had
+        lora.prefetch(mix.digest).result(timeout=60)
+    assert lora.prefetch(mix).result(timeout=60) is None
+    assert mix.digest in lora.tiers()["cpu"]
+    assert lora.residency()[mix.digest].tier == "cpu"
+    lora.drop(mix.digest)
