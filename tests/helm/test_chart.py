@@ -101,6 +101,17 @@ def test_three_gateways_four_gpu_workers(render):
     assert "4 x" in out.notes
 
 
+def test_speculative_decoding_reaches_every_worker_as_loraplex_reads_it(render):
+    from loraplex.engine.config import SpeculativeConfig
+    from loraplex.platform.cli.options import speculative_config_arg
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}
+    args = _container(render({"worker": {"engine": {"speculativeConfig": spec}}}).one("StatefulSet", "worker"))["args"]
+    assert speculative_config_arg(_flag(args, "--speculative-config")) == SpeculativeConfig("ngram", 3, 5)
+    default = _container(render({}).one("StatefulSet", "worker"))["args"]
+    assert "--speculative-config" not in default
+
+
 def test_external_postgresql_with_existing_secret(render):
     out = render({"postgresql": {"enabled": False}, "secrets": {"existingSecret": "loraplex-prod"}})
     assert out.all("Secret") == [] and out.all("StatefulSet") == [out.one("StatefulSet", "worker")]

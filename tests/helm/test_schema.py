@@ -40,6 +40,9 @@ def test_a_typo_in_a_value_name_is_rejected(chart, values, named):
     {"worker": {"engine": {"gpuMemoryUtilization": 1.5}}},
     {"worker": {"engine": {"gpuMemoryUtilization": "1.5"}}},                # as `--set` passes it
     {"worker": {"engine": {"maxNumSeqs": "many"}}},
+    {"worker": {"engine": {"speculativeConfig": {"method": "eagle"}}}},
+    {"worker": {"engine": {"speculativeConfig": {"method": "ngram", "num_speculative_tokens": 0}}}},
+    {"worker": {"engine": {"speculativeConfig": {"method": "ngram", "lookahead": 3}}}},
     {"adapterStore": {"type": "gcs"}},
     {"topology": "inference-pool"},
     {"pool": {"port": 0}},

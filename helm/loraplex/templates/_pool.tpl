@@ -12,6 +12,10 @@
 - {{ $v | quote }}
 {{- end }}
 {{- end }}
+{{- with $e.speculativeConfig }}
+- --speculative-config
+- {{ toJson . | quote }}
+{{- end }}
 {{- if and (not $.Values.cpuOnly) (ne (include "loraplex.workerDevice" $) "cpu") (not (kindIs "invalid" $e.gpuMemoryUtilization)) }}
 - --gpu-memory-utilization
 - {{ $e.gpuMemoryUtilization | quote }}
