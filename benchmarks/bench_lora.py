@@ -9,9 +9,12 @@ bf16 on 2 threads, the in-process engine with its default LoRA settings:
   * 1,000 adapters of mixed ranks (8, 16, 32, 64) on q_proj and v_proj, uniform.
 Prints output tokens/s and TTFT p50 of each as ratios to the base model's.
 `--kinds N` adds N rank-8 adapters on all seven projections of each PEFT kind served
-(plain LoRA, DoRA, lora_bias), uniform, one engine per kind (prefix caching off), timed
-in turn for --kind-rounds rounds, and prints each kind's mean step time (the fastest
-round: the least disturbed by a busy machine) as a ratio to plain LoRA's.
+(plain LoRA, DoRA, lora_bias, trainable tokens, saved norms), uniform, and N mixtures of
+two of the plain ones (a*0.5+b*0.5); one engine per kind, the mixtures and the base model
+(prefix caching off), timed in turn for --kind-rounds rounds. Prints each one's mean step
+time (the fastest round: the least disturbed by a busy machine) as a ratio to plain
+LoRA's, and the mixtures' next to the sum of their parts: the base model's step plus
+twice plain LoRA's cost over it.
 
 Adapters: PEFT writes one template per target set (make_random_peft_adapter); the rest
 reuse its config and tensor names with the rank changed and seeded random bf16 values
@@ -28,7 +31,7 @@ On a 2-core machine others keep busy, --threads 1 and --repeat-base show the dri
     python benchmarks/bench_lora.py                       # the full matrix (a few minutes)
     python benchmarks/bench_lora.py --quick
     python benchmarks/bench_lora.py --scenarios 32:uniform,1000:mixed --workdir /tmp/adapters
-    python benchmarks/bench_lora.py --scenarios '' --kinds 8      # DoRA and lora_bias vs plain LoRA
+    python benchmarks/bench_lora.py --scenarios '' --kinds 8      # each kind and mixtures vs plain LoRA
 """
 from __future__ import annotations
 
@@ -61,14 +64,18 @@ DEFAULT_SCENARIOS = "32:uniform,32:zipf,128:uniform,128:zipf,1000:mixed"
 QUICK_SCENARIOS = "3:uniform,5:mixed"
 
 
-KINDS = {"plain": {}, "dora": {"use_dora": True}, "lora_bias": {"lora_bias": True}}
+# The retrained tokens of the trainable-token kind: 16 ids among those the random prompts draw.
+TRAINED_TOKENS = list(range(1000, 16000, 1000)) + [20000]
+KINDS = {"plain": {}, "dora": {"use_dora": True}, "lora_bias": {"lora_bias": True},
+         "tokens": {"trainable_token_indices": TRAINED_TOKENS}, "saved_norm": {"modules_to_save": ["norm"]}}
 
 
 def make_adapters(model_dir: Path, root: Path, n: int, ranks: tuple[int, ...], targets: tuple[str, ...],
                   seed: int = 0, kind: str = "plain") -> list[Path]:
     """n valid PEFT folders, adapter i of rank ranks[i % len(ranks)]: PEFT writes a
     rank-1 template of `kind` (KINDS), the rest reuse its config and tensor names at
-    their own rank (DoRA's magnitudes and lora_B's biases: seeded random vectors)."""
+    their own rank (the tensors other than A and B, such as DoRA's magnitudes, lora_B's
+    biases, saved norms and token rows: the template's, perturbed by seeded noise)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -80,7 +87,8 @@ def make_adapters(model_dir: Path, root: Path, n: int, ranks: tuple[int, ...], t
     gen = torch.Generator().manual_seed(seed + 1)
     # One random pool per rank, sliced per adapter at a seeded offset: distinct content
     # (and digests) without drawing every tensor afresh.
-    vectors = {k: v for k, v in layout.items() if len(v) == 1}  # magnitudes, biases: kept from the template
+    vectors = {k: v for k, v in layout.items()  # kept from the template
+               if len(v) == 1 or (".lora_A." not in k and ".lora_B." not in k)}
     layout = {k: v for k, v in layout.items() if k not in vectors}
     with safe_open(str(template / "adapter_model.safetensors"), framework="pt") as f:
         vectors = {k: f.get_tensor(k) for k in vectors}
@@ -152,19 +160,28 @@ def run_engine(engine: LLMEngine, wl: Workload, adapters: list[str | None]) -> d
 
 
 def compare_kinds(make_engine, wl: Workload, sets: dict, n: int, rounds: int) -> dict[str, float]:
-    """Mean step time (ms) of each of KINDS over the same requests and adapter assignment,
-    the fastest of `rounds` runs taken in turn; printed as ratios to plain LoRA's."""
+    """Mean step time (ms) of the base model, each of KINDS and mixtures of two plain
+    adapters over the same requests and adapter assignment, the fastest of `rounds` runs
+    taken in turn; printed as ratios to plain LoRA's."""
     idx = assign_adapters(len(wl.prompts), n, "uniform", 0.0)
-    engines = {k: make_engine(enable_prefix_caching=False) for k in KINDS}  # every round does the same work
-    times: dict[str, list[float]] = {k: [] for k in KINDS}
+    plain = sets["kind-plain"][0]
+    assign = {"base": [None] * len(idx)} | {k: [sets[f"kind-{k}"][0][i] for i in idx] for k in KINDS}
+    assign["mixture"] = [f"{plain[i]}*0.5+{plain[(i + 1) % n]}*0.5" if n > 1 else f"{plain[i]}*0.5" for i in idx]
+    configs = list(assign)
+    engines = {k: make_engine(enable_prefix_caching=False) for k in configs}  # every round does the same work
+    times: dict[str, list[float]] = {k: [] for k in configs}
     for r in range(rounds):
-        for kind in list(KINDS)[r % len(KINDS):] + list(KINDS)[:r % len(KINDS)]:
-            res = run_engine(engines[kind], wl, [sets[f"kind-{kind}"][0][i] for i in idx])
-            times[kind].append(1000 * res["elapsed"] / res["steps"])
+        for config in configs[r % len(configs):] + configs[:r % len(configs)]:
+            res = run_engine(engines[config], wl, assign[config])
+            times[config].append(1000 * res["elapsed"] / res["steps"])
     best = {k: min(v) for k, v in times.items()}
-    for kind, ms in best.items():
-        print(f"{n} rank-8 {kind:<10} mean step {ms:6.1f} ms = {ms / best['plain']:.3f}x plain LoRA's "
-              f"(rounds: {', '.join(f'{t:.1f}' for t in times[kind])} ms)", flush=True)
+    for config, ms in best.items():
+        print(f"{n} rank-8 {config:<10} mean step {ms:6.1f} ms = {ms / best['plain']:.3f}x plain LoRA's "
+              f"(rounds: {', '.join(f'{t:.1f}' for t in times[config])} ms)", flush=True)
+    parts = best["base"] + 2 * (best["plain"] - best["base"])  # two plain adapters' costs on one base step
+    print(f"{n} mixtures of two rank-8 adapters: {best['mixture'] / best['plain']:.3f}x plain LoRA's step; the sum "
+          f"of their parts (base + 2 x plain's cost over base, {parts:.1f} ms) is "
+          f"{parts / best['plain']:.3f}x: the mixture costs {best['mixture'] / parts:.3f}x its parts", flush=True)
     for e in engines.values():
         e.lora.close()
     return best
@@ -283,7 +300,8 @@ def main() -> None:
     ap.add_argument("--scenarios", default=None, help=f"N:uniform|zipf|mixed, comma-separated ({DEFAULT_SCENARIOS})")
     ap.add_argument("--zipf-s", type=float, default=1.1)
     ap.add_argument("--kinds", type=int, default=0,
-                    help="N adapters of each PEFT kind (plain, DoRA, lora_bias): step time vs plain LoRA")
+                    help="N adapters of each PEFT kind (plain, DoRA, lora_bias, trainable tokens, saved norms) "
+                         "and N mixtures of two plain ones: step time vs plain LoRA")
     ap.add_argument("--kind-rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="6 short requests, small adapter sets: a smoke run")
     ap.add_argument("--hf-prompts", type=int, default=None,
@@ -368,6 +386,9 @@ def main() -> None:
                     if k in keys or k.startswith("hf_")} for r in rows]
         summary += [{"config": f"{args.kinds} rank-8 {k}", "step_ms": round(ms, 3),
                      "step_vs_plain": round(ms / kinds["plain"], 3)} for k, ms in kinds.items()]
+        if kinds:
+            parts = kinds["base"] + 2 * (kinds["plain"] - kinds["base"])
+            summary[-1]["step_vs_parts"] = round(kinds["mixture"] / parts, 3)
         print(json.dumps(summary))
         if args.json:
             Path(args.json).write_text(json.dumps(summary, indent=1))

@@ -24,7 +24,7 @@ def test_generated_adapters_are_valid_peft_of_their_ranks(tiny_llama_dir, tmp_pa
     assert all(set(r.target_modules) == {"q_proj", "v_proj"} for r in records)
 
 
-@pytest.mark.parametrize("kind", ["dora", "lora_bias"])
+@pytest.mark.parametrize("kind", ["dora", "lora_bias", "tokens", "saved_norm"])
 def test_generated_kind_adapters_are_valid_peft_of_their_kind(tiny_llama_dir, tmp_path, kind):
     from loraplex.adapters import load_peft_adapter
 
@@ -36,6 +36,13 @@ def test_generated_kind_adapters_are_valid_peft_of_their_kind(tiny_llama_dir, tm
         assert len(a.weights) == 2 * 7 and a.rank == 8
         w = a.weights[(0, "q_proj")]
         assert (w.magnitude is not None, w.bias is not None) == (kind == "dora", kind == "lora_bias")
+        saved = a.saved
+        assert (saved is not None and saved.embed_rows is not None) == (kind == "tokens")
+        assert (saved is not None and saved.final_norm is not None and len(saved.norms) == 2 * 2) == (
+            kind == "saved_norm")
+    if kind == "tokens":
+        assert adapters[0].saved.embed_rows.ids.tolist() == bl.TRAINED_TOKENS
+        assert not adapters[1].saved.embed_rows.rows.equal(adapters[0].saved.embed_rows.rows)
 
 
 def test_scenarios_parse_and_refuse_nonsense():
@@ -53,11 +60,13 @@ def test_quick_run_prints_ratios_against_the_base_model(tmp_path):
                           env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert [r["config"].split()[0:2] for r in rows] == [["base", "model"], ["3", "adapters,"], ["5", "adapters,"],
-                                                        ["2", "rank-8"], ["2", "rank-8"], ["2", "rank-8"]]
-    assert [r["config"].split()[-1] for r in rows[3:]] == ["plain", "dora", "lora_bias"]
-    assert rows[3]["step_vs_plain"] == 1.0 and all(r["step_vs_plain"] > 0 and r["step_ms"] > 0 for r in rows[3:])
-    assert "x plain LoRA's" in proc.stdout
+    kinds = ["base", "plain", "dora", "lora_bias", "tokens", "saved_norm", "mixture"]
+    assert [r["config"].split()[0:2] for r in rows] == [["base", "model"], ["3", "adapters,"], ["5", "adapters,"]] + [
+        ["2", "rank-8"]] * len(kinds)
+    assert [r["config"].split()[-1] for r in rows[3:]] == kinds
+    assert rows[4]["step_vs_plain"] == 1.0 and all(r["step_vs_plain"] > 0 and r["step_ms"] > 0 for r in rows[3:])
+    assert rows[-1]["step_vs_parts"] > 0
+    assert "x plain LoRA's" in proc.stdout and "x its parts" in proc.stdout
     assert rows[0]["tok_s_ratio"] == 1.0 and rows[0]["ttft_p50_ratio"] == 1.0
     for r in rows[:3]:
         assert r["tok_s"] > 0 and r["ttft_p50"] > 0

@@ -152,6 +152,25 @@ def upload_adapters(tmp_path_factory, tiny_llama_dir) -> dict[str, Path]:
     return out
 
 
+# A prompt that meets the trainable tokens of `kind_adapters`' "saved" adapter.
+KIND_PROMPT = [1523, 9041, 312, 27003, 15, 889, 4410]
+
+
+@pytest.fixture(scope="session")
+def kind_adapters(tmp_path_factory, tiny_llama_dir) -> dict[str, Path]:
+    """Adapters of the kinds beyond plain LoRA that fit an upload: DoRA, lora_bias, and
+    trainable tokens with saved norms."""
+    from loraplex.adapters.synth import make_random_peft_adapter
+
+    root = tmp_path_factory.mktemp("kind_uploads")
+    kinds = (("dora", {"use_dora": True}), ("bias", {"lora_bias": True}),
+             # KIND_PROMPT's tokens 1523, 312 and 15 are retrained; every RMSNorm is saved
+             ("saved", {"trainable_token_indices": [15, 1523, 312], "modules_to_save": ["norm"]}))
+    return {kind: make_random_peft_adapter(tiny_llama_dir, root / kind, rank=8, seed=31 + i, init_scale=0.3,
+                                           lora_config=extra)
+            for i, (kind, extra) in enumerate(kinds)}
+
+
 def adapter_files(folder: Path) -> list[tuple[str, tuple[str, bytes, str]]]:
     """The multipart `files` parts of a PEFT folder."""
     return [("files", (p.name, p.read_bytes(), "application/octet-stream"))

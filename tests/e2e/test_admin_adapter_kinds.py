@@ -3,26 +3,10 @@ the admin API serve PEFT's greedy tokens through the OpenAI API, on SQLite and P
 one too large for the server's upload limit is refused with a message naming why."""
 from __future__ import annotations
 
-import pytest
-
-from tests.e2e.admin_fixtures import adapter_files, admin_live  # noqa: F401 - fixtures
+from tests.e2e.admin_fixtures import KIND_PROMPT, adapter_files, admin_live, kind_adapters  # noqa: F401 - fixtures
 from tests.engine.oracle import hf_greedy
 
-PROMPT = [1523, 9041, 312, 27003, 15, 889, 4410]
 MAX_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def kind_adapters(tmp_path_factory, tiny_llama_dir):
-    from loraplex.adapters.synth import make_random_peft_adapter
-
-    root = tmp_path_factory.mktemp("kind_uploads")
-    kinds = (("dora", {"use_dora": True}), ("bias", {"lora_bias": True}),
-             # the prompt's tokens 1523, 312 and 15 are retrained; every RMSNorm is saved
-             ("saved", {"trainable_token_indices": [15, 1523, 312], "modules_to_save": ["norm"]}))
-    return {kind: make_random_peft_adapter(tiny_llama_dir, root / kind, rank=8, seed=31 + i, init_scale=0.3,
-                                           lora_config=extra)
-            for i, (kind, extra) in enumerate(kinds)}
 
 
 def test_uploaded_adapter_kinds_generate_as_peft(admin_live, kind_adapters, tiny_llama_dir):  # noqa: F811
@@ -41,9 +25,9 @@ def test_uploaded_adapter_kinds_generate_as_peft(admin_live, kind_adapters, tiny
             assert r.status_code == 201, r.text
             names.append(name)
             assert r.json()["rank"] == 8
-            out = client.completions.create(model=name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+            out = client.completions.create(model=name, prompt=KIND_PROMPT, max_tokens=MAX_TOKENS, temperature=0,
                                             extra_body={"ignore_eos": True})
-            ref = hf_greedy(tiny_llama_dir, [PROMPT], [MAX_TOKENS], adapter_dir=folder)[0]
+            ref = hf_greedy(tiny_llama_dir, [KIND_PROMPT], [MAX_TOKENS], adapter_dir=folder)[0]
             assert out.usage.completion_tokens == MAX_TOKENS
             assert out.choices[0].text == tokenizer.decode(ref, skip_special_tokens=True), kind
     finally:

@@ -3,8 +3,10 @@ a live server, on SQLite and PostgreSQL.
 
 Sign in; create a tenant and a key; upload an adapter (progress bar, then its rank,
 targets, size and digest); grant it; the key then gets a completion with that adapter
-through the official openai client; a malformed upload shows its error in plain words
-and changes nothing; every page is screenshotted into test-artifacts/admin-ui/.
+through the official openai client; adapters of the other kinds (DoRA, lora_bias,
+trainable tokens with saved norms) upload granted and give PEFT's greedy tokens; a
+malformed upload shows its error in plain words and changes nothing; every page is
+screenshotted into test-artifacts/admin-ui/.
 
 Skips (with the reason) when chromium or playwright is missing, unless
 LORAPLEX_REQUIRE_BROWSER=1 (CI sets it), where that is a failure.
@@ -18,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.admin_fixtures import ADMIN_TOKEN, admin_live, upload_adapters  # noqa: F401 - fixtures
+from tests.e2e.admin_fixtures import (ADMIN_TOKEN, KIND_PROMPT, admin_live, kind_adapters,  # noqa: F401 - fixtures
+                                      upload_adapters)
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts" / "admin-ui"
@@ -96,7 +99,36 @@ def _goto(page, section: str) -> None:
     page.wait_for_selector(f"#main[data-page={section}][aria-busy=false]")
 
 
-def test_admin_ui_end_to_end(page, admin_live, upload_adapters):
+def _upload_kinds(page, client, tenant: str, folders: dict[str, Path], model_dir: Path) -> list[str]:
+    """Each kind uploads through the form, granted at once; the key then gets PEFT's
+    greedy tokens with it. Returns the adapters' names."""
+    from playwright.sync_api import expect
+    from transformers import AutoTokenizer
+
+    from tests.engine.oracle import hf_greedy
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    names = []
+    for kind, folder in folders.items():
+        name = f"{tenant}-{kind}"
+        page.fill("#adapter-name", name)
+        page.select_option("#adapter-grant", tenant)
+        page.set_input_files("#adapter-files", [str(folder / "adapter_config.json"),
+                                                str(folder / "adapter_model.safetensors")])
+        page.click("#adapter-upload")
+        result = page.locator("#upload-result")
+        expect(result).to_contain_text(f"Adapter {name} is ready.")
+        expect(result.locator("[data-field=rank]")).to_have_text("8")
+        expect(page.locator(f"tr[data-adapter='{name}'] .chip[data-grant='{tenant}']")).to_be_visible()
+        names.append(name)
+        out = client.completions.create(model=name, prompt=KIND_PROMPT, max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        ref = hf_greedy(model_dir, [KIND_PROMPT], [6], adapter_dir=folder)[0]
+        assert out.choices[0].text == tokenizer.decode(ref, skip_special_tokens=True), kind
+    return names
+
+
+def test_admin_ui_end_to_end(page, admin_live, upload_adapters, kind_adapters, tiny_llama_dir):
     from playwright.sync_api import expect
 
     b = admin_live.backend
@@ -188,6 +220,11 @@ def test_admin_ui_end_to_end(page, admin_live, upload_adapters):
                                              max_tokens=4, temperature=0)
         assert out.model == adapter and out.usage.completion_tokens > 0
         assert adapter in {m.id for m in client.models.list().data}
+
+        # -- adapters of every kind that fits an upload: DoRA, lora_bias, trainable tokens -----
+        kinds = _upload_kinds(page, client, tenant, kind_adapters, tiny_llama_dir)
+        assert set(kinds) <= {m.id for m in client.models.list().data}
+        _shot(page, b, "04b-adapter-kinds")
 
         # -- a malformed upload shows its error and changes nothing ----------------------------
         listing = api.get("/adapters").json()

@@ -1,6 +1,7 @@
 """Adapter mixtures give the greedy tokens of PEFT's `add_weighted_adapter(combination_type="cat")`
 in fp32, in one batch with their components alone and base requests, on the C and torch
-paths; each mixture is an adapter of its own to the prefix cache."""
+paths (the Triton path: tests/engine/kernels/triton/test_engine.py); each mixture is an
+adapter of its own to the prefix cache."""
 from __future__ import annotations
 
 import random
@@ -23,14 +24,14 @@ LENGTHS = (40, 40, 40, 40, 17, 60, 3, 25, 90, 8)
 MAX_TOKENS = (10, 10, 10, 10, 8, 12, 9, 11, 7, 10)
 
 
-def _prompts() -> list[list[int]]:
+def mixture_prompts() -> list[list[int]]:
     rng = random.Random(29)
     shared = [rng.randrange(100, 40000) for _ in range(LENGTHS[0])]
     return [shared if i < len(SHARED) else [rng.randrange(100, 40000) for _ in range(n)]
             for i, n in enumerate(LENGTHS)]
 
 
-def _reference(model_dir, dirs, prompt, n, assign) -> list[int]:
+def mixture_reference(model_dir, dirs, prompt, n, assign) -> list[int]:
     if assign is None:
         return hf_greedy(model_dir, [prompt], [n])[0]
     if "*" not in assign:
@@ -38,15 +39,18 @@ def _reference(model_dir, dirs, prompt, n, assign) -> list[int]:
     return hf_greedy_mixture(model_dir, [prompt], [n], dirs, dict(parse_mixture(assign)))[0]
 
 
-@pytest.fixture(scope="module")
-def mix_setup(tiny_llama_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("mix")
-    dirs = {name: make_random_peft_adapter(tiny_llama_dir, root / name, rank=rank, alpha=2 * rank, seed=i + 40,
+def make_components(model_dir, root) -> dict:
+    return {name: make_random_peft_adapter(model_dir, root / name, rank=rank, alpha=2 * rank, seed=i + 40,
                                            init_scale=0.3, use_rslora=rslora,
                                            **({"target_modules": t} if t else {}))
             for i, (name, rank, t, rslora) in enumerate(COMPONENTS)}
-    prompts = _prompts()
-    ref = [_reference(tiny_llama_dir, dirs, p, n, a) for p, n, a in zip(prompts, MAX_TOKENS, ASSIGN)]
+
+
+@pytest.fixture(scope="module")
+def mix_setup(tiny_llama_dir, tmp_path_factory):
+    dirs = make_components(tiny_llama_dir, tmp_path_factory.mktemp("mix"))
+    prompts = mixture_prompts()
+    ref = [mixture_reference(tiny_llama_dir, dirs, p, n, a) for p, n, a in zip(prompts, MAX_TOKENS, ASSIGN)]
     return tiny_llama_dir, dirs, prompts, ref
 
 

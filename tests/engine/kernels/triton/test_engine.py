@@ -102,3 +102,20 @@ def test_triton_engine_serves_saved_modules_as_peft(tiny_llama_dir, tmp_path):
                         max_num_batched_tokens=64)
     assert isinstance(engine.lora.backend, StackedLoRAWeights)
     assert run_greedy_with_adapters(engine, prompts, list(ASSIGN), list(MAX_TOKENS)) == ref
+
+
+def test_triton_engine_serves_mixtures_as_peft_cat(tiny_llama_dir, tmp_path):
+    """Mixtures (negative weights, rsLoRA and partial-target components) beside their
+    components alone and base requests: PEFT's `add_weighted_adapter(combination_type="cat")`."""
+    from tests.engine.lora.test_oracle import _engine
+    from tests.engine.lora.test_oracle_mixtures import (ASSIGN, MAX_TOKENS, make_components, mixture_prompts,
+                                                        mixture_reference)
+    from tests.engine.oracle import run_greedy_with_adapters
+
+    dirs = make_components(tiny_llama_dir, tmp_path / "mix")
+    prompts = mixture_prompts()
+    ref = [mixture_reference(tiny_llama_dir, dirs, p, n, a) for p, n, a in zip(prompts, MAX_TOKENS, ASSIGN)]
+    engine, _ = _engine(tiny_llama_dir, tmp_path / "store", dirs, kernels="triton", max_loras=4,
+                        max_num_batched_tokens=64)
+    assert isinstance(engine.lora.backend, StackedLoRAWeights)
+    assert run_greedy_with_adapters(engine, prompts, ASSIGN, list(MAX_TOKENS)) == ref
