@@ -89,3 +89,10 @@ class OracleDrafts(DraftProposer):
             if (self.calls + i) % self.wrong_every == 0:
                 drafts[i] = drafts[i] + 1  # any other token is wrong for a greedy reference
         return drafts
+
+
+def draft_whatever_the_timing(engine) -> None:
+    """How many drafts a request gets follows the measured step times (a busy machine
+    fits another cost model); these tests fix it away, so every request drafts as many
+    tokens as its drafts allow and the same drafts are verified on any machine."""
+    engine.scheduler.guard.cost.model = lambda: None

@@ -9,7 +9,7 @@ import torch
 from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.request import SamplingParams
-from tests.engine.oracle import OracleDrafts, hf_greedy
+from tests.engine.oracle import OracleDrafts, draft_whatever_the_timing, hf_greedy
 
 LENGTHS = (1, 3, 17, 40, 64, 131, 250)
 MAX_TOKENS = (9, 24, 5, 30, 16, 12, 20)
@@ -73,6 +73,8 @@ def test_tiny_matches_transformers(tiny, setup):
         # reference itself, every third one wrong, so verification keeps some and rejects some.
         setup = {**setup, "proposer": OracleDrafts(_prompts(), ref)}
     engine = _engine(model_dir, **setup)
+    if setup.get("speculative"):
+        draft_whatever_the_timing(engine)
     assert _run(engine, _prompts(), MAX_TOKENS) == ref
     if setup.get("num_blocks") in (20, 24):
         assert engine.scheduler.num_preemptions > 0, "the small pool was meant to force preemption"

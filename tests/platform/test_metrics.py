@@ -59,12 +59,13 @@ def test_speculative_decoding_is_counted_as_vllm_names_it(tiny_llama_dir):
     from loraplex.engine.config import EngineConfig, ModelConfig, SpeculativeConfig
     from loraplex.engine.engine import LLMEngine
     from loraplex.engine.request import SamplingParams
-    from tests.engine.oracle import OracleDrafts, hf_greedy
+    from tests.engine.oracle import OracleDrafts, draft_whatever_the_timing, hf_greedy
 
     prompts = [[100 + 37 * i for i in range(20)], [5000 + 11 * i for i in range(9)]]
     ref = hf_greedy(tiny_llama_dir, prompts, [12, 12])
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
                                     speculative=SpeculativeConfig("ngram", 4)), proposer=OracleDrafts(prompts, ref))
+    draft_whatever_the_timing(engine)
     engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     text = Metrics("base", engine.stats, max_lora=None).render().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}

@@ -15,7 +15,7 @@ from loraplex.engine.errors import UnknownAdapterError
 from loraplex.engine.kernels.cpu.lora import CLoRABackend
 from loraplex.engine.lora import LoRAManager
 from loraplex.engine.request import SamplingParams
-from tests.engine.oracle import OracleDrafts, hf_greedy, run_greedy_with_adapters
+from tests.engine.oracle import OracleDrafts, draft_whatever_the_timing, hf_greedy, run_greedy_with_adapters
 
 # (name, rank, targets, rslora): ranks 4..64, partial targets, rsLoRA scaling.
 ADAPTERS = [
@@ -91,6 +91,8 @@ def test_mixed_adapters_match_peft(tiny_llama_dir, tmp_path, lora_setup, setup):
     if setup.get("speculative"):
         setup = {**setup, "proposer": OracleDrafts(prompts, ref)}
     engine, _ = _engine(tiny_llama_dir, tmp_path / "store", dirs, **setup)
+    if setup.get("speculative"):
+        draft_whatever_the_timing(engine)
     assert isinstance(engine.lora.backend, CLoRABackend) == (engine.runner.backend.name == "cpu")
     assert _run(engine, prompts, assign) == ref
     if setup.get("num_blocks") == 30:

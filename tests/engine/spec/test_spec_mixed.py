@@ -11,7 +11,7 @@ from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, Sched
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.request import SamplingParams
 from loraplex.engine.structured import StructuredOutput
-from tests.engine.oracle import OracleDrafts, hf_greedy
+from tests.engine.oracle import OracleDrafts, draft_whatever_the_timing, hf_greedy
 
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -32,6 +32,7 @@ def test_constrained_rows_prefix_hits_and_choices_beside_drafts(tiny_llama_dir):
     constrained = [[rng.randrange(100, 40000) for _ in range(n)] for n in (5, 12)]
     ref = hf_greedy(tiny_llama_dir, free, [16, 16, 16])
     plain, spec = _engine(tiny_llama_dir), _engine(tiny_llama_dir, OracleDrafts(free, ref))
+    draft_whatever_the_timing(spec)
     greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     shaped = SamplingParams(max_tokens=60, temperature=0, structured_output=StructuredOutput.json_schema(SCHEMA))
     prompts, params = free + constrained, [greedy] * 3 + [shaped] * 2

@@ -8,7 +8,7 @@ from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, Sched
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.request import SamplingParams
 from loraplex.engine.tokenizer import Tokenizer
-from tests.engine.oracle import hf_greedy
+from tests.engine.oracle import draft_whatever_the_timing, hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,9 @@ def copy_prompts(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def engines(smollm2_dir):
-    return _engine(smollm2_dir, False), _engine(smollm2_dir, True)
+    plain, spec = _engine(smollm2_dir, False), _engine(smollm2_dir, True)
+    draft_whatever_the_timing(spec)
+    return plain, spec
 
 
 def _tokens(engine, prompts, params):
