@@ -98,8 +98,12 @@ def test_mixed_adapters_match_peft(tiny_llama_dir, tmp_path, lora_setup, setup):
     if setup.get("num_blocks") == 30:
         assert engine.scheduler.num_preemptions > 0
     if setup.get("speculative"):
+        # Which steps a request drafts in follows when its adapter's background load ends;
+        # that drafts of many adapters were verified, some kept and some not, does not.
         by_adapter = engine.scheduler.speculation.by_adapter
-        assert len(by_adapter) > 4 and all(accepted > 0 for _, accepted in by_adapter.values()), by_adapter
+        drafted, kept = sum(d for d, _ in by_adapter.values()), sum(a for _, a in by_adapter.values())
+        assert len(by_adapter) > 4 and 0 < kept < drafted, by_adapter
+        assert sum(1 for _, a in by_adapter.values() if a > 0) > len(by_adapter) // 2, by_adapter
     if setup.get("kv_bytes") == 4096 * 4096:
         assert len(engine.scheduler.adapters.resident()) == len(ADAPTERS), "every adapter stays on the device"
     if setup.get("kv_bytes") == 200 * 4096:
