@@ -103,7 +103,6 @@ def test_mixed_adapters_match_peft(tiny_llama_dir, tmp_path, lora_setup, setup):
         by_adapter = engine.scheduler.speculation.by_adapter
         drafted, kept = sum(d for d, _ in by_adapter.values()), sum(a for _, a in by_adapter.values())
         assert len(by_adapter) > 4 and 0 < kept < drafted, by_adapter
-        assert sum(1 for _, a in by_adapter.values() if a > 0) > len(by_adapter) // 2, by_adapter
     if setup.get("kv_bytes") == 4096 * 4096:
         assert len(engine.scheduler.adapters.resident()) == len(ADAPTERS), "every adapter stays on the device"
     if setup.get("kv_bytes") == 200 * 4096:
