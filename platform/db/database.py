@@ -133,3 +133,13 @@ def migrate(url: str, revision: str = "head") -> None:
                 conn.commit()
     finally:
         engine.dispose()
+
+
+def database_id(engine: Engine) -> str:
+    """This database's identity (made by the migration that created its `installation`
+    table): the same through any URL, any replica, and a restore from its backup."""
+    with engine.connect() as conn:
+        row = conn.exec_driver_sql("SELECT id FROM installation").first()
+    if row is None:
+        raise ConfigError("the database has no identity row (table installation); run `loraplex migrate`")
+    return row[0]

@@ -1,5 +1,5 @@
 """SQLAlchemy 2.0 models of the platform's tenancy tables (tenants, keys, adapters, the
-admin audit log). Alembic migrations must match them."""
+admin audit log) and of the database's identity. Alembic migrations must match them."""
 from __future__ import annotations
 
 import datetime as dt
@@ -104,3 +104,14 @@ class AuditEntry(Base):
 from loraplex.adapters.blobs_sql import adapter_blobs_table  # noqa: E402
 
 adapter_blobs = adapter_blobs_table(Base.metadata)
+
+
+class Installation(Base):
+    """One row: this database's identity, made when it was created. Whatever is kept
+    outside the database on its behalf (a gateway's usage journal) carries it, so that it
+    is only ever replayed into this database."""
+
+    __tablename__ = "installation"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime, default=utcnow)

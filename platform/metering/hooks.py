@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from loraplex.engine.output import RequestOutput
 
-from loraplex.platform.db.database import make_db_engine
+from loraplex.platform.db.database import database_id, make_db_engine
 from loraplex.platform.errors import MeteringUnavailableError
 from loraplex.platform.metering.journal import Journal, JournalError
 from loraplex.platform.metering.ledger import JournalConfig, Ledger
@@ -85,6 +85,9 @@ class MeteringHooks:
         self._open: dict[str, RequestContext] = {}  # admitted, not finished
 
     async def start(self) -> None:
+        """Bind the journal to the database its events go to, then claim the journals of
+        dead processes of the same database."""
+        self.journal.bind(await asyncio.to_thread(database_id, self.writer_engine))
         self.writer.start()
         await asyncio.to_thread(self.ledger.recover)
 

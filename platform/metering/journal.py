@@ -16,7 +16,12 @@ open request's latest checkpoint); a closed segment with no pins is deleted.
 
 `orphans()` finds the segments of dead owners (their lock file is gone or free to
 lock): the kernel drops a `kill -9`'d or OOM-killed process's lock, so a restart (or
-any other process on the same data dir) claims its journal.
+any other process on the same data dir) claims its journal. A journal is bound to the
+database its events belong to (`bind`: the database's identity, kept in its lock
+file), and only a process bound to the same database claims it: a data dir reused with
+another database never bills that database's tenants (tenant ids are per database) for
+the first one's requests. A journal written before binding existed names none and is
+claimed by any.
 """
 from __future__ import annotations
 
@@ -198,6 +203,8 @@ class Journal:
         self.error: JournalError | None = None
         self._waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._stop = False
+        self.database = ""  # unbound: claims every orphan
+        self._foreign: set[str] = set()  # owners of other databases' journals, reported once
         self.fsyncs = 0
         self._thread = threading.Thread(target=self._run, name="loraplex-usage-journal", daemon=True)
         self._thread.start()
@@ -358,8 +365,18 @@ class Journal:
         return empty
 
     # -- recovery ------------------------------------------------------------------------
+    def bind(self, database: str) -> None:
+        """Bind this journal to `database` (its identity) before anything is appended: a
+        dead owner's journal is then claimed only by a process bound to the same one."""
+        data = database.encode()
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, data, 0)
+        os.fsync(self._lock_fd)
+        self.database = database
+
     def orphans(self) -> list[Orphan]:
-        """Journals in this folder whose owner is dead, each locked for the caller."""
+        """Journals in this folder whose owner is dead and that belong to this journal's
+        database (or name none), each locked for the caller."""
         owners: dict[str, list[Path]] = {}
         for path in sorted(self.dir.glob("usage-*.journal")):
             owner = path.name[len("usage-"):].rsplit("-", 1)[0]
@@ -376,6 +393,14 @@ class Journal:
             if fd is None:
                 continue  # alive (or being claimed by another process)
             segments = [p for p in segments if p.exists()]  # another claimer may have finished first
+            theirs = os.pread(fd, 256, 0).decode(errors="replace")
+            if segments and self.database and theirs and theirs != self.database:
+                os.close(fd)  # left for a process of its own database
+                if owner not in self._foreign:
+                    self._foreign.add(owner)
+                    log.warning("usage journal of %s in %s belongs to another database (%s); left for it",
+                                owner, self.dir, theirs)
+                continue
             if not segments:
                 lock_path.unlink(missing_ok=True)
                 os.close(fd)

@@ -285,3 +285,73 @@ def test_recovery_keeps_the_records_after_a_damaged_one_and_reports_the_loss(db,
     assert billed == {f"cmpl-{i:08d}" for i in (0, 2, 3, 4)}
     assert "loraplex:usage_journal_skipped_records_total 1.0" in metrics
     assert f"loraplex:usage_journal_skipped_bytes_total {len(orjson.dumps(first.records[1])) + 8}.0" in metrics
+
+
+def test_a_journal_is_claimed_only_by_its_own_database(tmp_path, caplog):
+    dead = Journal(tmp_path, "dead")
+    dead.bind("db-one")
+    assert dead.wait_durable(dead.append({"x": 1}, pins=1)[0]) and not dead.close()
+    legacy = Journal(tmp_path, "legacy")  # written before journals named their database
+    assert legacy.wait_durable(legacy.append({"y": 1}, pins=1)[0]) and not legacy.close()
+    other = Journal(tmp_path, "other")
+    other.bind("db-two")
+    (orphan,) = other.orphans()
+    assert orphan.owner == "legacy"
+    orphan.release(delete=True)
+    assert other.orphans() == [] and other.orphans() == []
+    assert sum("belongs to another database (db-one)" in r.message for r in caplog.records) == 1
+    assert list(tmp_path.glob("usage-dead-*.journal")), "left for a process of its own database"
+    own = Journal(tmp_path, "own")
+    own.bind("db-one")
+    (orphan,) = own.orphans()
+    assert orphan.owner == "dead" and list(orphan.records()) == [{"x": 1}]
+    orphan.release(delete=True)
+    assert other.close() and own.close() and not list(tmp_path.iterdir())
+
+
+def test_a_data_dir_reused_with_another_database_bills_nothing_there(db, tmp_path, pg_schema_url):
+    """A gateway's data dir holds a stopped process's journal of database A; a gateway on
+    database B with the same data dir leaves it (B's tenant of the same id is not billed);
+    a gateway on A then bills it."""
+    import asyncio
+
+    from loraplex.platform.assembly.usage_hooks import UsageHooks
+    from loraplex.platform.db.database import Database, database_id, migrate
+    from loraplex.platform.settings import Settings, UsageConfig
+
+    from tests.platform.fixtures import fresh_db_url
+
+    other_url = fresh_db_url("sqlite" if db.url.startswith("sqlite") else "postgresql", tmp_path, pg_schema_url)
+    migrate(other_url)
+    other = Database(other_url)
+    t = create_tenant(db, "acme")
+    assert create_tenant(other, "someone-else").id == t.id, "tenant ids are per database"
+    engine = make_db_engine(db.url, pre_ping=False)
+    dead = Journal(tmp_path / "usage-journal", "dead")
+    dead.bind(database_id(engine))
+    for i in range(3):
+        lsn, _seg = dead.append(record("e", ev(i, t.id, T0 + i), None), pins=1)
+    assert dead.wait_durable(lsn) and not dead.close()
+
+    def billed(database: Database) -> set[str]:
+        with database.engine.connect() as conn:
+            return set(conn.execute(select(UsageEvent.request_id)).scalars())
+
+    async def gateway(url: str) -> int:
+        hooks = UsageHooks(Settings(database_url=url, data_dir=tmp_path, usage=UsageConfig(flush_seconds=0.01)))
+        await hooks.start()
+        assert await asyncio.to_thread(hooks.metering.writer.flush, 20)
+        recovered = hooks.metering.ledger.recovered
+        await hooks.close()
+        return recovered
+
+    try:
+        assert asyncio.run(asyncio.wait_for(gateway(other_url), 60)) == 0
+        assert billed(other) == set()
+        assert list((tmp_path / "usage-journal").glob("usage-dead-*.journal"))
+        assert asyncio.run(asyncio.wait_for(gateway(db.url), 60)) == 3
+        assert billed(db) == {f"cmpl-{i:08d}" for i in range(3)}
+        assert not list((tmp_path / "usage-journal").glob("*.journal"))
+    finally:
+        engine.dispose()
+        other.dispose()
