@@ -210,11 +210,14 @@ class ModelRunner:
             if s.sample:
                 req = requests[s.request_id]
                 drafts = s.token_ids[len(s.token_ids) - s.num_drafts:]
-                # Position i verifies draft i: sampled as if drafts[:i] were output already.
+                # Position i verifies draft i: sampled as if drafts[:i] were output already
+                # (the output so far matters only to penalties).
+                seen = req.output_token_ids
                 for i in range(s.num_drafts + 1):
                     rows.append(end - 1 - s.num_drafts + i)
-                    sample_rows.append(SampleRow(req.sampling, req.num_output_tokens + i, req.prompt_token_ids,
-                                                 req.output_token_ids + drafts[:i] if i else req.output_token_ids,
+                    if i and req.sampling.has_penalties:
+                        seen = req.output_token_ids + drafts[:i]
+                    sample_rows.append(SampleRow(req.sampling, req.num_output_tokens + i, req.prompt_token_ids, seen,
                                                  req.grammar))
                     owners.append(s.request_id)
                     slots.append(s.adapter_slot)

@@ -115,7 +115,7 @@ class Scheduler:
         out = step.out
         out.seqs = list(step.scheduled.values())
         if self.speculation is not None:
-            self.speculation.extend(step, self.requests, self.propose,
+            self.speculation.extend(out, self.requests, self.propose,
                                     self.config.max_num_batched_tokens - out.num_tokens, self.guard.cost.model())
         self._charge_prefill(out)
         out.adapter_evictions = self.adapters.take_evicted()
@@ -336,7 +336,7 @@ class Scheduler:
         step.out.preempted.append(victim.request_id)
 
     # -- after the step -----------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int] | int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Advance computed tokens and append each sampled request's new tokens (one, or
         with drafts what verifying them kept); returns the requests that finished."""
         finished = []
@@ -347,7 +347,6 @@ class Scheduler:
                 continue  # aborted while the step ran
             prev = req.num_computed_tokens
             tokens = sampled.get(seq.request_id, []) if seq.sample else []
-            tokens = [tokens] if isinstance(tokens, int) else tokens
             if seq.num_drafts:
                 tokens = self.speculation.accepted(seq, tokens)
                 self.speculation.record(req, seq.num_drafts, len(tokens) - 1)

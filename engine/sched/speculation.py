@@ -18,7 +18,7 @@ from dataclasses import replace
 from ..request import Request
 from .block_pool import KVCacheManager
 from .lane_guard import CostModel
-from .step_plan import ScheduledSeq, StepPlan
+from .step_plan import ScheduledSeq, SchedulerOutput
 
 # A request's acceptance rate starts here and moves this much toward each step's outcome.
 _PRIOR_ACCEPTANCE = 0.5
@@ -29,8 +29,8 @@ _PROBE_EVERY = 16
 
 
 class Speculation:
-    """Contract: `extend(step, requests, drafts, room, cost)` widens planned decodes of
-    `step` with their drafts (`drafts(req, k)` proposes at most k) while `room` tokens of
+    """Contract: `extend(out, requests, drafts, room, cost)` widens the planned decodes of
+    step `out` with their drafts (`drafts(req, k)` proposes at most k) while `room` tokens of
     the step's budget and free KV blocks allow, never preempting anyone for them;
     `accepted(seq, sampled)` is what verifying `seq` keeps; `record(req, proposed,
     accepted)` feeds the request's acceptance rate; `forget(request_id)` at its end."""
@@ -45,11 +45,11 @@ class Speculation:
         # adapter name ("" for the base model) -> [draft tokens, accepted tokens]
         self.by_adapter: dict[str, list[int]] = {}
 
-    def extend(self, step: StepPlan, requests: dict[str, Request], drafts: Callable[[Request, int], list[int]],
-               room: int, cost: CostModel | None) -> None:
-        seqs = step.out.seqs
+    def extend(self, out: SchedulerOutput, requests: dict[str, Request],
+               drafts: Callable[[Request, int], list[int]], room: int, cost: CostModel | None) -> None:
+        seqs = out.seqs
         decoded = sum(1 for s in seqs if len(s.token_ids) == 1)
-        threshold = cost.break_even(decoded, step.out.num_tokens - decoded) if cost else 0.0
+        threshold = cost.break_even(decoded, out.num_tokens - decoded) if cost else 0.0
         for i in self._candidates(seqs, requests):
             if room <= 0:
                 return
@@ -60,7 +60,6 @@ class Speculation:
                 continue
             seqs[i] = replace(seq, token_ids=seq.token_ids + proposed, num_drafts=len(proposed),
                               block_ids=list(req.block_ids))
-            step.scheduled[seq.request_id] = seqs[i]
             room -= len(proposed)
 
     def accepted(self, seq: ScheduledSeq, sampled: list[int]) -> list[int]:

@@ -71,22 +71,24 @@ def run_greedy_with_adapters(engine, prompts: list[list[int]], adapters: list[st
 
 class OracleDrafts(DraftProposer):
     """Drafts read off the reference output (a random model repeats nothing for prompt
-    lookup to find), with every `wrong_every`-th drafted position replaced by a wrong
-    token, so verification both keeps and rejects drafts. Keyed by the prompt, so it
-    serves however the engine names or splits requests."""
+    lookup to find), with the drafts at every `wrong_every`-th output position (offset by
+    the prompt's length) replaced by a wrong token, so verification both keeps and
+    rejects drafts, the same ones however requests share steps. Keyed by the prompt, so
+    it serves however the engine names or splits requests; `asked` records the prompts
+    drafts were asked for."""
 
     def __init__(self, prompts: list[list[int]], outputs: list[list[int]], wrong_every: int = 3) -> None:
         self.ref = {tuple(p): o for p, o in zip(prompts, outputs)}
         self.wrong_every = wrong_every
-        self.calls = 0
+        self.asked: set[tuple[int, ...]] = set()
 
     def propose(self, req, k: int) -> list[int]:
-        out = self.ref.get(tuple(req.prompt_token_ids), [])
+        prompt = tuple(req.prompt_token_ids)
+        self.asked.add(prompt)
         n = req.num_output_tokens
-        drafts = list(out[n:n + k])
-        self.calls += 1
+        drafts = list(self.ref.get(prompt, [])[n:n + k])
         for i in range(len(drafts)):
-            if (self.calls + i) % self.wrong_every == 0:
+            if (len(prompt) + n + i) % self.wrong_every == 0:
                 drafts[i] = drafts[i] + 1  # any other token is wrong for a greedy reference
         return drafts
 

@@ -86,7 +86,7 @@ def _decode_widths(policy: GraphPolicy, arrivals: dict[int, list[int]], steps: i
                                       SamplingParams(max_tokens=50, ignore_eos=True)))
         out = sched.schedule()
         widths.append(policy.width_for_step([len(s.token_ids) for s in out.seqs]) if out.seqs else None)
-        sched.update(out, {s.request_id: 7 for s in out.seqs if s.sample})
+        sched.update(out, {s.request_id: [7] for s in out.seqs if s.sample})
     return widths
 
 

@@ -75,7 +75,7 @@ def step(s: Scheduler, service: dict[str, float]) -> list[str]:
             service[req.tenant] += W_IN * (prompt_end - first) / req.tenant_weight
             _prompt_done[req.request_id] = prompt_end
         if seq.sample:
-            sampled[seq.request_id] = 11
+            sampled[seq.request_id] = [11]
             service[req.tenant] += W_OUT / req.tenant_weight
     s.update(out, sampled)
     s.clock.t += 0.01

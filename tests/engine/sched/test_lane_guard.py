@@ -182,7 +182,7 @@ def _simulate(arrivals: list[tuple[float, Lane, int, int, str]], until: float, *
         out = s.schedule()
         cost = _cost(out)
         clock[0] += cost
-        s.update(out, {q.request_id: 7 for q in out.seqs if q.sample})
+        s.update(out, {q.request_id: [7] for q in out.seqs if q.sample})
         s.observe_step(out, cost)
     ttft: dict = {"interactive": [], "batch": [], "warm": []}
     for r in reqs:

@@ -96,7 +96,7 @@ class Harness:
     def execute_and_update(self, out: SchedulerOutput, token=fake_token, dt: float = 0.0) -> list[Request]:
         if out.seqs:  # the engine skips the runner when nothing is scheduled
             self.execute(out)
-        sampled = {seq.request_id: token(self.s.requests[seq.request_id])
+        sampled = {seq.request_id: [token(self.s.requests[seq.request_id])]
                    for seq in out.seqs if seq.sample and seq.request_id in self.s.requests}
         done = self.s.update(out, sampled)
         for r in done:

@@ -47,7 +47,7 @@ def add(s: Scheduler, rid: str, prompt_len: int = 6, lane: Lane = Lane.STANDARD,
 def prefill(s: Scheduler, *reqs: Request) -> None:
     """Run the prompts and one sampled token each: every request is then decoding."""
     out = s.schedule()
-    s.update(out, {seq.request_id: 7 for seq in out.seqs if seq.sample})
+    s.update(out, {seq.request_id: [7] for seq in out.seqs if seq.sample})
     assert all(r.num_output_tokens == 1 for r in reqs)
 
 

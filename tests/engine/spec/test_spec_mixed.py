@@ -47,7 +47,7 @@ def test_constrained_rows_prefix_hits_and_choices_beside_drafts(tiny_llama_dir):
         jsonschema.validate(json.loads(g.new_text), SCHEMA)
     speculation = spec.scheduler.speculation
     assert 0 < speculation.num_accepted_tokens < speculation.num_draft_tokens
-    assert set(spec.proposer.ref) == {tuple(p) for p in free}
+    assert spec.proposer.asked == {tuple(p) for p in free}, "constrained rows never draft"
     # n > 1: each choice is its own request and speculates on its own.
     two = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, n=2)
     choices = spec.generate(free[:1], two)
