@@ -26,6 +26,7 @@ from loraplex.platform.serving.hooks import Hooks
 from loraplex.platform.metrics import CONTENT_TYPE, Metrics
 from loraplex.platform.serving.openai_routes import openai_routes
 from loraplex.platform.serving.openapi import openai_openapi
+from loraplex.platform.serving.refusals import RefusalHold
 from loraplex.platform.serving.request_limits import ParsePool
 from loraplex.platform.serving.tokenize_routes import tokenize_routes
 from loraplex.platform.settings import Settings
@@ -97,8 +98,9 @@ def _routes(settings: Settings) -> list:
 def _middleware(settings: Settings) -> list[Middleware]:
     # Every request gets an id (the client's x-request-id when sane): in the response
     # headers, error bodies, log lines, traces and its usage event. With tracing on, a
-    # client's traceparent makes its trace the parent of the request's spans.
-    middleware = [Middleware(RequestIdMiddleware)]
+    # client's traceparent makes its trace the parent of the request's spans. A 429 is held
+    # a while before it is sent (serving/refusals.py).
+    middleware = [Middleware(RequestIdMiddleware), Middleware(RefusalHold, hold=settings.limits.refusal_hold)]
     if settings.otlp_endpoint:
         middleware.append(Middleware(TraceContextMiddleware))
     return middleware

@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from loraplex.engine.client import AdapterResidency, EngineStats, SpecDecodeStats
@@ -65,6 +65,8 @@ class Metrics:
                                          ["adapter"], registry=r)
         self._api = Counter("loraplex:api_requests", "API requests by endpoint and HTTP status.",
                             ["endpoint", "status"], registry=r)
+        self.refusals_held = Gauge("loraplex:refusals_held", "429 answers being held before they are sent.",
+                                   registry=r)
         # adapter -> [waiting, running] as the gateway sees them (waiting until first token).
         self.lora_state: dict[str, list[int]] = {}
         self._events = _EngineEvents(self.requests)

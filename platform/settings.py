@@ -41,6 +41,10 @@ class ServerLimits:
     max_connections: int = 1024
     # Connections one client address may hold (trusted proxies excepted); past it, 429.
     max_connections_per_client: int = 128
+    # Seconds a 429 is held before it is sent (never past its Retry-After): a client that
+    # floods refusals gets at most max_connections_per_client of them per hold from one
+    # address, so answering them costs the server little whatever the client's rate.
+    refusal_hold: float = 1.0
     backlog: int = 2048
     max_header_bytes: int = 64 * 1024
     # Request bodies: the OpenAI routes, and the admin API's JSON (the adapter upload has
@@ -67,6 +71,8 @@ class ServerLimits:
                      "max_content_parts", "max_prompts", "max_choices"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.refusal_hold < 0:
+            raise ValueError("refusal_hold must be >= 0")
 
 
 @dataclass(frozen=True)

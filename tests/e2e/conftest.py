@@ -112,11 +112,12 @@ def tiny_engine_config(model_dir: Path, **scheduler) -> EngineConfig:
 
 @pytest.fixture(scope="session")
 def base_settings(tmp_path_factory, tiny_llama_dir) -> Settings:
-    # Tests send large bodies back to back from one tenant to reach other caps; the body
-    # budget has tests of its own (tests/e2e/isolation/).
+    # Tests send large bodies back to back from one tenant to reach other caps, and count
+    # many 429s; the body budget and the refusal hold have tests of their own
+    # (tests/e2e/isolation/).
     return Settings(engine=tiny_engine_config(tiny_llama_dir), data_dir=tmp_path_factory.mktemp("loraplex_data"),
                     auth=AuthConfig(cache_ttl=0.5, negative_ttl=0.5, last_used_flush_seconds=0.5),
-                    limits=ServerLimits(body_bytes_per_second=1 << 30))
+                    limits=ServerLimits(body_bytes_per_second=1 << 30, refusal_hold=0))
 
 
 @pytest.fixture(scope="session")

@@ -78,7 +78,7 @@ def isolated(tmp_path_factory, tiny_llama_dir) -> Iterator[Isolated]:
            "--max-body-rate", str(BODY_RATE),
            "--forwarded-allow-ips", "192.0.2.1", "--header-timeout", "30", "--body-timeout", "2",
            "--max-connections", str(MAX_CONNECTIONS), "--max-connections-per-client", str(PER_CLIENT),
-           "--auth-failure-burst", "5", "--auth-failure-rate", "0.001"]
+           "--auth-failure-burst", "5", "--auth-failure-rate", "0.001", "--refusal-hold", "0.5"]
     env = {**os.environ, "LORAPLEX_ADMIN_TOKEN": ADMIN_TOKEN, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
