@@ -24,14 +24,20 @@ log = logging.getLogger(__name__)
 # Outputs one request may have waiting for its reader; past it the request is aborted (a
 # reader that stops reading would otherwise grow its queue for its whole max_tokens).
 MAX_STREAM_BACKLOG = 1024
+# Well before that, a request whose reader fell this far behind is paused (it costs the
+# batch nothing while its reader stalls), and resumed once the backlog is down to a quarter.
+PAUSE_BACKLOG = 256
 
 
 class AsyncEngine:
     """The in-process `EngineClient`: an `LLMEngine` stepped on its own thread."""
 
-    def __init__(self, engine: LLMEngine, max_stream_backlog: int = MAX_STREAM_BACKLOG) -> None:
+    def __init__(self, engine: LLMEngine, max_stream_backlog: int = MAX_STREAM_BACKLOG,
+                 pause_backlog: int = PAUSE_BACKLOG) -> None:
         self.engine = engine
         self.max_stream_backlog = max_stream_backlog
+        self.pause_backlog = pause_backlog
+        self._paused: set[str] = set()  # streams paused for their reader (engine thread writes)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -120,7 +126,9 @@ class AsyncEngine:
                     continue
                 outputs = self.engine.step()
                 if self.engine.idle_step:
-                    self._wake.wait(0.002)  # nothing runnable yet: let loader threads work
+                    # Nothing runnable yet: let loader threads work; when every request
+                    # waits for its reader, a resume wakes the loop.
+                    self._wake.wait(0.05 if len(self._paused) >= len(self.engine.scheduler.requests) else 0.002)
                     self._wake.clear()
                 self._stats = self.engine.stats()
                 for out in outputs:
@@ -145,13 +153,18 @@ class AsyncEngine:
         if entry is None:
             return
         loop, q = entry
-        if not isinstance(item, BaseException) and not item.finished and q.qsize() >= self.max_stream_backlog:
+        ongoing = not isinstance(item, BaseException) and not item.finished
+        if ongoing and q.qsize() >= self.max_stream_backlog:
             # The outputs already queued are still read (and billed); then the stream ends.
             self.engine.abort_request(request_id)
             item = StreamStalledError(f"the reader of request {request_id} fell more than "
                                       f"{self.max_stream_backlog} outputs behind; the request was aborted")
+        elif ongoing and q.qsize() >= self.pause_backlog and request_id not in self._paused:
+            self._paused.add(request_id)
+            self.engine.pause_request(request_id, True)
         if isinstance(item, BaseException) or item.finished:
             self._streams.pop(request_id, None)
+            self._paused.discard(request_id)
         try:
             loop.call_soon_threadsafe(q.put_nowait, item)
         except RuntimeError:
@@ -218,7 +231,7 @@ class AsyncEngine:
             except Exception as exc:  # a bad request fails alone, not the loop
                 self._deliver(rid, exc)
 
-        finished = False
+        finished = resuming = False
         try:
             self._submit(add)
             while True:
@@ -227,6 +240,11 @@ class AsyncEngine:
                     finished = True
                     raise item
                 finished = item.finished
+                resuming = resuming and rid in self._paused
+                if not resuming and rid in self._paused and q.qsize() <= self.pause_backlog // 4:
+                    resuming = True
+                    self._commands.put(lambda: self._resume(rid))
+                    self._wake.set()
                 yield item
                 if finished:
                     return
@@ -234,10 +252,15 @@ class AsyncEngine:
             if not finished:
                 self.abort(rid)
 
+    def _resume(self, request_id: str) -> None:
+        if request_id in self._paused:
+            self._paused.discard(request_id)
+            self.engine.pause_request(request_id, False)
+
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         if self.is_running:
-            self._commands.put(lambda: self.engine.abort_request(request_id))
+            self._commands.put(lambda: (self._paused.discard(request_id), self.engine.abort_request(request_id)))
             self._wake.set()
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:

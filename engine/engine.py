@@ -175,6 +175,15 @@ class LLMEngine:
             self._finish(rid, RequestStatus.FINISHED_ABORTED)
             self.outputs.drop(rid)
 
+    def pause_request(self, request_id: str, paused: bool) -> None:
+        """Pause (or resume) a request whose reader fell behind: it takes no steps until
+        resumed, keeping its KV blocks and its seat (a preemption may still take them)."""
+        group = self._groups.get(request_id)
+        for rid in group.child_ids if group is not None else [request_id]:
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                req.paused = paused
+
     def _finish(self, request_id: str, status: RequestStatus) -> Request | None:
         req = self.scheduler.finish(request_id, status)
         if req is not None:

@@ -221,6 +221,9 @@ class Request:
     prefill_leader: "Request | None" = None
     # position -> (logprob, top-n) of prompt token `position`, when sampling.prompt_logprobs is set.
     prompt_logprobs: dict[int, Any] = field(default_factory=dict)
+    # Its reader fell behind (AsyncEngine): it takes no steps, keeping its KV and its seat,
+    # until the reader catches up.
+    paused: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -194,8 +194,8 @@ class Scheduler:
         for req in reqs:
             if budget.exhausted():
                 return
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this step
+            if req.status is not RequestStatus.RUNNING or req.paused:
+                continue  # preempted earlier in this step, or its reader fell behind
             n = budget.room(req.num_tokens - req.num_computed_tokens)
             if n <= 0 or (not self.config.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens):
                 continue

@@ -349,3 +349,30 @@ def test_a_reader_that_stops_reading_has_its_request_aborted(tiny_llama_dir):
     assert left == 0 and free == total
     assert not any(o.finished for o in got)
     assert sum(len(o.new_token_ids) for o in got) < 200
+
+
+def test_a_reader_that_falls_behind_pauses_its_request_until_it_catches_up(tiny_llama_dir):
+    """Past `pause_backlog` unread outputs the request takes no steps (others go on); read
+    again, it resumes and its output is what it would have been unpaused."""
+    want = _engine(tiny_llama_dir).generate([[5, 6, 7]], _greedy(60))[0].new_token_ids
+    ae = AsyncEngine(_engine(tiny_llama_dir), pause_backlog=8)
+
+    async def main() -> tuple[list[int], int, int, list]:
+        slow = ae.generate([5, 6, 7], _greedy(60), request_id="slow")
+        got = [await anext(slow)]  # then the reader stops reading
+        req = ae.engine.scheduler.requests["slow"]
+        while not req.paused:
+            await asyncio.sleep(0.01)
+        made = req.num_output_tokens
+        others = [o async for o in ae.generate([9, 10, 11], _greedy(30))]  # the engine steps on
+        still = req.num_output_tokens
+        got += [o async for o in slow]  # reading again resumes it
+        return [t for o in got for t in o.new_token_ids], made, still, others
+
+    try:
+        tokens, made, still, others = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+    finally:
+        ae.shutdown()
+    assert 8 <= made < 60 and still == made, "no steps while paused"
+    assert sum(len(o.new_token_ids) for o in others) == 30 and others[-1].finished
+    assert tokens == want

@@ -876,3 +876,18 @@ def test_randomized_stress(seed, kw):
             assert r.num_output_tokens == r.sampling.max_tokens, rid
             assert r.status is RequestStatus.FINISHED_LENGTH
     h.assert_all_free()
+
+
+def test_a_paused_request_takes_no_steps_and_keeps_its_blocks():
+    h = Harness()
+    a, b = h.add(max_tokens=8), h.add(max_tokens=8)
+    h.step()
+    a.paused = True
+    blocks = list(a.block_ids)
+    for _ in range(3):
+        out = h.step()
+        assert [s.request_id for s in out.seqs] == [b.request_id]
+    assert a.block_ids == blocks and a.status is RequestStatus.RUNNING and a.num_output_tokens == 1
+    a.paused = False
+    h.run()
+    assert h.finished[a.request_id].num_output_tokens == 8
