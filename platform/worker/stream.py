@@ -7,7 +7,10 @@ waits for the network. The client closing the connection cancels the relay, whic
 aborts the request in the engine at once. A client that stays connected but stops
 reading is bounded too: past `MAX_STREAM_BACKLOG` buffered outputs the request is
 aborted (the stream ends with a StreamStalledError line), and a write that waits longer
-than `STREAM_WRITE_TIMEOUT` ends the response as if the client had left.
+than `STREAM_WRITE_TIMEOUT` ends the response as if the client had left. Before that, past
+`PAUSE_BACKLOG` buffered outputs the relay stops taking outputs until the writer drains
+the buffer, so the engine's own queue fills and pauses the request (async_engine.py): a
+client that falls behind costs the batch nothing while it catches up.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from collections.abc import Mapping
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-from loraplex.engine.async_engine import MAX_STREAM_BACKLOG
+from loraplex.engine.async_engine import MAX_STREAM_BACKLOG, PAUSE_BACKLOG
 from loraplex.engine.client import EngineClient
 from loraplex.engine.output import RequestOutput
 from loraplex.engine.errors import StreamStalledError
@@ -46,6 +49,7 @@ class Relay:
         self.last: RequestOutput | None = None
         self._buf: list[RequestOutput] = []
         self._ready = asyncio.Event()
+        self._drained = asyncio.Event()  # the writer took the buffer
         self._task: asyncio.Task | None = None
 
     def start(self, engine: EngineClient) -> None:
@@ -78,6 +82,9 @@ class Relay:
                     if len(self._buf) > MAX_STREAM_BACKLOG:
                         raise StreamStalledError(f"the reader of request {self.req.request_id} fell more than "
                                                  f"{MAX_STREAM_BACKLOG} outputs behind; the request was aborted")
+                    if len(self._buf) >= PAUSE_BACKLOG:
+                        self._drained.clear()
+                        await self._drained.wait()
         except asyncio.CancelledError:
             reason = "abort"
             raise
@@ -103,6 +110,7 @@ class Relay:
         await self._ready.wait()
         self._ready.clear()
         items, self._buf = self._buf, []
+        self._drained.set()
         return items
 
     def abort(self) -> None:

@@ -105,3 +105,52 @@ def test_a_client_that_stops_reading_has_its_request_aborted(blob_engine, tmp_pa
     outputs = [line for line in lines if line["type"] == "output"]
     assert not any(o["finished"] for o in outputs)
     assert sum(len(o["new_token_ids"]) for o in outputs) < 40
+
+
+def test_a_client_that_falls_behind_pauses_its_request_and_gets_all_of_it(blob_engine, tmp_path, monkeypatch):
+    """Past the relay's pause backlog the relay stops taking outputs, the engine's queue
+    fills and the request is paused (no steps); once the client reads again it resumes and
+    the client gets the whole output, as if it had never fallen behind."""
+    from loraplex.platform.worker import stream as stream_module
+
+    monkeypatch.setattr(stream_module, "PAUSE_BACKLOG", 4)
+    engine = AsyncEngine(blob_engine[0], pause_backlog=4)
+    sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[list[dict], list[int], int, int]:
+        state, relay, first = await _started_relay(engine, tmp_path, "behind", sampling)
+        reading, chunks = asyncio.Event(), []
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                chunks.append(message["body"])
+                if len(chunks) == 1:
+                    await reading.wait()  # the client stops reading
+
+        stays: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def receive() -> dict:
+            return await stays
+
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
+        task = asyncio.ensure_future(NdjsonResponse(state, relay, first, watcher, {})({}, receive, send))
+        req = engine.engine.scheduler.requests["behind"]
+        while not req.paused:
+            await asyncio.sleep(0.01)
+        made = req.num_output_tokens
+        other = [t async for out in engine.generate([9, 8, 7], sampling) for t in out.new_token_ids]
+        still = req.num_output_tokens
+        reading.set()
+        await task
+        whole = [t async for out in engine.generate([1, 2, 3, 4], sampling) for t in out.new_token_ids]
+        assert len(other) == 40
+        return [orjson.loads(line) for line in b"".join(chunks).splitlines()], whole, made, still
+
+    try:
+        lines, whole, made, still = asyncio.run(asyncio.wait_for(run(), 120))
+    finally:
+        engine.shutdown()
+    assert made < 40 and still == made, "no steps while paused"
+    outputs = [line for line in lines if line["type"] == "output"]
+    assert lines[-1]["type"] == "stats" and outputs[-1]["finished"]
+    assert [t for o in outputs for t in o["new_token_ids"]] == whole
