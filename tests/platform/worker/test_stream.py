@@ -24,27 +24,34 @@ async def _started_relay(engine: AsyncEngine, tmp_path, rid: str, sampling: Samp
     return state, relay, await relay.take()
 
 
+def _response_to_a_paused_reader(state: WorkerState, relay: Relay, first) -> tuple[asyncio.Task, asyncio.Event,
+                                                                                list[bytes]]:
+    """The NDJSON response to a client that reads the first chunk, then nothing until
+    `reading` is set; it never leaves. Returns (the response's task, reading, chunks)."""
+    reading, chunks = asyncio.Event(), []
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body":
+            chunks.append(message["body"])
+            if len(chunks) == 1:
+                await reading.wait()
+
+    stays: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def receive() -> dict:
+        return await stays
+
+    watcher = asyncio.ensure_future(wait_disconnect(receive))
+    return asyncio.ensure_future(NdjsonResponse(state, relay, first, watcher, {})({}, receive, send)), reading, chunks
+
+
 def test_outputs_a_slow_client_missed_are_coalesced(blob_engine, tmp_path):
     engine = AsyncEngine(blob_engine[0])
     sampling = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
     async def run() -> tuple[list[dict], list[int]]:
         state, relay, first = await _started_relay(engine, tmp_path, "slow", sampling)
-        reading, chunks = asyncio.Event(), []
-
-        async def send(message: dict) -> None:
-            if message["type"] == "http.response.body":
-                chunks.append(message["body"])
-                if len(chunks) == 1:
-                    await reading.wait()  # the client reads nothing more for a while
-
-        stays: asyncio.Future = asyncio.get_running_loop().create_future()
-
-        async def receive() -> dict:
-            return await stays  # the client never leaves
-
-        watcher = asyncio.ensure_future(wait_disconnect(receive))
-        task = asyncio.ensure_future(NdjsonResponse(state, relay, first, watcher, {})({}, receive, send))
+        task, reading, chunks = _response_to_a_paused_reader(state, relay, first)
         while not relay.done:  # the engine runs to the end meanwhile
             await asyncio.sleep(0.01)
         reading.set()
@@ -76,21 +83,7 @@ def test_a_client_that_stops_reading_has_its_request_aborted(blob_engine, tmp_pa
 
     async def run() -> list[dict]:
         state, relay, first = await _started_relay(engine, tmp_path, "stalled", sampling)
-        reading, chunks = asyncio.Event(), []
-
-        async def send(message: dict) -> None:
-            if message["type"] == "http.response.body":
-                chunks.append(message["body"])
-                if len(chunks) == 1:
-                    await reading.wait()  # the client stops reading
-
-        stays: asyncio.Future = asyncio.get_running_loop().create_future()
-
-        async def receive() -> dict:
-            return await stays
-
-        watcher = asyncio.ensure_future(wait_disconnect(receive))
-        task = asyncio.ensure_future(NdjsonResponse(state, relay, first, watcher, {})({}, receive, send))
+        task, reading, chunks = _response_to_a_paused_reader(state, relay, first)
         while not relay.done:  # only the backlog ends it before its 40 tokens
             await asyncio.sleep(0.01)
         reading.set()
@@ -119,21 +112,7 @@ def test_a_client_that_falls_behind_pauses_its_request_and_gets_all_of_it(blob_e
 
     async def run() -> tuple[list[dict], list[int], int, int]:
         state, relay, first = await _started_relay(engine, tmp_path, "behind", sampling)
-        reading, chunks = asyncio.Event(), []
-
-        async def send(message: dict) -> None:
-            if message["type"] == "http.response.body":
-                chunks.append(message["body"])
-                if len(chunks) == 1:
-                    await reading.wait()  # the client stops reading
-
-        stays: asyncio.Future = asyncio.get_running_loop().create_future()
-
-        async def receive() -> dict:
-            return await stays
-
-        watcher = asyncio.ensure_future(wait_disconnect(receive))
-        task = asyncio.ensure_future(NdjsonResponse(state, relay, first, watcher, {})({}, receive, send))
+        task, reading, chunks = _response_to_a_paused_reader(state, relay, first)
         req = engine.engine.scheduler.requests["behind"]
         while not req.paused:
             await asyncio.sleep(0.01)
