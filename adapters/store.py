@@ -16,6 +16,7 @@ blob into tmp/ before removing it, so a blob folder is always either whole or ab
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import fcntl
 import json
 import os
@@ -42,6 +43,7 @@ from .errors import (
     AdapterValidationError,
     InvalidAdapterNameError,
 )
+from .features import adapter_features
 from .limits import MAX_CONFIG_BYTES, max_adapter_bytes
 from .peft import (
     CONFIG_NAME,
@@ -69,15 +71,20 @@ class AdapterRecord:
     alpha: float
     size_bytes: int  # on disk: config + safetensors
     created_at: float  # unix seconds
+    # Its kind (`features.adapter_features`); None for a version recorded before kinds were.
+    features: tuple[str, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["target_modules"] = list(self.target_modules)
+        d["features"] = None if self.features is None else list(self.features)
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> AdapterRecord:
-        return cls(**{**d, "target_modules": tuple(d["target_modules"])})
+        features = d.get("features")
+        return cls(**{**d, "target_modules": tuple(d["target_modules"]),
+                      "features": None if features is None else tuple(features)})
 
 
 def validate_name(name: str) -> str:
@@ -183,6 +190,7 @@ class AdapterStore:
                 alpha=adapter.alpha,
                 size_bytes=size,
                 created_at=time.time(),
+                features=adapter_features(adapter),
             )
             with self._locked():
                 return self._commit(record, blob, replace)
@@ -216,7 +224,7 @@ class AdapterStore:
         if entry is not None and not replace:
             raise AdapterError(f"adapter {record.name!r} already exists (pass replace=True for a new version)")
         if entry is not None and entry["current"]["digest"] == record.digest:
-            return AdapterRecord.from_json(entry["current"])  # same content: nothing to change
+            return self._same_content(index, entry, record)
         published = self.blobs.adopt(record.digest, blob)
         history = [] if entry is None else [entry["current"], *entry["history"]][: self.keep_versions]
         index[record.name] = {"current": record.to_json(), "history": history}
@@ -228,6 +236,16 @@ class AdapterStore:
             raise
         self._prune(index)
         return record
+
+    def _same_content(self, index: dict[str, Any], entry: dict[str, Any], record: AdapterRecord) -> AdapterRecord:
+        """The current version, unchanged; only its kind is filled in when it was recorded
+        before versions kept one."""
+        current = AdapterRecord.from_json(entry["current"])
+        if current.features is None:
+            current = dataclasses.replace(current, features=record.features)
+            entry["current"] = current.to_json()
+            self._write_index(index)
+        return current
 
     def _stage(self, source: Path, staging: Path) -> Path:
         """Write the adapter's two files into staging/blob (fsync'd, size-capped); return it."""

@@ -592,9 +592,42 @@
     };
   }
 
+  // An adapter's kind: the tags of loraplex.adapters.features ("dora", "modules_to_save:lm_head,norm", ...);
+  // [] is plain LoRA, null a version recorded before kinds were.
+  const FEATURES = {
+    rslora: ["rsLoRA", "use_rslora: each module's scale is alpha / √rank"],
+    dora: ["DoRA", "use_dora: a magnitude vector rescales each targeted projection"],
+    lora_bias: ["LoRA bias", "lora_bias: a bias on every lora_B"],
+    trainable_tokens: ["trainable tokens", "trainable_token_indices: token rows replaced in"],
+    modules_to_save: ["saved modules", "modules_to_save: saved whole"],
+  };
+
+  function kindKey(features) {
+    if (!Array.isArray(features)) return "unknown";
+    return features.length ? features.map((t) => t.split(":")[0]).join(" ") : "lora";
+  }
+
+  function kindView(features, full) {
+    if (!Array.isArray(features)) {
+      return h("span", { class: "muted small", title: "Recorded before loraplex kept adapter kinds; a new upload of "
+        + "the same files records it" }, "unknown");
+    }
+    if (!features.length) return h("span", { class: "badge", title: "Plain LoRA" }, "LoRA");
+    return h("div", { class: "chips" }, features.map((tag) => {
+      const [name, modules] = tag.split(":");
+      const [label, hint] = FEATURES[name] || [name, tag];
+      const list = modules ? modules.split(",").join(", ") : "";
+      return h("span", { class: "badge kind", "data-feature": name, title: list ? `${hint}: ${list}` : hint },
+        full && list ? `${label}: ${list}` : label);
+    }));
+  }
+
   function adapterDetails(a) {
     return h("dl", { class: "kv" },
-      h("dt", {}, "Rank"), h("dd", { "data-field": "rank" }, a.rank),
+      h("dt", {}, "Kind"),
+      h("dd", { "data-field": "kind", "data-kind": kindKey(a.features) }, kindView(a.features, true)),
+      h("dt", {}, "Rank"), h("dd", { "data-field": "rank" }, a.rank ?? "–"),
+      h("dt", {}, "Alpha"), h("dd", { "data-field": "alpha" }, a.alpha ?? "–"),
       h("dt", {}, "Targets"), h("dd", { "data-field": "targets" }, a.target_modules.join(", ")),
       h("dt", {}, "Size"), h("dd", { "data-field": "size" }, fmtBytes(a.size_bytes)),
       h("dt", {}, "Digest"), h("dd", { class: "mono", "data-field": "digest" }, a.digest));
@@ -664,7 +697,8 @@
       const tbody = h("tbody");
       for (const a of adapters) tbody.append(...adapterRows(a));
       tableWrap.append(h("table", { id: "adapters-table" }, h("thead", {}, h("tr", {},
-        h("th", {}, "Name"), h("th", { class: "num" }, "Rank"), h("th", {}, "Targets"), h("th", { class: "num" }, "Size"),
+        h("th", {}, "Name"), h("th", { class: "num" }, "Rank"), h("th", {}, "Kind"), h("th", {}, "Targets"),
+        h("th", { class: "num" }, "Size"),
         h("th", {}, "Digest"), h("th", {}, "Access"), h("th", {}, "Resident"), h("th", {}))), tbody));
     }
 
@@ -707,7 +741,15 @@
       const sub = h("tr", { class: "subrow", hidden: true });
       const prog2 = progressUI(`replace-${a.name}-progress`);
       const err2 = h("div", { class: "error", hidden: true, role: "alert" });
-      sub.append(h("td", { colspan: 8 }, prog2.els, err2));
+      sub.append(h("td", { colspan: 9 }, prog2.els, err2));
+      const details = h("tr", { class: "subrow details", hidden: true, "data-details": a.name },
+        h("td", { colspan: 9 }, adapterDetails(a)));
+      const toggle = h("button", { class: "linklike", type: "button", "aria-expanded": "false",
+        title: "Show this adapter's details" }, h("strong", {}, a.name));
+      toggle.addEventListener("click", () => {
+        details.hidden = !details.hidden;
+        toggle.setAttribute("aria-expanded", String(!details.hidden));
+      });
       replaceInput.addEventListener("change", async () => {
         if (!replaceInput.files.length) return;
         const fd = new FormData();
@@ -724,9 +766,10 @@
         } finally { replaceInput.value = ""; }
       });
       const row = h("tr", { "data-adapter": a.name },
-        h("td", { class: "nowrap" }, h("strong", {}, a.name),
+        h("td", { class: "nowrap" }, toggle,
           a.num_versions > 1 ? h("div", { class: "muted small" }, `${a.num_versions} versions kept`) : null),
         h("td", { class: "num" }, a.rank ?? "–"),
+        h("td", { class: "kind", "data-kind": kindKey(a.features) }, kindView(a.features, false)),
         h("td", { class: "small" }, a.target_modules.join(", ")),
         h("td", { class: "num nowrap" }, fmtBytes(a.size_bytes)),
         h("td", { class: "mono", title: a.digest }, shortDigest(a.digest)),
@@ -738,7 +781,7 @@
             toast(`Adapter ${a.name} removed`);
             await loadList();
           }))));
-      return [row, sub];
+      return [row, details, sub];
     }
 
     await loadList(list);

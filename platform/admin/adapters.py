@@ -52,8 +52,13 @@ def adapter_residency(gw: Gateway) -> dict[str, str]:
 
 def _record_json(r: AdapterRecord, where: dict[str, str]) -> dict:
     return {"digest": r.digest, "rank": r.rank, "alpha": r.alpha, "target_modules": list(r.target_modules),
-            "size_bytes": r.size_bytes, "created_at": dt.datetime.fromtimestamp(r.created_at, dt.timezone.utc),
+            "size_bytes": r.size_bytes, "features": _features(r.features),
+            "created_at": dt.datetime.fromtimestamp(r.created_at, dt.timezone.utc),
             "residency": where.get(r.digest, "disk")}
+
+
+def _features(features: tuple[str, ...] | None) -> list[str] | None:
+    return None if features is None else list(features)
 
 
 def _adapter_json(a: AdapterInfo, kept: list[AdapterRecord], where: dict[str, str], stored: set[str],
@@ -66,9 +71,12 @@ def _adapter_json(a: AdapterInfo, kept: list[AdapterRecord], where: dict[str, st
     d: dict[str, Any] = {"name": a.name, "digest": a.digest, "public": a.public, "owner": a.owner,
                          "grants": list(a.grants), "created_at": a.created_at, "updated_at": a.updated_at,
                          "residency": residency, "rank": a.rank, "alpha": a.alpha,
-                         "target_modules": list(a.target_modules or ()), "size_bytes": a.size_bytes}
+                         "target_modules": list(a.target_modules or ()), "size_bytes": a.size_bytes,
+                         "features": _features(a.features)}
     if r is not None:
         d.update(rank=r.rank, alpha=r.alpha, target_modules=list(r.target_modules), size_bytes=r.size_bytes)
+        if r.features is not None:  # a version this process stored before kinds were: the row's may know it
+            d["features"] = list(r.features)
     if with_versions:
         d["versions"] = [_record_json(v, where) for v in kept]
     return d
@@ -142,7 +150,7 @@ async def upload_adapter(request: Request, st: AdminState, admin: Admin, query: 
     payload = await _adapters_payload(st, info.name)
     await st.audit(admin, "adapter.upload", f"adapter:{info.name}", digest=info.digest, public=info.public,
                    owner=info.owner, grants=list(info.grants), rank=payload["rank"], size_bytes=payload["size_bytes"],
-                   upload_bytes=up.total_bytes)
+                   features=payload["features"], upload_bytes=up.total_bytes)
     return json_response(payload, 201)
 
 
@@ -169,7 +177,8 @@ async def replace_adapter(request: Request, st: AdminState, admin: Admin, query:
     await _collect_blobs(st)
     payload = await _adapters_payload(st, name)
     await st.audit(admin, "adapter.replace", f"adapter:{name}", previous_digest=before.digest, digest=info.digest,
-                   rank=payload["rank"], size_bytes=payload["size_bytes"], upload_bytes=up.total_bytes)
+                   rank=payload["rank"], size_bytes=payload["size_bytes"], features=payload["features"],
+                   upload_bytes=up.total_bytes)
     return json_response(payload, 200)
 
 

@@ -27,6 +27,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from loraplex.adapters import AdapterNotFoundError
+from loraplex.adapters.features import TAG_PATTERN
 
 from loraplex.platform.admin.adapters import (
     get_adapter_,
@@ -186,6 +187,10 @@ _POINT = {"type": "object", "required": ["t", "total_tokens"], "properties": {
 WEIGHT = {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_WEIGHT,
           "description": "its share of the engine inside a lane and of the waiting queue, relative to other "
                          "tenants (tenant-fair scheduling; default 1)"}
+FEATURES = {"type": ["array", "null"], "items": {"type": "string", "pattern": TAG_PATTERN},
+            "description": "the version's kind: the PEFT features it uses beyond plain LoRA, as tags: rslora, "
+                           "dora, lora_bias, trainable_tokens:<modules>, modules_to_save:<modules> (modules "
+                           "comma-separated); [] plain LoRA; null unknown (recorded before kinds were)"}
 REQUEST_TIMEOUT = {"type": ["number", "null"], "minimum": 0, "maximum": MAX_REQUEST_TIMEOUT,
                    "description": "seconds a request may run before the engine ends it (finish reason "
                                   "timeout); null or 0: the server's --request-timeout"}
@@ -204,18 +209,20 @@ COMPONENTS: dict[str, dict] = {
         "status": {"type": "string", "enum": ["active", "expired", "revoked"]},
         "created_at": {"type": "string", "format": "date-time"}, "expires_at": TS, "revoked_at": TS,
         "last_used_at": TS}},
-    "AdapterVersion": {"type": "object", "required": ["digest", "rank", "size_bytes", "residency"], "properties": {
+    "AdapterVersion": {"type": "object", "required": ["digest", "rank", "size_bytes", "features", "residency"],
+                       "properties": {
         "digest": {"type": "string"}, "rank": {"type": "integer"}, "alpha": {"type": "number"},
         "target_modules": {"type": "array", "items": {"type": "string"}}, "size_bytes": {"type": "integer"},
-        "created_at": {"type": "string", "format": "date-time"},
+        "features": FEATURES, "created_at": {"type": "string", "format": "date-time"},
         "residency": {"type": "string", "enum": ["device", "cpu", "disk"]}}},
-    "Adapter": {"type": "object", "required": ["name", "digest", "public", "grants", "residency"], "properties": {
+    "Adapter": {"type": "object", "required": ["name", "digest", "public", "grants", "features", "residency"],
+                "properties": {
         "name": {"type": "string"}, "digest": {"type": "string", "description": "sha256:... of the current version"},
         "public": {"type": "boolean"}, "owner": {"type": ["string", "null"]},
         "grants": {"type": "array", "items": {"type": "string"}},
         "rank": {"type": ["integer", "null"]}, "alpha": {"type": ["number", "null"]},
         "target_modules": {"type": "array", "items": {"type": "string"}},
-        "size_bytes": {"type": ["integer", "null"]}, "created_at": TS, "updated_at": TS,
+        "size_bytes": {"type": ["integer", "null"]}, "features": FEATURES, "created_at": TS, "updated_at": TS,
         "residency": {"type": "string", "enum": ["device", "cpu", "disk", "store", "missing"],
                       "description": "where the current version is now: a device slot, the CPU tier, this "
                                      "server's disk, only the shared adapter store (uploaded through another "

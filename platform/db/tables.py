@@ -71,6 +71,9 @@ class Adapter(Base):
     alpha: Mapped[float | None] = mapped_column(Float, default=None)
     target_modules: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True), default=None)
     size_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    # The current version's kind (`loraplex.adapters.features`): [] plain LoRA; None in rows
+    # written before this column existed (unknown).
+    features: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True), default=None)
 
     owner: Mapped[Tenant | None] = relationship()
     grants: Mapped[list[AdapterGrant]] = relationship(back_populates="adapter", cascade="all, delete-orphan")

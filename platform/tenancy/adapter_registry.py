@@ -70,6 +70,8 @@ class AdapterInfo:
     alpha: float | None = None
     target_modules: tuple[str, ...] | None = None
     size_bytes: int | None = None
+    # Its kind (`loraplex.adapters.features`): () plain LoRA, None unknown.
+    features: tuple[str, ...] | None = None
 
 
 def add_adapter(db: Database, store: AdapterStore, name: str, path: str | Path, *, public: bool = False,
@@ -102,6 +104,7 @@ def add_adapter(db: Database, store: AdapterStore, name: str, path: str | Path, 
         row.digest, row.updated_at = record.digest, utcnow()
         row.rank, row.alpha, row.size_bytes = record.rank, record.alpha, record.size_bytes
         row.target_modules = list(record.target_modules)
+        row.features = None if record.features is None else list(record.features)
         row.public = row.public or public
         if owner_t is not None:
             row.owner_tenant_id = owner_t.id
@@ -129,9 +132,10 @@ def _in_store(store: AdapterStore, name: str) -> bool:
 def _info(row: Adapter) -> AdapterInfo:
     grants = tuple(sorted(g.tenant.name for g in row.grants))
     targets = tuple(row.target_modules) if row.target_modules is not None else None
+    features = tuple(row.features) if row.features is not None else None
     return AdapterInfo(row.name, row.digest, row.owner.name if row.owner else None, row.public, grants,
                        row.created_at, row.updated_at, rank=row.rank, alpha=row.alpha, target_modules=targets,
-                       size_bytes=row.size_bytes)
+                       size_bytes=row.size_bytes, features=features)
 
 
 def list_adapters(db: Database) -> list[AdapterInfo]:

@@ -4,6 +4,7 @@ checks every JSON response against the OpenAPI document the server publishes."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,9 +14,11 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from sqlalchemy import update
 
 from loraplex.platform.app import create_app
 from loraplex.platform.db.database import Database, migrate
+from loraplex.platform.db.tables import Adapter
 from loraplex.platform.settings import AdminConfig, Settings
 from tests.e2e.conftest import LiveServer
 from tests.platform.fixtures import BACKENDS, fresh_db_url
@@ -169,6 +172,19 @@ def kind_adapters(tmp_path_factory, tiny_llama_dir) -> dict[str, Path]:
     return {kind: make_random_peft_adapter(tiny_llama_dir, root / kind, rank=8, seed=31 + i, init_scale=0.3,
                                            lora_config=extra)
             for i, (kind, extra) in enumerate(kinds)}
+
+
+def forget_kind(live: AdminLive, name: str) -> None:
+    """Make `name` look recorded before kinds were: no kind in its registry row nor in this
+    server's store index."""
+    with live.db.session() as s:
+        s.execute(update(Adapter).where(Adapter.name == name).values(features=None))
+    path = live.store.root / "index.json"
+    doc = json.loads(path.read_text())
+    entry = doc["adapters"][name]
+    for record in (entry["current"], *entry["history"]):
+        record.pop("features", None)
+    path.write_text(json.dumps(doc))
 
 
 def adapter_files(folder: Path) -> list[tuple[str, tuple[str, bytes, str]]]:

@@ -69,7 +69,7 @@ def _listed(api: AdminClient) -> dict[str, dict]:
 
 
 def _metadata(a: dict) -> dict:
-    return {k: a[k] for k in ("digest", "rank", "alpha", "target_modules", "size_bytes")}
+    return {k: a[k] for k in ("digest", "rank", "alpha", "target_modules", "size_bytes", "features")}
 
 
 def test_uploads_elsewhere_are_in_the_store(gateways, upload_adapters, tiny_llama_dir, tmp_path):
@@ -85,7 +85,7 @@ def test_uploads_elsewhere_are_in_the_store(gateways, upload_adapters, tiny_llam
     assert uploader["residency"] == "disk"  # the uploader keeps its own copy
     # The other gateway never had the files on its disk, yet describes the version alike.
     assert uploader["rank"] == 4 and sorted(uploader["target_modules"]) == ["q_proj", "v_proj"]
-    assert uploader["size_bytes"] > 0 and uploader["alpha"] is not None
+    assert uploader["size_bytes"] > 0 and uploader["alpha"] is not None and seen["features"] == []  # plain LoRA
     assert _metadata(seen) == _metadata(uploader) == _metadata(r.json())
     assert _metadata(one.get("/adapters/via-other").json()) == _metadata(uploader)
 

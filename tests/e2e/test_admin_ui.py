@@ -1,12 +1,13 @@
 """The admin UI in a real browser: Playwright drives Debian's chromium (headless) against
 a live server, on SQLite and PostgreSQL.
 
-Sign in; create a tenant and a key; upload an adapter (progress bar, then its rank,
+Sign in; create a tenant and a key; upload an adapter (progress bar, then its kind, rank,
 targets, size and digest); grant it; the key then gets a completion with that adapter
 through the official openai client; adapters of the other kinds (DoRA, lora_bias,
-trainable tokens with saved norms) upload granted and give PEFT's greedy tokens; a
-malformed upload shows its error in plain words and changes nothing; every page is
-screenshotted into test-artifacts/admin-ui/.
+trainable tokens with saved norms) upload granted, show their kind in the Kind column and
+the adapter's details, and give PEFT's greedy tokens; one recorded before kinds were
+shows as unknown; a malformed upload shows its error in plain words and changes nothing;
+every page is screenshotted into test-artifacts/admin-ui/.
 
 Skips (with the reason) when chromium or playwright is missing, unless
 LORAPLEX_REQUIRE_BROWSER=1 (CI sets it), where that is a failure.
@@ -20,11 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.admin_fixtures import (ADMIN_TOKEN, KIND_PROMPT, admin_live, kind_adapters,  # noqa: F401 - fixtures
-                                      upload_adapters)
+from tests.e2e.admin_fixtures import (ADMIN_TOKEN, KIND_PROMPT, admin_live, forget_kind,  # noqa: F401 - fixtures
+                                      kind_adapters, upload_adapters)
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts" / "admin-ui"
+# What the Kind column shows for each of `kind_adapters`, and the adapter's details.
+KIND_LABELS = {"dora": ["DoRA"], "bias": ["LoRA bias"], "saved": ["trainable tokens", "saved modules"]}
+KIND_DETAILS = {"dora": ["DoRA"], "bias": ["LoRA bias"],
+                "saved": ["trainable tokens: embed_tokens",
+                          "saved modules: input_layernorm, post_attention_layernorm, norm"]}
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
 
@@ -119,7 +125,9 @@ def _upload_kinds(page, client, tenant: str, folders: dict[str, Path], model_dir
         result = page.locator("#upload-result")
         expect(result).to_contain_text(f"Adapter {name} is ready.")
         expect(result.locator("[data-field=rank]")).to_have_text("8")
+        expect(result.locator("[data-field=kind] .badge")).to_have_text(KIND_DETAILS[kind])
         expect(page.locator(f"tr[data-adapter='{name}'] .chip[data-grant='{tenant}']")).to_be_visible()
+        expect(page.locator(f"tr[data-adapter='{name}'] td.kind .badge")).to_have_text(KIND_LABELS[kind])
         names.append(name)
         out = client.completions.create(model=name, prompt=KIND_PROMPT, max_tokens=6, temperature=0,
                                         extra_body={"ignore_eos": True})
@@ -205,11 +213,13 @@ def test_admin_ui_end_to_end(page, admin_live, upload_adapters, kind_adapters, t
         result = page.locator("#upload-result")
         expect(result).to_be_visible()
         expect(result.locator("[data-field=rank]")).to_have_text("4")
+        expect(result.locator("[data-field=kind]")).to_have_text("LoRA")
         expect(result.locator("[data-field=targets]")).to_have_text("q_proj, v_proj")
         expect(result.locator("[data-field=digest]")).to_contain_text("sha256:")
         expect(page.locator("#upload-progress")).to_have_attribute("aria-valuenow", "100")
         arow = page.locator(f"tr[data-adapter='{adapter}']")
         expect(arow).to_contain_text("nobody yet")
+        expect(arow.locator("td.kind")).to_have_text("LoRA")
         arow.locator("select.grant-select").select_option(tenant)
         expect(page.locator(f"tr[data-adapter='{adapter}'] .chip[data-grant='{tenant}']")).to_be_visible()
         _shot(page, b, "04-adapters")
@@ -224,6 +234,17 @@ def test_admin_ui_end_to_end(page, admin_live, upload_adapters, kind_adapters, t
         # -- adapters of every kind that fits an upload: DoRA, lora_bias, trainable tokens -----
         kinds = _upload_kinds(page, client, tenant, kind_adapters, tiny_llama_dir)
         assert set(kinds) <= {m.id for m in client.models.list().data}
+        # The name opens the adapter's details, its kind in full among them.
+        saved = f"{tenant}-saved"
+        page.locator(f"tr[data-adapter='{saved}'] button.linklike").click()
+        expect(page.locator(f"tr[data-details='{saved}'] [data-field=kind] .badge")).to_have_text(
+            KIND_DETAILS["saved"])
+        # An adapter recorded before kinds were shows as unknown, not as plain LoRA.
+        forget_kind(admin_live, f"{tenant}-bias")
+        _goto(page, "keys")
+        _goto(page, "adapters")
+        expect(page.locator(f"tr[data-adapter='{tenant}-bias'] td.kind")).to_have_text("unknown")
+        expect(page.locator(f"tr[data-adapter='{tenant}-dora'] td.kind")).to_have_text("DoRA")
         _shot(page, b, "04b-adapter-kinds")
 
         # -- a malformed upload shows its error and changes nothing ----------------------------

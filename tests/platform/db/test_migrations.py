@@ -119,6 +119,39 @@ def test_0007_adapter_metadata_up_and_down_keeps_existing_rows(empty_db_url):
         engine.dispose()
 
 
+def test_0010_adapter_features_up_and_down_keeps_existing_rows(empty_db_url):
+    """Adapters registered before 0010 keep their rows with an unknown kind (null, not []),
+    and a downgrade drops only that column, in place: the grants survive it."""
+    from alembic import command
+
+    from loraplex.platform.db.database import alembic_config
+
+    migrate(empty_db_url, "0009")
+    engine = make_db_engine(empty_db_url)
+    try:
+        with engine.begin() as conn:
+            t = {"t": "2026-12-03 00:00:00+00:00"}
+            conn.execute(text("INSERT INTO tenants (id, name, default_lane, allowed_lanes, enabled, created_at) "
+                              "VALUES (1, 'acme', 'standard', 'standard', true, :t)"), t)
+            conn.execute(text("INSERT INTO adapters (id, name, digest, public, owner_tenant_id, created_at, "
+                              "updated_at, rank) VALUES (1, 'old', 'sha256:00', false, 1, :t, :t, 4)"), t)
+            conn.execute(text("INSERT INTO adapter_grants (adapter_id, tenant_id, created_at) VALUES (1, 1, :t)"), t)
+        migrate(empty_db_url, "0010")
+        with engine.connect() as conn:
+            assert tuple(conn.execute(text("SELECT digest, rank, features FROM adapters")).one()) == (
+                "sha256:00", 4, None)
+
+        command.downgrade(alembic_config(empty_db_url), "0009")
+        assert "features" not in _columns(empty_db_url, "adapters")
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT name, rank, owner_tenant_id FROM adapters")).all() == [("old", 4, 1)]
+            assert conn.execute(text("SELECT adapter_id, tenant_id FROM adapter_grants")).all() == [(1, 1)]
+        migrate(empty_db_url)
+        assert _diffs(empty_db_url) == []
+    finally:
+        engine.dispose()
+
+
 def _count(url: str, table: str) -> int:
     engine = make_db_engine(url)
     try:

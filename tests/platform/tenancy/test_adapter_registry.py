@@ -12,20 +12,20 @@ from loraplex.platform.tenancy.adapter_registry import adapter_info, add_adapter
 
 
 def _metadata(info) -> tuple:
-    return info.digest, info.rank, info.alpha, info.target_modules, info.size_bytes
+    return info.digest, info.rank, info.alpha, info.target_modules, info.size_bytes, info.features
 
 
 def test_the_row_follows_the_current_version(tmp_path: Path, tiny_llama_dir, tiny_adapters, db):
     store = AdapterStore(tmp_path / "store", BaseShapes.from_model_dir(tiny_llama_dir))
     info = add_adapter(db, store, "meta", tiny_adapters["ad1"], public=True)
     r = store.get("meta")
-    assert _metadata(info) == (r.digest, 4, r.alpha, r.target_modules, r.size_bytes)
+    assert _metadata(info) == (r.digest, 4, r.alpha, r.target_modules, r.size_bytes, ())  # plain LoRA
     assert _metadata(adapter_info(db, "meta")) == _metadata(info)
 
     replaced = add_adapter(db, store, "meta", tiny_adapters["ad2"], replace=True)
     r2 = store.get("meta")
     assert (replaced.digest, replaced.rank) == (r2.digest, 8) and r2.digest != r.digest
-    assert _metadata(replaced) == (r2.digest, 8, r2.alpha, r2.target_modules, r2.size_bytes)
+    assert _metadata(replaced) == (r2.digest, 8, r2.alpha, r2.target_modules, r2.size_bytes, r2.features)
     assert [_metadata(a) for a in list_adapters(db)] == [_metadata(replaced)]
 
 
@@ -34,9 +34,9 @@ def test_a_row_without_metadata_reads_as_unknown(tmp_path: Path, tiny_llama_dir,
     add_adapter(db, store, "older", tiny_adapters["ad1"])
     with db.session() as s:  # as a row registered before the registry kept metadata
         row = s.scalars(select(Adapter).where(Adapter.name == "older")).one()
-        row.rank = row.alpha = row.target_modules = row.size_bytes = None
+        row.rank = row.alpha = row.target_modules = row.size_bytes = row.features = None
     info = adapter_info(db, "older")
-    assert (info.rank, info.alpha, info.target_modules, info.size_bytes) == (None, None, None, None)
+    assert _metadata(info)[1:] == (None, None, None, None, None)
 
 
 def test_a_replica_refuses_an_adapter_over_its_rank_limit_by_the_registry_alone(
