@@ -10,11 +10,15 @@ bf16 on 2 threads, the in-process engine with its default LoRA settings:
 Prints output tokens/s and TTFT p50 of each as ratios to the base model's.
 `--kinds N` adds N rank-8 adapters on all seven projections of each PEFT kind served
 (plain LoRA, DoRA, lora_bias, trainable tokens, saved norms), uniform, and N mixtures of
-two of the plain ones (a*0.5+b*0.5); one engine per kind, the mixtures and the base model
-(prefix caching off), timed in turn for --kind-rounds rounds. Prints each one's mean step
-time (the fastest round: the least disturbed by a busy machine) as a ratio to plain
-LoRA's, and the mixtures' next to the sum of their parts: the base model's step plus
-twice plain LoRA's cost over it.
+two of the plain ones (a*0.5+b*0.5, each one segment of rank 16); one engine per kind, the
+mixtures and the base model (prefix caching off), all serving the same requests with the
+same adapter assignment, their steps interleaved one by one (a machine others share slows
+each of them alike: engines timed one after another met different loads, and a minute of
+someone else's work made one kind look 5x slower than the next), for --kind-rounds rounds.
+Prints each one's mean step time (the fastest round) as a ratio to plain LoRA's, and the
+mixtures' next to the sum of their parts: the base model's step plus twice plain LoRA's
+cost over it (the same rows through two rank-8 adapters). Every engine runs the same
+steps (printed), so mean step times compare like with like.
 
 Adapters: PEFT writes one template per target set (make_random_peft_adapter); the rest
 reuse its config and tensor names with the rank changed and seeded random bf16 values
@@ -128,9 +132,9 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-def run_engine(engine: LLMEngine, wl: Workload, adapters: list[str | None]) -> dict:
-    """All requests arrive at once. Warm-up first: every batch width (LLMEngine.warm_up),
-    the base model, then each adapter once."""
+def warm_engine(engine: LLMEngine, wl: Workload, adapters: list[str | None]) -> float:
+    """Every batch width (LLMEngine.warm_up), the base model, then each adapter once: its
+    seconds."""
     engine.warm_up()
     engine.generate([wl.prompts[0][:8]], _greedy(2))
     start = time.perf_counter()
@@ -139,7 +143,12 @@ def run_engine(engine: LLMEngine, wl: Workload, adapters: list[str | None]) -> d
     while engine.has_unfinished_requests():
         if not engine.step():
             time.sleep(0.005)  # adapters load in a background thread: do not spin on the GIL
-    warm = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def run_engine(engine: LLMEngine, wl: Workload, adapters: list[str | None]) -> dict:
+    """All requests arrive at once, after `warm_engine`."""
+    warm = warm_engine(engine, wl, adapters)
     steps, first = 0, {}
     start = time.perf_counter()
     ids = [engine.add_request(p, _greedy(n), adapter=a) for p, n, a in zip(wl.prompts, wl.max_tokens, adapters)]
@@ -159,21 +168,47 @@ def run_engine(engine: LLMEngine, wl: Workload, adapters: list[str | None]) -> d
             "preemptions": engine.scheduler.num_preemptions}
 
 
+def run_lockstep(engines: dict[str, LLMEngine], wl: Workload, assign: dict[str, list[str | None]],
+                 first: int = 0) -> dict[str, tuple[float, int]]:
+    """Every engine serves the workload (all requests at once, after `warm_engine`), their
+    steps interleaved one by one (starting with engine `first`): (seconds in its steps,
+    steps) per engine. Whatever else the machine runs meanwhile slows them all alike."""
+    names = list(engines)
+    names = names[first % len(names):] + names[:first % len(names)]
+    for k in names:
+        warm_engine(engines[k], wl, assign[k])
+    for k in names:
+        for p, n, a in zip(wl.prompts, wl.max_tokens, assign[k]):
+            engines[k].add_request(p, _greedy(n), adapter=a)
+    spent = {k: [0.0, 0] for k in names}
+    running = list(names)
+    while running:
+        for k in list(running):
+            t = time.perf_counter()
+            engines[k].step()
+            spent[k][0] += time.perf_counter() - t
+            spent[k][1] += 1
+            if not engines[k].has_unfinished_requests():
+                running.remove(k)
+    return {k: (t, n) for k, (t, n) in spent.items()}
+
+
 def compare_kinds(make_engine, wl: Workload, sets: dict, n: int, rounds: int) -> dict[str, float]:
     """Mean step time (ms) of the base model, each of KINDS and mixtures of two plain
-    adapters over the same requests and adapter assignment, the fastest of `rounds` runs
-    taken in turn; printed as ratios to plain LoRA's."""
+    adapters over the same requests and adapter assignment (`run_lockstep`: their steps
+    interleaved), the fastest of `rounds` rounds; printed as ratios to plain LoRA's, and
+    the mixtures' to the sum of their parts."""
     idx = assign_adapters(len(wl.prompts), n, "uniform", 0.0)
     plain = sets["kind-plain"][0]
     assign = {"base": [None] * len(idx)} | {k: [sets[f"kind-{k}"][0][i] for i in idx] for k in KINDS}
     assign["mixture"] = [f"{plain[i]}*0.5+{plain[(i + 1) % n]}*0.5" if n > 1 else f"{plain[i]}*0.5" for i in idx]
-    configs = list(assign)
-    engines = {k: make_engine(enable_prefix_caching=False) for k in configs}  # every round does the same work
-    times: dict[str, list[float]] = {k: [] for k in configs}
+    engines = {k: make_engine(enable_prefix_caching=False) for k in assign}  # every round does the same work
+    times: dict[str, list[float]] = {k: [] for k in assign}
     for r in range(rounds):
-        for config in configs[r % len(configs):] + configs[:r % len(configs)]:
-            res = run_engine(engines[config], wl, assign[config])
-            times[config].append(1000 * res["elapsed"] / res["steps"])
+        for config, (seconds, steps) in run_lockstep(engines, wl, assign, first=r).items():
+            times[config].append(1000 * seconds / steps)
+            if r == 0:
+                print(f"{n} rank-8 {config:<10} {steps} steps", flush=True)
     best = {k: min(v) for k, v in times.items()}
     for config, ms in best.items():
         print(f"{n} rank-8 {config:<10} mean step {ms:6.1f} ms = {ms / best['plain']:.3f}x plain LoRA's "
@@ -370,7 +405,8 @@ def main() -> None:
                   for m in (modes if dirs[0] else modes[:1])}
             report(label, res, hf)
 
-        run("base model", [None] * len(wl.prompts), [None] * len(wl.prompts))
+        if scenarios or not args.kinds:  # the scenarios' baseline (--kinds has its own)
+            run("base model", [None] * len(wl.prompts), [None] * len(wl.prompts))
         for n, pop in scenarios:
             names, dirs = sets["mixed" if pop == "mixed" else "rank8"]
             idx = assign_adapters(len(wl.prompts), n, "uniform" if pop == "mixed" else pop, args.zipf_s)

@@ -20,9 +20,11 @@
  * Work items are pieces [begin, end), shared out by OpenMP (torch's own runtime).
  *
  * The epilogue of DoRA and lora_bias adapters (lora/epilogue.py), when `epi_flags` is
- * not NULL: for a slot whose flag is set, each module's rows then become
- * round(out * scale + shift) over its columns, scale and shift fp32 [slots, group width]
- * at the slot stride `epi_stride`.
+ * not NULL: for a slot whose flag is set, each module's rows become
+ * round((out + delta) * scale + shift) over its columns, scale and shift fp32
+ * [slots, group width] at the slot stride `epi_stride`. The expand applies it as it
+ * stores a block: a separate (scalar) pass over the rows cost DoRA 2-3x plain LoRA's
+ * kernel time.
  */
 /* As in gemm.c: keep every block accumulator in a register. */
 #pragma GCC optimize("ira-loop-pressure")
@@ -143,9 +145,13 @@ SHRINK_BLOCK(shrink_bf16_r1, uint16_t, bf16_load, vload_bf16, 1, KB1)
 SHRINK_BLOCK(shrink_f32_rb, float, f32_load, vload_f32, RB, KB)
 SHRINK_BLOCK(shrink_f32_r1, float, f32_load, vload_f32, 1, KB1)
 
-/* out[i0 + i][c + j] = round(out + sum_k s[i0 + i][k] bt[k][c + j]) for i < RBX, j < CBX vectors. */
-#define EXPAND_BLOCK(NAME, T, LOAD, STORE, VLOAD, RBX, CBX)                                        \
-static inline void NAME(float s[][MAX_RANK], int i0, int c, int r, const T *bt, int W, T *out, int64_t os) { \
+/* out[i0 + i][c + j] = round(out + sum_k s[i0 + i][k] bt[k][c + j]) for i < RBX, j < CBX vectors;
+ * with EPI (sc, sh: the module's columns of its epilogue's scale and shift),
+ * round((out + delta) * sc + sh): one pass and one rounding, as the Triton expand does.
+ * EPI is a constant: plain LoRA's code has no test for it. */
+#define EXPAND_BLOCK(NAME, T, LOAD, STORE, VLOAD, RBX, CBX, EPI)                                   \
+static inline void NAME(float s[][MAX_RANK], int i0, int c, int r, const T *bt, int W, T *out, int64_t os, \
+                        const float *sc, const float *sh) {                                         \
     vf acc[RBX][CBX];                                                                               \
     for (int i = 0; i < RBX; i++)                                                                   \
         for (int q = 0; q < CBX; q++) acc[i][q] = (vf){0};                                          \
@@ -161,41 +167,47 @@ static inline void NAME(float s[][MAX_RANK], int i0, int c, int r, const T *bt, 
         T *o = out + (int64_t)(i0 + i) * os + c;                                                    \
         float d[CBX * VL];                                                                          \
         memcpy(d, acc[i], sizeof d);                                                                \
-        for (int l = 0; l < CBX * VL; l++) o[l] = STORE(LOAD(o[l]) + d[l]);                         \
+        if (EPI) {                                                                                  \
+            for (int l = 0; l < CBX * VL; l++) o[l] = STORE((LOAD(o[l]) + d[l]) * sc[c + l] + sh[c + l]); \
+        } else {                                                                                    \
+            for (int l = 0; l < CBX * VL; l++) o[l] = STORE(LOAD(o[l]) + d[l]);                     \
+        }                                                                                           \
     }                                                                                               \
 }
 
 /* Rows i0 .. i0 + RBX - 1 of the expand over all W columns: blocks of CBX vectors, then
  * one vector, then one column at a time. */
-#define EXPAND_ROWS(NAME, T, LOAD, STORE, RBX, CBX)                                                \
+#define EXPAND_ROWS(NAME, T, LOAD, STORE, RBX, CBX, EPI)                                           \
 static __attribute__((noinline)) void NAME(float s[][MAX_RANK], int i0, int r, const T *bt, int W, T *out, \
-                                           int64_t os) {                                            \
+                                           int64_t os, const float *sc, const float *sh) {         \
     int c = 0;                                                                                      \
-    for (; c + CBX * VL <= W; c += CBX * VL) NAME##_wide(s, i0, c, r, bt, W, out, os);              \
-    for (; c + VL <= W; c += VL) NAME##_one(s, i0, c, r, bt, W, out, os);                           \
+    for (; c + CBX * VL <= W; c += CBX * VL) NAME##_wide(s, i0, c, r, bt, W, out, os, sc, sh);      \
+    for (; c + VL <= W; c += VL) NAME##_one(s, i0, c, r, bt, W, out, os, sc, sh);                   \
     for (; c < W; c++)                                                                              \
         for (int i = 0; i < RBX; i++) {                                                             \
             float d = 0.f;                                                                          \
             for (int k = 0; k < r; k++) d += s[i0 + i][k] * LOAD(bt[(int64_t)k * W + c]);          \
             T *o = out + (int64_t)(i0 + i) * os + c;                                                \
-            *o = STORE(LOAD(*o) + d);                                                               \
+            *o = EPI ? STORE((LOAD(*o) + d) * sc[c] + sh[c]) : STORE(LOAD(*o) + d);                 \
         }                                                                                           \
 }
 
-#define DEFINE_EXPAND(NAME, T, LOAD, STORE, VLOAD)                                                 \
-EXPAND_BLOCK(NAME##_rb_wide, T, LOAD, STORE, VLOAD, RB, CB)                                        \
-EXPAND_BLOCK(NAME##_rb_one, T, LOAD, STORE, VLOAD, RB, 1)                                          \
-EXPAND_BLOCK(NAME##_r1_wide, T, LOAD, STORE, VLOAD, 1, CB1)                                        \
-EXPAND_BLOCK(NAME##_r1_one, T, LOAD, STORE, VLOAD, 1, 1)                                           \
-EXPAND_ROWS(NAME##_rb, T, LOAD, STORE, RB, CB)                                                     \
-EXPAND_ROWS(NAME##_r1, T, LOAD, STORE, 1, CB1)
+#define DEFINE_EXPAND(NAME, T, LOAD, STORE, VLOAD, EPI)                                            \
+EXPAND_BLOCK(NAME##_rb_wide, T, LOAD, STORE, VLOAD, RB, CB, EPI)                                   \
+EXPAND_BLOCK(NAME##_rb_one, T, LOAD, STORE, VLOAD, RB, 1, EPI)                                     \
+EXPAND_BLOCK(NAME##_r1_wide, T, LOAD, STORE, VLOAD, 1, CB1, EPI)                                   \
+EXPAND_BLOCK(NAME##_r1_one, T, LOAD, STORE, VLOAD, 1, 1, EPI)                                      \
+EXPAND_ROWS(NAME##_rb, T, LOAD, STORE, RB, CB, EPI)                                                \
+EXPAND_ROWS(NAME##_r1, T, LOAD, STORE, 1, CB1, EPI)
 
-DEFINE_EXPAND(expand_f32, float, f32_load, f32_store, vload_f32)
-DEFINE_EXPAND(expand_bf16, uint16_t, bf16_load, bf16_store, vload_bf16)
+DEFINE_EXPAND(expand_f32, float, f32_load, f32_store, vload_f32, 0)
+DEFINE_EXPAND(expand_bf16, uint16_t, bf16_load, bf16_store, vload_bf16, 0)
+DEFINE_EXPAND(expand_epi_f32, float, f32_load, f32_store, vload_f32, 1)
+DEFINE_EXPAND(expand_epi_bf16, uint16_t, bf16_load, bf16_store, vload_bf16, 1)
 
 /* One piece of n rows: full blocks of RB rows, then single rows (a decode row computes
  * for itself only). */
-#define DEFINE_LORA(NAME, T, LOAD, STORE, SHRINK, EXPAND)                                          \
+#define DEFINE_LORA(NAME, T, SHRINK, EXPAND, EPI_EXPAND)                                         \
 int NAME(const T *x, int64_t x_stride, T *out, int64_t out_stride, const int32_t *segs,            \
          const T *a_base, int64_t a_layer_stride, int64_t a_slot_stride, int in_dim, int n_mod,     \
          const int64_t *mods, const int32_t *ranks, int layer, const int32_t *epi_flags,            \
@@ -219,20 +231,20 @@ int NAME(const T *x, int64_t x_stride, T *out, int64_t out_stride, const int32_t
             int i0 = 0;                                                                             \
             for (; i0 + RB <= n; i0 += RB) SHRINK##_rb(xs, x_stride, i0, a, r, in_dim, s);          \
             for (; i0 < n; i0++) SHRINK##_r1(xs, x_stride, i0, a, r, in_dim, s);                    \
-            for (i0 = 0; i0 + RB <= n; i0 += RB) EXPAND##_rb(s, i0, r, bt, width, o, out_stride);   \
-            for (; i0 < n; i0++) EXPAND##_r1(s, i0, r, bt, width, o, out_stride);                   \
-            if (epi_flags && epi_flags[slot]) {                                                     \
-                const float *sc = epi_scale + slot * epi_stride + md[2];                            \
-                const float *sh = epi_shift + slot * epi_stride + md[2];                            \
-                for (int ii = 0; ii < n; ii++) {                                                    \
-                    T *oo = o + (int64_t)ii * out_stride;                                           \
-                    for (int c = 0; c < width; c++) oo[c] = STORE(LOAD(oo[c]) * sc[c] + sh[c]);     \
-                }                                                                                   \
+            const int epi = epi_flags && epi_flags[slot];                                           \
+            const float *sc = epi ? epi_scale + slot * epi_stride + md[2] : NULL;                   \
+            const float *sh = epi ? epi_shift + slot * epi_stride + md[2] : NULL;                   \
+            if (epi) {                                                                              \
+                for (i0 = 0; i0 + RB <= n; i0 += RB) EPI_EXPAND##_rb(s, i0, r, bt, width, o, out_stride, sc, sh); \
+                for (; i0 < n; i0++) EPI_EXPAND##_r1(s, i0, r, bt, width, o, out_stride, sc, sh);   \
+            } else {                                                                                \
+                for (i0 = 0; i0 + RB <= n; i0 += RB) EXPAND##_rb(s, i0, r, bt, width, o, out_stride, sc, sh); \
+                for (; i0 < n; i0++) EXPAND##_r1(s, i0, r, bt, width, o, out_stride, sc, sh);       \
             }                                                                                       \
         }                                                                                           \
     }                                                                                               \
     return rc;                                                                                      \
 }
 
-DEFINE_LORA(lora_segments_bf16, uint16_t, bf16_load, bf16_store, shrink_bf16, expand_bf16)
-DEFINE_LORA(lora_segments_f32, float, f32_load, f32_store, shrink_f32, expand_f32)
+DEFINE_LORA(lora_segments_bf16, uint16_t, shrink_bf16, expand_bf16, expand_epi_bf16)
+DEFINE_LORA(lora_segments_f32, float, shrink_f32, expand_f32, expand_epi_f32)

@@ -105,16 +105,38 @@ def test_piece_longer_than_the_kernel_takes_is_refused():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("flag", [1, 0], ids=["flagged", "unflagged"])
 def test_epilogue_rescales_flagged_slots(dtype, flag, code_path):
-    """DoRA / lora_bias (lora/epilogue.py): out = round(round(out + delta) * scale + shift),
-    on a flagged slot's columns only, at any width (vector tails included)."""
+    """DoRA / lora_bias (lora/epilogue.py): out = round((out + delta) * scale + shift), one
+    rounding as the expand stores, on a flagged slot's columns only, at any width and row
+    count (register blocks, single rows, vector and column tails)."""
     x, out, segs, a, mods, ranks, bt = _args(rows=5, dtype=dtype, k=48, r=5, w=70)
     gen = torch.Generator().manual_seed(1)
     flags = torch.tensor([0, flag], dtype=torch.int32)
     scale, shift = 1 + 0.2 * torch.randn(2, 70, generator=gen), torch.randn(2, 70, generator=gen)
-    expected = _expected(x, out, a, bt)
-    if flag:
-        expected = (expected.float() * scale[1] + shift[1]).to(dtype)
+    delta = x.float() @ a[0, 1].float().T @ bt[0, 1].float()
+    expected = (((out.float() + delta) * scale[1] + shift[1]) if flag else out.float() + delta).to(dtype)
     cpu_lora.cpu_lora_segments(x, out, segs, a, mods, ranks, 0, (flags, scale, shift))
     torch.testing.assert_close(out, expected)
     with pytest.raises(AssertionError):  # the maps are fp32, one row per slot
         cpu_lora.cpu_lora_segments(x, out, segs, a, mods, ranks, 0, (flags, scale[:1], shift[:1]))
+
+
+def test_epilogue_rounds_once(code_path):
+    """The epilogue is applied as the expand stores, before the one bf16 rounding (as the
+    Triton expand does): values chosen so every fp32 step is exact give exactly the
+    correctly rounded round((out + delta) * scale + shift), which rounding out + delta
+    first would miss on most elements."""
+    gen = torch.Generator().manual_seed(2)
+    rows, k, r, w = 9, 48, 5, 70
+    x, out, segs, a, mods, ranks, bt = _args(rows=rows, dtype=torch.bfloat16, k=k, r=r, w=w)
+    for t in (x, a, bt):  # multiples of 1/4 in [-0.5, 0.5]: every product and sum is exact
+        t.copy_(torch.randint(-2, 3, t.shape, generator=gen) / 4)
+    flags = torch.tensor([0, 1], dtype=torch.int32)
+    scale = 2.0 ** torch.randint(-1, 2, (2, w), generator=gen).float()  # exact products
+    shift = torch.randn(2, w, generator=gen).to(torch.bfloat16).float()
+    delta = x.double() @ a[0, 1].double().T @ bt[0, 1].double()
+    expected = ((out.double() + delta) * scale[1].double() + shift[1].double()).to(torch.bfloat16)
+    twice = ((out.double() + delta).to(torch.bfloat16).double() * scale[1].double() + shift[1].double()
+             ).to(torch.bfloat16)
+    assert not torch.equal(expected, twice)  # the case tells the two apart
+    cpu_lora.cpu_lora_segments(x, out, segs, a, mods, ranks, 0, (flags, scale, shift))
+    assert torch.equal(out, expected)
