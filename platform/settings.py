@@ -45,6 +45,12 @@ class ServerLimits:
     # floods refusals gets at most max_connections_per_client of them per hold from one
     # address, so answering them costs the server little whatever the client's rate.
     refusal_hold: float = 1.0
+    # Kernel send buffer of each connection (SO_SNDBUF), and the high-water mark of its
+    # transport's buffer: a client that stops reading
+    # backs its stream up into the engine, which pauses the request (async_engine.py's
+    # PAUSE_BACKLOG), instead of the kernel taking megabytes of output for it (Linux
+    # grows a send buffer to 4 MiB on its own). Token streams need a few KiB a second.
+    send_buffer_bytes: int = 64 * 1024
     backlog: int = 2048
     max_header_bytes: int = 64 * 1024
     # Request bodies: the OpenAI routes, and the admin API's JSON (the adapter upload has
@@ -68,7 +74,7 @@ class ServerLimits:
         for name in ("header_timeout", "body_timeout", "body_min_rate", "max_connections",
                      "max_connections_per_client", "max_header_bytes", "max_body_bytes", "body_bytes_per_second",
                      "max_admin_body_bytes", "max_sign_in_body_bytes", "max_json_depth", "max_messages",
-                     "max_content_parts", "max_prompts", "max_choices"):
+                     "max_content_parts", "max_prompts", "max_choices", "send_buffer_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.refusal_hold < 0:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import socket
 from collections import Counter
 from typing import Any, ClassVar
 
@@ -149,6 +150,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 return
             self.guard.per_client[host] += 1
             self._counted = host
+        # Output for a client that stops reading backs up into the engine (which pauses
+        # its request) after this much in the kernel and as much again in the transport.
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.guard.limits.send_buffer_bytes)
+        transport.set_write_buffer_limits(high=self.guard.limits.send_buffer_bytes)
         super().connection_made(transport)
         self._arm(self.guard.limits.header_timeout)
 

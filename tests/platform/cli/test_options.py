@@ -15,10 +15,12 @@ def _settings(*argv: str) -> Settings:
 
 def test_flags_land_in_their_groups():
     s = _settings("--auth-failure-burst", "5", "--auth-failure-rate", "0.5", "--max-upload-size", "2MiB",
-                  "--usage-drain-timeout", "240", "--max-body-size", "1MiB", "--refusal-hold", "0.25")
+                  "--usage-drain-timeout", "240", "--max-body-size", "1MiB", "--refusal-hold", "0.25",
+                  "--send-buffer", "16KiB")
     assert (s.auth.failure_burst, s.auth.failure_rate) == (5, 0.5)
     assert s.admin.max_upload_bytes == 2 * 2**20 and s.usage.drain_seconds == 240.0
     assert s.limits.max_body_bytes == 2**20 and s.limits.refusal_hold == 0.25
+    assert s.limits.send_buffer_bytes == 16 * 1024
 
 
 def test_defaults_are_the_groups_defaults():
