@@ -82,20 +82,6 @@ def _columns(url: str, table: str) -> set[str]:
         engine.dispose()
 
 
-def _old_adapter_with_a_grant(engine, **columns) -> None:
-    """Tenant 1 'acme', adapter 1 'old' (digest sha256:00, these extra `columns`) it owns,
-    and a grant of the adapter to the tenant: what an older schema's rows look like."""
-    t = {"t": "2026-12-01 00:00:00+00:00", **columns}
-    extra = "".join(f", {c}" for c in columns)
-    with engine.begin() as conn:
-        conn.execute(text("INSERT INTO tenants (id, name, default_lane, allowed_lanes, enabled, created_at) "
-                          "VALUES (1, 'acme', 'standard', 'standard', true, :t)"), t)
-        conn.execute(text(f"INSERT INTO adapters (id, name, digest, public, owner_tenant_id, created_at, "
-                          f"updated_at{extra}) VALUES (1, 'old', 'sha256:00', false, 1, :t, :t"
-                          + "".join(f", :{c}" for c in columns) + ")"), t)
-        conn.execute(text("INSERT INTO adapter_grants (adapter_id, tenant_id, created_at) VALUES (1, 1, :t)"), t)
-
-
 def test_0007_adapter_metadata_up_and_down_keeps_existing_rows(empty_db_url):
     """Adapters registered before 0007 keep their rows with no metadata (listings fall back
     to the local store), and a downgrade drops only the new columns: the adapter's grants
@@ -108,7 +94,13 @@ def test_0007_adapter_metadata_up_and_down_keeps_existing_rows(empty_db_url):
     migrate(empty_db_url, "0006")
     engine = make_db_engine(empty_db_url)
     try:
-        _old_adapter_with_a_grant(engine)
+        with engine.begin() as conn:
+            t = {"t": "2026-12-01 00:00:00+00:00"}
+            conn.execute(text("INSERT INTO tenants (id, name, default_lane, allowed_lanes, enabled, created_at) "
+                              "VALUES (1, 'acme', 'standard', 'standard', true, :t)"), t)
+            conn.execute(text("INSERT INTO adapters (id, name, digest, public, owner_tenant_id, created_at, "
+                              "updated_at) VALUES (1, 'old', 'sha256:00', false, 1, :t, :t)"), t)
+            conn.execute(text("INSERT INTO adapter_grants (adapter_id, tenant_id, created_at) VALUES (1, 1, :t)"), t)
         migrate(empty_db_url, "0007")
         assert metadata <= _columns(empty_db_url, "adapters")
         with engine.connect() as conn:
@@ -137,7 +129,13 @@ def test_0010_adapter_features_up_and_down_keeps_existing_rows(empty_db_url):
     migrate(empty_db_url, "0009")
     engine = make_db_engine(empty_db_url)
     try:
-        _old_adapter_with_a_grant(engine, rank=4)
+        with engine.begin() as conn:
+            t = {"t": "2026-12-03 00:00:00+00:00"}
+            conn.execute(text("INSERT INTO tenants (id, name, default_lane, allowed_lanes, enabled, created_at) "
+                              "VALUES (1, 'acme', 'standard', 'standard', true, :t)"), t)
+            conn.execute(text("INSERT INTO adapters (id, name, digest, public, owner_tenant_id, created_at, "
+                              "updated_at, rank) VALUES (1, 'old', 'sha256:00', false, 1, :t, :t, 4)"), t)
+            conn.execute(text("INSERT INTO adapter_grants (adapter_id, tenant_id, created_at) VALUES (1, 1, :t)"), t)
         migrate(empty_db_url, "0010")
         with engine.connect() as conn:
             assert tuple(conn.execute(text("SELECT digest, rank, features FROM adapters")).one()) == (
