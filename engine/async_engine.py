@@ -11,7 +11,9 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -25,22 +27,37 @@ log = logging.getLogger(__name__)
 # reader that stops reading would otherwise grow its queue for its whole max_tokens).
 MAX_STREAM_BACKLOG = 1024
 # Well before that, a request whose reader fell this far behind is paused (it costs the
-# batch nothing while its reader stalls), and resumed once the backlog is down to a quarter.
+# batch nothing while its reader stalls), and resumed once its reader has taken them all.
 PAUSE_BACKLOG = 256
+# A request whose reader has been away this long with the last output it took (blocked
+# sending it to a client that stopped reading) is paused however short its backlog, so a
+# stalled client stops costing the batch within a second of its connection's buffers
+# filling. Readers waiting for output never count, so an event loop that stalls does not
+# pause everyone.
+STALL_SECONDS = 1.0
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One request's output queue and where its reader is."""
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    away_since: float | None = None  # monotonic time it took its last output; None while waiting
 
 
 class AsyncEngine:
     """The in-process `EngineClient`: an `LLMEngine` stepped on its own thread."""
 
     def __init__(self, engine: LLMEngine, max_stream_backlog: int = MAX_STREAM_BACKLOG,
-                 pause_backlog: int = PAUSE_BACKLOG) -> None:
+                 pause_backlog: int = PAUSE_BACKLOG, stall_seconds: float = STALL_SECONDS) -> None:
         self.engine = engine
         self.max_stream_backlog = max_stream_backlog
         self.pause_backlog = pause_backlog
+        self.stall_seconds = stall_seconds
         self._paused: set[str] = set()  # streams paused for their reader (engine thread writes)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}
         # call() futures whose command has not completed: failed too if the loop stops
         # first (a command queued as the loop exits would otherwise never run).
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -152,23 +169,27 @@ class AsyncEngine:
         entry = self._streams.get(request_id)
         if entry is None:
             return
-        loop, q = entry
+        q = entry.queue
         ongoing = not isinstance(item, BaseException) and not item.finished
         if ongoing and q.qsize() >= self.max_stream_backlog:
             # The outputs already queued are still read (and billed); then the stream ends.
             self.engine.abort_request(request_id)
             item = StreamStalledError(f"the reader of request {request_id} fell more than "
                                       f"{self.max_stream_backlog} outputs behind; the request was aborted")
-        elif ongoing and q.qsize() >= self.pause_backlog and request_id not in self._paused:
+        elif ongoing and request_id not in self._paused and (q.qsize() >= self.pause_backlog or self._stalled(entry)):
             self._paused.add(request_id)
             self.engine.pause_request(request_id, True)
         if isinstance(item, BaseException) or item.finished:
             self._streams.pop(request_id, None)
             self._paused.discard(request_id)
         try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            entry.loop.call_soon_threadsafe(q.put_nowait, item)
         except RuntimeError:
             pass  # the caller's loop is closed; nobody is listening
+
+    def _stalled(self, entry: _Stream) -> bool:
+        away = entry.away_since
+        return away is not None and time.monotonic() - away >= self.stall_seconds
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid in list(self._streams):
@@ -221,7 +242,7 @@ class AsyncEngine:
             # outputs to this one (and its error, or our abort, to the other request).
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = (asyncio.get_running_loop(), q)
+        entry = self._streams[rid] = _Stream(asyncio.get_running_loop(), q)
 
         def add() -> None:
             try:
@@ -235,16 +256,18 @@ class AsyncEngine:
         try:
             self._submit(add)
             while True:
+                entry.away_since = None
+                resuming = resuming and rid in self._paused
+                if not resuming and rid in self._paused and q.empty():
+                    resuming = True
+                    self._commands.put(lambda: self._resume(rid))
+                    self._wake.set()
                 item = await q.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
                 finished = item.finished
-                resuming = resuming and rid in self._paused
-                if not resuming and rid in self._paused and q.qsize() <= self.pause_backlog // 4:
-                    resuming = True
-                    self._commands.put(lambda: self._resume(rid))
-                    self._wake.set()
+                entry.away_since = time.monotonic()
                 yield item
                 if finished:
                     return

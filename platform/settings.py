@@ -51,6 +51,11 @@ class ServerLimits:
     # PAUSE_BACKLOG), instead of the kernel taking megabytes of output for it (Linux
     # grows a send buffer to 4 MiB on its own). Token streams need a few KiB a second.
     send_buffer_bytes: int = 64 * 1024
+    # The same two buffers while a connection streams (SSE, the worker's NDJSON): token
+    # streams need a few KiB a second, so a client that stops reading is found (and its
+    # request paused, async_engine.py's STALL_SECONDS) after this much instead of the
+    # above, and a stalled connection pins this much kernel memory, not four times it.
+    stream_send_buffer_bytes: int = 16 * 1024
     backlog: int = 2048
     max_header_bytes: int = 64 * 1024
     # Request bodies: the OpenAI routes, and the admin API's JSON (the adapter upload has
@@ -74,7 +79,8 @@ class ServerLimits:
         for name in ("header_timeout", "body_timeout", "body_min_rate", "max_connections",
                      "max_connections_per_client", "max_header_bytes", "max_body_bytes", "body_bytes_per_second",
                      "max_admin_body_bytes", "max_sign_in_body_bytes", "max_json_depth", "max_messages",
-                     "max_content_parts", "max_prompts", "max_choices", "send_buffer_bytes"):
+                     "max_content_parts", "max_prompts", "max_choices", "send_buffer_bytes",
+                     "stream_send_buffer_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.refusal_hold < 0:

@@ -114,6 +114,9 @@ def server_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--send-buffer", type=parse_size, default=d.send_buffer_bytes, metavar="SIZE",
                    help="kernel send buffer per connection: a stream whose client stops reading backs up into "
                         "the engine, which pauses it (default 64KiB)")
+    g.add_argument("--stream-send-buffer", type=parse_size, default=d.stream_send_buffer_bytes, metavar="SIZE",
+                   help="the same while a response streams: a client that stops reading is found after this "
+                        "much, and its request paused (default 16KiB)")
     g.add_argument("--refusal-hold", type=float, default=d.refusal_hold, metavar="S",
                    help="seconds a 429 is held before it is sent, at most its Retry-After: a client flooding "
                         "refusals gets one per connection per hold (default 1; 0 answers at once)")
@@ -136,6 +139,7 @@ def server_settings(args: argparse.Namespace) -> dict:
                           max_connections=args.max_connections,
                           max_connections_per_client=args.max_connections_per_client,
                           refusal_hold=args.refusal_hold, send_buffer_bytes=args.send_buffer,
+                          stream_send_buffer_bytes=args.stream_send_buffer,
                           max_body_bytes=args.max_body_size, body_bytes_per_second=args.max_body_rate)
     return {"limits": limits, "metrics_host": args.metrics_host, "metrics_port": args.metrics_port or None,
             "forwarded_allow_ips": args.forwarded_allow_ips,

@@ -19,6 +19,9 @@ would hold every slot. `GuardedHttpProtocol` adds, per connection:
 - at most `max_connections_per_client` connections from one address: past it a
   connection gets a 429 and is closed before anything it sends is parsed. Proxies
   trusted with `--forwarded-allow-ips` carry many clients and are not capped here;
+- small send buffers (`send_buffer_bytes`, and `stream_send_buffer_bytes` while a
+  response streams), so output for a client that stops reading backs up into the app
+  within a few KiB, where the engine pauses its request;
 - `/health` and `/ready` are answered past `max_connections` (uvicorn's 503 when
   saturated), so the probes of an orchestrator never fail because tenants filled it.
 
@@ -44,6 +47,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from loraplex.platform.errors import RateLimitedError, api_error
+from loraplex.platform.heap import freeze_startup_heap
 from loraplex.platform.metrics import CONTENT_TYPE
 from loraplex.platform.settings import ServerLimits, Settings
 
@@ -51,6 +55,14 @@ from loraplex.platform.settings import ServerLimits, Settings
 LINGER_SECONDS = 2.0
 LINGER_BYTES = 256 * 1024
 PROBE_PATHS = frozenset({b"/health", b"/ready"})
+
+
+STREAM_TYPES = (b"text/event-stream", b"application/x-ndjson")
+
+
+def _is_stream(start: Any) -> bool:
+    """The response streams tokens: SSE, or the worker's NDJSON to a gateway."""
+    return any(k.lower() == b"content-type" and v.startswith(STREAM_TYPES) for k, v in start.get("headers", ()))
 
 
 class HeadTooLargeError(Exception):
@@ -113,6 +125,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     _close_after_response = False  # answered before the body was in
     _lingering = False
     _lingered = 0
+    _streaming = False  # the response streams: its buffers are the small ones
 
     def _arm(self, seconds: float) -> None:
         self._disarm()
@@ -152,12 +165,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._counted = host
         # Output for a client that stops reading backs up into the engine (which pauses
         # its request) after this much in the kernel and as much again in the transport.
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.guard.limits.send_buffer_bytes)
-        transport.set_write_buffer_limits(high=self.guard.limits.send_buffer_bytes)
+        self._send_buffers(transport, self.guard.limits.send_buffer_bytes)
         super().connection_made(transport)
         self._arm(self.guard.limits.header_timeout)
+
+    @staticmethod
+    def _send_buffers(transport: asyncio.Transport, size: int) -> None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):  # the peer may be gone already
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+        transport.set_write_buffer_limits(high=size)
 
     def _refuse(self, transport: asyncio.Transport) -> None:
         self.transport, self._refused = transport, True
@@ -246,6 +264,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         send = cycle.send
 
         async def send_or_close(message: Any) -> None:
+            if message["type"] == "http.response.start" and _is_stream(message):
+                self._streaming = True
+                self._send_buffers(self.transport, self.guard.limits.stream_send_buffer_bytes)
             if message["type"] != "http.response.start" or not (self._body_pending and self.cycle is cycle):
                 await send(message)
                 return
@@ -257,6 +278,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         cycle.send = send_or_close
 
     def on_response_complete(self) -> None:
+        if self._streaming and not self.transport.is_closing():
+            self._streaming = False
+            self._send_buffers(self.transport, self.guard.limits.send_buffer_bytes)
         if self._close_after_response:
             self.server_state.total_requests += 1
             if not self.transport.is_closing():
@@ -301,6 +325,7 @@ class _SideServer(uvicorn.Server):
 
 async def serve(main: uvicorn.Server, app: Starlette, settings: Settings) -> None:
     """Run `main`, plus `/metrics` on its own listener when `settings.metrics_port` is set."""
+    freeze_startup_heap()
     if settings.metrics_port is None:
         await main.serve()
         return

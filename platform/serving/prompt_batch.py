@@ -57,16 +57,18 @@ async def merge_prompt_streams(streams: list[AsyncIterator[RequestOutput]], choi
     """The outputs of every prompt's stream, renumbered prompt-major, as they come.
     Closing the merged stream (or an error in one) closes every prompt's stream, which
     aborts its engine request."""
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded, so a reader that stops reading leaves the pumps waiting here, away from
+    # their engine streams, which then pause their requests (async_engine.STALL_SECONDS).
+    queue: asyncio.Queue = asyncio.Queue(maxsize=4 * len(streams))
     processed = [0] * len(streams)
 
     async def pump(p: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
             while (out := await (carry(anext(stream, None)) if carry else anext(stream, None))) is not None:
-                queue.put_nowait((p, out))
-            queue.put_nowait((p, _DONE))
+                await queue.put((p, out))
+            await queue.put((p, _DONE))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            queue.put_nowait((p, exc))
+            await queue.put((p, exc))
 
     pumps = [asyncio.ensure_future(pump(p, s)) for p, s in enumerate(streams)]
     running, unfinished = len(streams), len(streams)

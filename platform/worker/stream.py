@@ -8,19 +8,21 @@ aborts the request in the engine at once. A client that stays connected but stop
 reading is bounded too: past `MAX_STREAM_BACKLOG` buffered outputs the request is
 aborted (the stream ends with a StreamStalledError line), and a write that waits longer
 than `STREAM_WRITE_TIMEOUT` ends the response as if the client had left. Before that, past
-`PAUSE_BACKLOG` buffered outputs the relay stops taking outputs until the writer drains
-the buffer, so the engine's own queue fills and pauses the request (async_engine.py): a
-client that falls behind costs the batch nothing while it catches up.
+`PAUSE_BACKLOG` buffered outputs, or once the writer has left outputs in the buffer for
+`STALL_SECONDS` (blocked sending to a client that stopped reading), the relay stops taking
+outputs until the writer drains the buffer, and the engine pauses the request
+(async_engine.py): a client that falls behind costs the batch nothing while it catches up.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-from loraplex.engine.async_engine import MAX_STREAM_BACKLOG, PAUSE_BACKLOG
+from loraplex.engine.async_engine import MAX_STREAM_BACKLOG, PAUSE_BACKLOG, STALL_SECONDS
 from loraplex.engine.client import EngineClient
 from loraplex.engine.output import RequestOutput
 from loraplex.engine.errors import StreamStalledError
@@ -50,6 +52,7 @@ class Relay:
         self._buf: list[RequestOutput] = []
         self._ready = asyncio.Event()
         self._drained = asyncio.Event()  # the writer took the buffer
+        self._pending_since = 0.0  # when the buffer last went from empty to holding outputs
         self._task: asyncio.Task | None = None
 
     def start(self, engine: EngineClient) -> None:
@@ -77,12 +80,14 @@ class Relay:
                     obs.output(out)
                     reason = out.finish_reason if out.finished else None
                     self.last = out
+                    if not self._buf:
+                        self._pending_since = time.monotonic()
                     self._buf.append(out)
                     self._ready.set()
                     if len(self._buf) > MAX_STREAM_BACKLOG:
                         raise StreamStalledError(f"the reader of request {self.req.request_id} fell more than "
                                                  f"{MAX_STREAM_BACKLOG} outputs behind; the request was aborted")
-                    if len(self._buf) >= PAUSE_BACKLOG:
+                    if len(self._buf) >= PAUSE_BACKLOG or time.monotonic() - self._pending_since >= STALL_SECONDS:
                         self._drained.clear()
                         await self._drained.wait()
         except asyncio.CancelledError:

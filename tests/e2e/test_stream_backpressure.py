@@ -1,6 +1,6 @@
 """Backpressure through a live server: a streaming client that stops reading backs its
-stream up through the bounded kernel send buffer (`--send-buffer`) into the engine, which
-pauses the request; read again, the stream resumes and ends whole."""
+stream up through the connection's small buffers (`--stream-send-buffer`) into the
+engine, which pauses the request; read again, the stream resumes and ends whole."""
 from __future__ import annotations
 
 import dataclasses
@@ -35,16 +35,19 @@ def _serve(settings: Settings, app) -> tuple[uvicorn.Server, threading.Thread, s
     return server, thread, sock
 
 
-def test_a_client_that_stops_reading_pauses_its_stream_until_it_reads_again(base_settings, tmp_path):
+def _stop_reading_then_read(base_settings, tmp_path, limits, **engine_knobs) -> list[dict]:
+    """A raw-socket client streams a completion, reads its head, then nothing until the
+    engine has paused the request (it must not run to its end unread); then it reads the
+    rest. Returns the stream's events."""
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
     migrate(url)
     db = Database(url)
     create_tenant(db, "acme", "interactive")
     key = create_key(db, "acme")
-    limits = dataclasses.replace(base_settings.limits, send_buffer_bytes=4096)
     settings = dataclasses.replace(base_settings, database_url=url, limits=limits, data_dir=tmp_path / "data")
     engine = build_engine(settings)
-    engine.pause_backlog = 4  # the tiny model's context holds a few hundred tokens
+    for name, value in engine_knobs.items():
+        setattr(engine, name, value)
     server, thread, sock = _serve(settings, create_app(settings, engine, hooks=RecordingHooks()))
     try:
         body = json.dumps({"model": settings.model_name, "prompt": "x", "max_tokens": MAX_MODEL_LEN - 16,
@@ -78,3 +81,19 @@ def test_a_client_that_stops_reading_pauses_its_stream_until_it_reads_again(base
     events = [json.loads(line[6:]) for line in got.decode().splitlines() if line.startswith("data: {")]
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert sum(1 for e in events if e["choices"][0]["text"]) > MAX_MODEL_LEN // 2
+    return events
+
+
+def test_a_client_that_stops_reading_pauses_its_stream_until_it_reads_again(base_settings, tmp_path):
+    """Its backlog of unread outputs pauses it (the tiny model's context holds a few
+    hundred tokens, so the backlog that pauses is small here)."""
+    limits = dataclasses.replace(base_settings.limits, send_buffer_bytes=4096, stream_send_buffer_bytes=4096)
+    _stop_reading_then_read(base_settings, tmp_path, limits, pause_backlog=4, stall_seconds=3600)
+
+
+def test_a_stream_buffers_little_whatever_the_connection_buffers(base_settings, tmp_path):
+    """While a response streams its connection's buffers are `--stream-send-buffer`: with
+    megabytes for other responses (which would take this whole stream unread), a client
+    that stops reading is still found, its sender blocked, and its request paused."""
+    limits = dataclasses.replace(base_settings.limits, send_buffer_bytes=4 * 2**20, stream_send_buffer_bytes=4096)
+    _stop_reading_then_read(base_settings, tmp_path, limits, pause_backlog=100_000, stall_seconds=0.2)

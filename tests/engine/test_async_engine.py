@@ -355,7 +355,7 @@ def test_a_reader_that_falls_behind_pauses_its_request_until_it_catches_up(tiny_
     """Past `pause_backlog` unread outputs the request takes no steps (others go on); read
     again, it resumes and its output is what it would have been unpaused."""
     want = _engine(tiny_llama_dir).generate([[5, 6, 7]], _greedy(60))[0].new_token_ids
-    ae = AsyncEngine(_engine(tiny_llama_dir), pause_backlog=8)
+    ae = AsyncEngine(_engine(tiny_llama_dir), pause_backlog=8, stall_seconds=3600)
 
     async def main() -> tuple[list[int], int, int, list]:
         slow = ae.generate([5, 6, 7], _greedy(60), request_id="slow")
@@ -376,3 +376,59 @@ def test_a_reader_that_falls_behind_pauses_its_request_until_it_catches_up(tiny_
     assert 8 <= made < 60 and still == made, "no steps while paused"
     assert sum(len(o.new_token_ids) for o in others) == 30 and others[-1].finished
     assert tokens == want
+
+
+def test_a_reader_away_with_its_last_output_pauses_its_request_however_short_its_backlog(tiny_llama_dir):
+    """A reader that took an output and has not come back for `stall_seconds` (blocked
+    sending it to a client that stopped reading) has its request paused long before its
+    backlog could pause it; it resumes once the reader has taken everything queued."""
+    want = _engine(tiny_llama_dir).generate([[5, 6, 7]], _greedy(1500))[0].new_token_ids
+    ae = AsyncEngine(_engine(tiny_llama_dir), pause_backlog=100_000, stall_seconds=0.05)
+    paused: list[bool] = []
+    pause = ae.engine.pause_request
+    ae.engine.pause_request = lambda rid, p: (paused.append(p), pause(rid, p))
+
+    async def main() -> tuple[list[int], int, int]:
+        slow = ae.generate([5, 6, 7], _greedy(1500), request_id="slow")
+        got = [await anext(slow)]  # then the reader is away with it
+        req = ae.engine.scheduler.requests["slow"]
+        while not req.paused:
+            await asyncio.sleep(0.01)
+        made = req.num_output_tokens
+        assert [t async for o in ae.generate([9, 10, 11], _greedy(30)) for t in o.new_token_ids]
+        still = req.num_output_tokens
+        got += [o async for o in slow]
+        return [t for o in got for t in o.new_token_ids], made, still
+
+    try:
+        tokens, made, still = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+    finally:
+        ae.shutdown()
+    assert made < 1500 and still == made, "paused before its end, no steps while paused"
+    assert paused == [True, False]
+    assert tokens == want
+
+
+def test_readers_waiting_for_output_are_not_paused_when_the_event_loop_stalls(tiny_llama_dir):
+    """Only a reader away with an output counts as stalled: a loop blocked for longer than
+    `stall_seconds` while every reader waits for its next output pauses nobody."""
+    ae = AsyncEngine(_engine(tiny_llama_dir), pause_backlog=100_000, stall_seconds=0.05)
+    paused: list[bool] = []
+    pause = ae.engine.pause_request
+    ae.engine.pause_request = lambda rid, p: (paused.append(p), pause(rid, p))
+
+    async def main() -> int:
+        async def read() -> int:
+            return sum([len(o.new_token_ids) async for o in ae.generate([5, 6, 7], _greedy(400))])
+
+        reader = asyncio.ensure_future(read())
+        while not reader.done():
+            time.sleep(0.2)  # the loop is stuck while the reader waits in the engine's queue
+            await asyncio.sleep(0.01)
+        return await reader
+
+    try:
+        made = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+    finally:
+        ae.shutdown()
+    assert made == 400 and paused == []

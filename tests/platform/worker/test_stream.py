@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 
 import orjson
+import pytest
 
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.request import SamplingParams
@@ -100,15 +101,23 @@ def test_a_client_that_stops_reading_has_its_request_aborted(blob_engine, tmp_pa
     assert sum(len(o["new_token_ids"]) for o in outputs) < 40
 
 
-def test_a_client_that_falls_behind_pauses_its_request_and_gets_all_of_it(blob_engine, tmp_path, monkeypatch):
-    """Past the relay's pause backlog the relay stops taking outputs, the engine's queue
-    fills and the request is paused (no steps); once the client reads again it resumes and
-    the client gets the whole output, as if it had never fallen behind."""
+@pytest.mark.parametrize("rule", ["backlog", "stall"])
+def test_a_client_that_falls_behind_pauses_its_request_and_gets_all_of_it(blob_engine, tmp_path, monkeypatch,
+                                                                          rule):
+    """Past the relay's pause backlog, or once its writer has been blocked with outputs
+    waiting for `STALL_SECONDS`, the relay stops taking outputs and the request is paused
+    (no steps); once the client reads again it resumes and the client gets the whole
+    output, as if it had never fallen behind."""
     from loraplex.platform.worker import stream as stream_module
 
-    monkeypatch.setattr(stream_module, "PAUSE_BACKLOG", 4)
-    engine = AsyncEngine(blob_engine[0], pause_backlog=4)
-    sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    if rule == "backlog":
+        monkeypatch.setattr(stream_module, "PAUSE_BACKLOG", 4)
+        engine = AsyncEngine(blob_engine[0], pause_backlog=4, stall_seconds=3600)
+        sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    else:
+        monkeypatch.setattr(stream_module, "STALL_SECONDS", 0.01)
+        engine = AsyncEngine(blob_engine[0], pause_backlog=100_000, stall_seconds=0.01)
+        sampling = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
 
     async def run() -> tuple[list[dict], list[int], int, int]:
         state, relay, first = await _started_relay(engine, tmp_path, "behind", sampling)
@@ -122,14 +131,14 @@ def test_a_client_that_falls_behind_pauses_its_request_and_gets_all_of_it(blob_e
         reading.set()
         await task
         whole = [t async for out in engine.generate([1, 2, 3, 4], sampling) for t in out.new_token_ids]
-        assert len(other) == 40
+        assert len(other) == sampling.max_tokens
         return [orjson.loads(line) for line in b"".join(chunks).splitlines()], whole, made, still
 
     try:
         lines, whole, made, still = asyncio.run(asyncio.wait_for(run(), 120))
     finally:
         engine.shutdown()
-    assert made < 40 and still == made, "no steps while paused"
+    assert made < sampling.max_tokens and still == made, "no steps while paused"
     outputs = [line for line in lines if line["type"] == "output"]
     assert lines[-1]["type"] == "stats" and outputs[-1]["finished"]
     assert [t for o in outputs for t in o["new_token_ids"]] == whole
