@@ -24,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import numpy as np
 import orjson
 from starlette.requests import ClientDisconnect, Request
 
@@ -73,21 +74,33 @@ def parse_json_object(raw: bytes, limits: ServerLimits) -> dict:
         raise BadRequestError("the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise BadRequestError("the request body must be a JSON object")
-    check_depth(body, limits.max_json_depth)
+    if json_depth(raw) > limits.max_json_depth:
+        raise BadRequestError(f"the request body nests deeper than {limits.max_json_depth} levels")
     return body
 
 
-def check_depth(value: Any, max_depth: int) -> None:
-    """400 when arrays/objects nest deeper than `max_depth` (iterative: no recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if depth > max_depth:
-            raise BadRequestError(f"the request body nests deeper than {max_depth} levels")
-        if isinstance(v, dict):
-            stack.extend((x, depth + 1) for x in v.values() if isinstance(x, (dict, list)))
-        elif isinstance(v, list):
-            stack.extend((x, depth + 1) for x in v if isinstance(x, (dict, list)))
+_QUOTE, _BACKSLASH, _U, _COLON = ord('"'), ord("\\"), ord("u"), ord(":")
+# The bytes that decide nesting: quotes (strings hide brackets) and brackets.
+_MARKS = np.zeros(256, dtype=bool)
+_MARKS[[_QUOTE, ord("["), ord("{"), ord("]"), ord("}")]] = True
+# +1 for an opening bracket, -1 for a closing one.
+_STEP = np.zeros(256, dtype=np.int8)
+_STEP[[ord("["), ord("{")]] = 1
+_STEP[[ord("]"), ord("}")]] = -1
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep arrays and objects nest in `raw`, valid JSON (orjson parsed it). Counted
+    over the bytes in a few vectorized passes, not by walking the parsed value in Python:
+    a body of many small values would otherwise hold the interpreter lock for a tenth of a
+    second or more per MiB."""
+    # Every backslash in valid JSON starts an escape, so pairing them from the left finds
+    # the escaped backslashes; a backslash left before a quote then escapes it.
+    plain = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    data = np.frombuffer(plain, dtype=np.uint8)
+    marks = data[_MARKS[data]]
+    outside = (np.cumsum(marks == _QUOTE, dtype=np.int32) & 1) == 0  # an opening quote counts as inside
+    return int(np.cumsum(_STEP[marks[outside]], dtype=np.int32).max(initial=0))
 
 
 def check_chat_shape(body: dict, limits: ServerLimits) -> None:
@@ -106,19 +119,31 @@ def check_chat_shape(body: dict, limits: ServerLimits) -> None:
 
 def _text_chars(value: Any, keys: bool = False) -> int:
     """Characters of text in a prompt or in messages (strings anywhere inside; with
-    `keys`, object keys too: tool definitions are rendered into the prompt whole)."""
-    total, stack = 0, [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            total += len(v)
-        elif isinstance(v, dict):
-            if keys:
-                total += sum(len(k) for k in v if isinstance(k, str))
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return total
+    `keys`, object keys too: tool definitions are rendered into the prompt whole).
+    Counted over orjson's bytes in a few vectorized passes rather than by walking the
+    value in Python, which held the interpreter lock ~60 ms for 3.5 MiB of tools."""
+    if isinstance(value, str):
+        return len(value)
+    if not isinstance(value, (dict, list)):
+        return 0
+    # orjson escapes only quotes, backslashes and control characters; each escape is one
+    # character. Escaped quotes and backslashes become one byte here, so the quotes left
+    # delimit strings and every backslash left starts a \n-like or \u00XX escape.
+    plain = orjson.dumps(value).replace(b"\\\\", b"\x01").replace(b'\\"', b"\x01")
+    data = np.frombuffer(plain, dtype=np.uint8)
+    quotes = np.flatnonzero(data == _QUOTE)
+    opens, closes = quotes[0::2], quotes[1::2]
+    # Bytes that are no character of their own: UTF-8 continuation bytes, an escape's
+    # backslash, the 4 hex digits of a \u00XX (none occurs outside strings).
+    extra = np.concatenate([np.flatnonzero((data & 0xC0) == 0x80), np.flatnonzero(data == _BACKSLASH)])
+    u_escapes = np.flatnonzero((data[:-1] == _BACKSLASH) & (data[1:] == _U))
+    if keys:
+        return int((closes - opens - 1).sum()) - extra.size - 4 * u_escapes.size
+    # A key's closing quote is followed by a colon (orjson writes no spaces).
+    value_string = data[closes + 1] != _COLON
+    in_value = value_string[np.searchsorted(opens, extra, side="right") - 1]
+    u_in_value = value_string[np.searchsorted(opens, u_escapes, side="right") - 1]
+    return int((closes - opens - 1)[value_string].sum()) - int(in_value.sum()) - 4 * int(u_in_value.sum())
 
 
 def check_prompt_chars(body: dict, chat: bool, max_model_len: int, max_token_chars: int) -> None:

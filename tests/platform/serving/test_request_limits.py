@@ -1,6 +1,9 @@
 """Bounds checked before a request is admitted: JSON shape, prompt size in characters."""
 from __future__ import annotations
 
+import json
+
+import orjson
 import pytest
 
 from loraplex.engine.errors import PromptTooLongError
@@ -9,9 +12,9 @@ from loraplex.platform.serving.request_limits import (
     BodyBudget,
     check_chat_shape,
     check_choices,
-    check_depth,
     check_prompt_chars,
     check_prompt_count,
+    json_depth,
     parse_json_object,
 )
 from loraplex.platform.settings import ServerLimits
@@ -20,10 +23,30 @@ from tests.platform.tenancy.test_throttle import Clock
 LIMITS = ServerLimits(max_json_depth=8, max_messages=3, max_content_parts=2)
 
 
+def _depth(value) -> int:
+    """The reference: nesting depth of a parsed value, walked."""
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+@pytest.mark.parametrize("value", [
+    {}, {"a": [[[1]]]}, {"a": [[[[1]]]], "b": {}}, [1, [2, [3]], {"x": [[]]}],
+    {"s": "[[[{{{", "t": "]]]}}}"}, {"s": "quote \" [[[ \\", "t": ["a\\", ["b\\\"[["]]},
+    {"k[[[": {"v": "\\\\\"}}}}", "w": [["\"", "\\"]]}}, ["\u005c", "[\n\"]", {"a": "\\"}],
+])
+def test_json_depth_counts_brackets_outside_strings(value):
+    raw = json.dumps(value).encode()
+    assert json_depth(raw) == _depth(value)
+    assert json_depth(orjson.dumps(value)) == _depth(value)
+
+
 def test_nesting_depth():
-    check_depth({"a": [[[1]]]}, 4)
+    parse_json_object(b'{"a": [[[1]]], "s": "[[[[[[[[[[[[[[[[[["}', ServerLimits(max_json_depth=4))
     with pytest.raises(BadRequestError, match="deeper than 4"):
-        check_depth({"a": [[[[1]]]]}, 4)
+        parse_json_object(b'{"a": [[[[1]]]]}', ServerLimits(max_json_depth=4))
     deep = "[" * 100_000 + "]" * 100_000  # what orjson itself refuses: still a 400
     with pytest.raises(BadRequestError):
         parse_json_object(('{"messages": ' + deep + "}").encode(), LIMITS)
@@ -124,3 +147,30 @@ def test_a_body_read_without_a_length_is_charged_after_it_and_can_leave_a_debt()
 
 def test_the_burst_is_never_below_one_second_of_the_rate():
     assert BodyBudget(rate=5000, burst=10).burst == 5000
+
+
+def _walked_chars(value, keys: bool = False) -> int:
+    """The reference: characters of every string inside `value` (and of keys), walked."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum((len(k) if keys else 0) + _walked_chars(v, keys) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(_walked_chars(v, keys) for v in value)
+    return 0
+
+
+@pytest.mark.parametrize("keys", [False, True])
+@pytest.mark.parametrize("value", [
+    [{"role": "user", "content": "hello"}],
+    [{"role": "user", "content": [{"type": "text", "text": "héllo wörld ✓ 🎉"}, {"type": "image_url"}]}],
+    {'q"uote': 'a "quoted" \\ back\\slash', "n": ["line\nbreak\ttab", "\x00\x01\x1f ctl", "\u2028"]},
+    {"": "", "k": ["", {"": [1, 2.5, None, True]}], "\\": '\\"'},
+    [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"p" * 100 + str(i): {}
+                                                                                  for i in range(3)}}}}],
+    [], {},
+])
+def test_text_chars_counts_strings_as_a_walk_does(value, keys):
+    from loraplex.platform.serving.request_limits import _text_chars
+
+    assert _text_chars(value, keys=keys) == _walked_chars(value, keys)
