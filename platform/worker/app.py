@@ -24,6 +24,7 @@ from loraplex.platform.fleet.errors import error_status
 from loraplex.platform.http import json_response
 from loraplex.platform.worker.routes import worker_routes
 from loraplex.platform.worker.state import WorkerState
+from loraplex.platform.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
@@ -80,4 +81,5 @@ async def _load(state: WorkerState, loader: Loader, on_failure: Callable[[BaseEx
             on_failure(exc)
         return
     state.attach(engine, source)
+    await asyncio.to_thread(freeze_startup_heap)
     log.info("worker ready: %s", state.model_name)
