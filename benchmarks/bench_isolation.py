@@ -19,7 +19,7 @@ lowest CPU priority, so that on a small machine B loses what the server spends o
 attack rather than the CPU the attacking client burns. Printed:
 B's TTFT (per request) and TPOT (every gap between two streamed tokens, so the p99 has
 samples even when a phase holds few requests) p50/p99 per phase as ratios to B alone in
-the same run, /health
+the phases just before and after it (B alone runs between attacks), /health
 p50/p99 per phase, and what the attack got (HTTP statuses, connections closed by the
 server): a refused attack is a successful defence. Nothing is asserted
 (tests/e2e/isolation/ asserts the properties).
@@ -346,6 +346,9 @@ def _attack_main(name: str, t: Target, stop, out) -> None:
 
 # -- phases and the table ------------------------------------------------------------------
 def run(t: Target, attacks: list[str], seconds: float, tokens: int) -> dict:
+    """B alone, then each attack followed by B alone again: each attack is compared with
+    the B-alone phases on either side of it, so a shared machine whose speed drifts over
+    the run moves the attack and its baseline together."""
     ctx = mp.get_context("spawn")
     phases: list[Samples] = [Samples()]
     stop = threading.Event()
@@ -357,8 +360,9 @@ def run(t: Target, attacks: list[str], seconds: float, tokens: int) -> dict:
         deadline = time.monotonic() + 600
         while len(phases[0].ttft) < 2 and time.monotonic() < deadline:  # warm up: not measured
             time.sleep(0.1)
-        phases.append(Samples())
-        results, got = {"B alone": phases[-1]}, {"B alone": {}}
+        alone = [Samples()]
+        phases.append(alone[0])
+        results, got, baselines = {}, {"B alone": {}}, {}
         time.sleep(seconds)
         for name in attacks:
             phases.append(Samples())
@@ -376,11 +380,26 @@ def run(t: Target, attacks: list[str], seconds: float, tokens: int) -> dict:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
+            alone.append(Samples())
+            phases.append(alone[-1])
+            time.sleep(seconds)
+            baselines[name] = _pooled(alone[-2:])
     finally:
         stop.set()
         for w in workers:
             w.join(300)
-    return {"phases": results, "attack_statuses": got}
+    return {"phases": {"B alone": _pooled(alone), **results}, "baselines": baselines, "attack_statuses": got}
+
+
+def _pooled(phases: list[Samples]) -> Samples:
+    out = Samples()
+    for s in phases:
+        out.ttft += s.ttft
+        out.tpot += s.tpot
+        out.health += s.health
+        out.errors += s.errors
+        out.health_errors += s.health_errors
+    return out
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -389,12 +408,12 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 def report(out: dict) -> dict:
     phases: dict[str, Samples] = out["phases"]
-    base = phases["B alone"]
-    b_ttft, b_tpot = _stats(base.ttft), _stats(base.tpot)
     rows = {}
     print(f"{'phase':12} {'B req':>5} {'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} {'p99':>7} "
           f"{'/health p50 ms':>14} {'p99 ms':>7}  what the attack got")
     for name, s in phases.items():
+        base = out["baselines"].get(name, phases["B alone"])
+        b_ttft, b_tpot = _stats(base.ttft), _stats(base.tpot)
         ttft, tpot, health = _stats(s.ttft), _stats(s.tpot), _stats(s.health)
         row = {"b_requests": len(s.ttft), "b_errors": dict(s.errors),
                "ttft_ratio": {q: ttft[q] / b_ttft[q] for q in ttft},
@@ -410,8 +429,11 @@ def report(out: dict) -> dict:
         print(f"{name:12} {len(s.ttft):5d} {row['ttft_ratio']['p50']:8.2f}x {row['ttft_ratio']['p99']:6.2f}x "
               f"{row['tpot_ratio']['p50']:8.2f}x {row['tpot_ratio']['p99']:6.2f}x "
               f"{row['health_ms']['p50']:14.1f} {row['health_ms']['p99']:7.1f}  {got}", flush=True)
-    print(f"B alone: TTFT p50 {b_ttft['p50'] * 1e3:.0f} ms p99 {b_ttft['p99'] * 1e3:.0f} ms, "
-          f"TPOT p50 {b_tpot['p50'] * 1e3:.1f} ms p99 {b_tpot['p99'] * 1e3:.1f} ms")
+    alone = phases["B alone"]
+    a_ttft, a_tpot = _stats(alone.ttft), _stats(alone.tpot)
+    print(f"B alone (every B-alone phase; each attack is compared with the two beside it): "
+          f"TTFT p50 {a_ttft['p50'] * 1e3:.0f} ms p99 {a_ttft['p99'] * 1e3:.0f} ms, "
+          f"TPOT p50 {a_tpot['p50'] * 1e3:.1f} ms p99 {a_tpot['p99'] * 1e3:.1f} ms")
     return rows
 
 
