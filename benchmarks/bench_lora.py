@@ -3,11 +3,14 @@
 One run, one seeded workload (vLLM bench's random dataset: prompts 256 +- 128 tokens,
 outputs 128 +- 64, `ignore_eos`, greedy; 64 requests arriving at once), SmolLM2 in
 bf16 on 2 threads, the in-process engine with its default LoRA settings:
-  * the base model alone (the baseline),
   * 32 and 128 distinct rank-8 adapters on all seven projections, requests assigned
     uniformly (round-robin over a seeded shuffle) or by Zipf popularity (s=1.1),
-  * 1,000 adapters of mixed ranks (8, 16, 32, 64) on q_proj and v_proj, uniform.
-Prints output tokens/s and TTFT p50 of each as ratios to the base model's.
+  * 1,000 adapters of mixed ranks (8, 16, 32, 64) on q_proj and v_proj, uniform,
+each served by an engine of its own in lockstep with a base model engine of its own
+(benchmarks/lockstep.py: their steps interleaved one by one, each timed on its own
+steps; timed one after another, the base model measured 0.87x itself minutes later on
+these shared machines). Prints output tokens/s and TTFT p50 of each as ratios to its own
+base model's, and the base model's row pooled over all pairs.
 `--kinds N` adds N rank-8 adapters on all seven projections of each PEFT kind served
 (plain LoRA, DoRA, lora_bias, trainable tokens, saved norms), uniform, and N mixtures of
 two of the plain ones (a*0.5+b*0.5, each one segment of rank 16); one engine per kind, the
@@ -30,7 +33,6 @@ then meets the engine's tiers as a server would: what its memory holds, it keeps
 `--quick` runs a few short requests over small adapter sets (the smoke test in
 tests/benchmarks/ uses it). `--hf-modes grouped,mixed` adds transformers + PEFT serving
 the same requests (grouped per adapter, or PEFT's mixed batches), slow: see --hf-prompts.
-On a 2-core machine others keep busy, --threads 1 and --repeat-base show the drift.
 
     python benchmarks/bench_lora.py                       # the full matrix (a few minutes)
     python benchmarks/bench_lora.py --quick
@@ -52,7 +54,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import Workload, left_padded, percentile, random_lengths  # noqa: E402
+from lockstep import Run, run_lockstep  # noqa: E402
+from workload import Workload, left_padded, random_lengths  # noqa: E402
 
 from loraplex.adapters import AdapterStore, BaseShapes  # noqa: E402
 from loraplex.adapters.synth import make_random_peft_adapter  # noqa: E402
@@ -128,71 +131,6 @@ def assign_adapters(num_requests: int, n: int, popularity: str, s: float, seed: 
     return rng.choices(range(n), weights=weights, k=num_requests)
 
 
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-
-
-def warm_engine(engine: LLMEngine, wl: Workload, adapters: list[str | None]) -> float:
-    """Every batch width (LLMEngine.warm_up), the base model, then each adapter once: its
-    seconds."""
-    engine.warm_up()
-    engine.generate([wl.prompts[0][:8]], _greedy(2))
-    start = time.perf_counter()
-    for name in dict.fromkeys(a for a in adapters if a is not None):
-        engine.add_request(wl.prompts[0][:8], _greedy(1), adapter=name)
-    while engine.has_unfinished_requests():
-        if not engine.step():
-            time.sleep(0.005)  # adapters load in a background thread: do not spin on the GIL
-    return time.perf_counter() - start
-
-
-def run_engine(engine: LLMEngine, wl: Workload, adapters: list[str | None]) -> dict:
-    """All requests arrive at once, after `warm_engine`."""
-    warm = warm_engine(engine, wl, adapters)
-    steps, first = 0, {}
-    start = time.perf_counter()
-    ids = [engine.add_request(p, _greedy(n), adapter=a) for p, n, a in zip(wl.prompts, wl.max_tokens, adapters)]
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        steps += 1
-        now = time.perf_counter()
-        for o in outs:
-            if o.new_token_ids and o.request_id not in first:
-                first[o.request_id] = now - start
-        if not outs and engine.idle_step:
-            time.sleep(0.002)  # waiting on an adapter load
-    elapsed = time.perf_counter() - start
-    ttft = [first[i] for i in ids if i in first]
-    return {"tok_s": wl.num_output_tokens / elapsed, "elapsed": elapsed, "warm": warm, "steps": steps,
-            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
-            "preemptions": engine.scheduler.num_preemptions}
-
-
-def run_lockstep(engines: dict[str, LLMEngine], wl: Workload, assign: dict[str, list[str | None]],
-                 first: int = 0) -> dict[str, tuple[float, int]]:
-    """Every engine serves the workload (all requests at once, after `warm_engine`), their
-    steps interleaved one by one (starting with engine `first`): (seconds in its steps,
-    steps) per engine. Whatever else the machine runs meanwhile slows them all alike."""
-    names = list(engines)
-    names = names[first % len(names):] + names[:first % len(names)]
-    for k in names:
-        warm_engine(engines[k], wl, assign[k])
-    for k in names:
-        for p, n, a in zip(wl.prompts, wl.max_tokens, assign[k]):
-            engines[k].add_request(p, _greedy(n), adapter=a)
-    spent = {k: [0.0, 0] for k in names}
-    running = list(names)
-    while running:
-        for k in list(running):
-            t = time.perf_counter()
-            engines[k].step()
-            spent[k][0] += time.perf_counter() - t
-            spent[k][1] += 1
-            if not engines[k].has_unfinished_requests():
-                running.remove(k)
-    return {k: (t, n) for k, (t, n) in spent.items()}
-
-
 def compare_kinds(make_engine, wl: Workload, sets: dict, n: int, rounds: int) -> dict[str, float]:
     """Mean step time (ms) of the base model, each of KINDS and mixtures of two plain
     adapters over the same requests and adapter assignment (`run_lockstep`: their steps
@@ -205,10 +143,10 @@ def compare_kinds(make_engine, wl: Workload, sets: dict, n: int, rounds: int) ->
     engines = {k: make_engine(enable_prefix_caching=False) for k in assign}  # every round does the same work
     times: dict[str, list[float]] = {k: [] for k in assign}
     for r in range(rounds):
-        for config, (seconds, steps) in run_lockstep(engines, wl, assign, first=r).items():
-            times[config].append(1000 * seconds / steps)
+        for config, run in run_lockstep(engines, wl, assign, first=r).items():
+            times[config].append(run.step_ms)
             if r == 0:
-                print(f"{n} rank-8 {config:<10} {steps} steps", flush=True)
+                print(f"{n} rank-8 {config:<10} {run.steps} steps", flush=True)
     best = {k: min(v) for k, v in times.items()}
     for config, ms in best.items():
         print(f"{n} rank-8 {config:<10} mean step {ms:6.1f} ms = {ms / best['plain']:.3f}x plain LoRA's "
@@ -343,7 +281,6 @@ def main() -> None:
                     help="serve only the first N requests with transformers + PEFT (its tok/s is on those)")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--hf-modes", default="", help="grouped and/or mixed: add transformers + PEFT (slow)")
-    ap.add_argument("--repeat-base", action="store_true", help="measure the base model again at the end (drift)")
     ap.add_argument("--workdir", default=None, help="where adapters are written (default: a temp dir, removed)")
     ap.add_argument("--json", default=None, help="also write the summary to this file")
     args = ap.parse_args()
@@ -379,45 +316,57 @@ def main() -> None:
 
         rows: list[dict] = []
 
-        def report(label: str, res: dict, hf: dict[str, dict]) -> None:
-            base = rows[0] if rows else res
-            res = {**res, "config": label, "tok_s_ratio": res["tok_s"] / base["tok_s"],
-                   "ttft_p50_ratio": res["ttft_p50"] / base["ttft_p50"]}
-            res["step_ms"] = 1000 * res["elapsed"] / res["steps"]
-            line = (f"{label:<22} {res['tok_s']:7.1f} tok/s = {res['tok_s_ratio']:.2f}x base | step "
-                    f"{res['step_ms']:6.1f} ms | TTFT p50 "
-                    f"{res['ttft_p50']:5.2f} s = {res['ttft_p50_ratio']:.2f}x base (p99 {res['ttft_p99']:5.2f} s) | "
-                    f"{res['elapsed']:5.1f} s, {res['steps']} steps, {res['preemptions']} preemptions, "
-                    f"warm-up {res['warm']:4.1f} s")
+        def report(label: str, run: Run, base: Run, hf: dict[str, dict]) -> None:
+            res = {"config": label, "tok_s": run.tok_s, "tok_s_ratio": run.tok_s / base.tok_s,
+                   "ttft_p50": run.ttft_p(50), "ttft_p50_ratio": run.ttft_p(50) / base.ttft_p(50),
+                   "step_ms": run.step_ms, "base_tok_s": base.tok_s}
+            line = (f"{label:<22} {run.tok_s:7.1f} tok/s = {res['tok_s_ratio']:.2f}x base ({base.tok_s:5.1f}) | "
+                    f"step {run.step_ms:6.1f} ms | TTFT p50 {run.ttft_p(50):5.2f} s = {res['ttft_p50_ratio']:.2f}x "
+                    f"base (p99 {run.ttft_p(99):5.2f} s) | {run.seconds:5.1f} s, {run.steps} steps "
+                    f"({run.idle_steps} idle), {run.preemptions} preemptions, warm-up {run.warm_seconds:4.1f} s")
             for mode, h in hf.items():
                 res[f"hf_{mode}_tok_s"] = h["tok_s"]
-                line += f" | HF+PEFT {mode} {h['tok_s']:6.1f} tok/s: {res['tok_s'] / h['tok_s']:5.1f}x"
+                line += f" | HF+PEFT {mode} {h['tok_s']:6.1f} tok/s: {run.tok_s / h['tok_s']:5.1f}x"
             print(line, flush=True)
             rows.append(res)
 
-        def run(label: str, names: list[str | None], dirs: list[Path | None]) -> None:
-            eng = engine()
-            res = run_engine(eng, wl, names)
-            if eng.lora is not None:
-                eng.lora.close()
-            del eng
-            hf = {m: run_hf(model_dir, hf_wl, dirs[:hf_n], dtype, args.hf_batch, m if dirs[0] else "")
-                  for m in (modes if dirs[0] else modes[:1])}
-            report(label, res, hf)
+        def paired(label: str, names: list[str | None]) -> tuple[Run, Run]:
+            """The scenario and a base model engine of its own in lockstep: (base, scenario)."""
+            engines = {"base": engine(), label: engine()}
+            runs = run_lockstep(engines, wl, {"base": [None] * len(names), label: names})
+            for e in engines.values():
+                if e.lora is not None:
+                    e.lora.close()
+            return runs["base"], runs[label]
 
-        if scenarios or not args.kinds:  # the scenarios' baseline (--kinds has its own)
-            run("base model", [None] * len(wl.prompts), [None] * len(wl.prompts))
+        def hf_runs(dirs: list[Path | None]) -> dict[str, dict]:
+            return {m: run_hf(model_dir, hf_wl, dirs[:hf_n], dtype, args.hf_batch, m if dirs[0] else "")
+                    for m in (modes if dirs[0] else modes[:1])}
+
+        none = [None] * len(wl.prompts)
+        bases, results = [], []
         for n, pop in scenarios:
             names, dirs = sets["mixed" if pop == "mixed" else "rank8"]
             idx = assign_adapters(len(wl.prompts), n, "uniform" if pop == "mixed" else pop, args.zipf_s)
+            label = f"{n:>4} adapters, {pop}"
+            base, run = paired(label, [names[i] for i in idx])
             used = Counter(idx)
-            run(f"{n:>4} adapters, {pop}", [names[i] for i in idx], [dirs[i] for i in idx])
-            print(f"{'':<22} {len(used)} distinct adapters used, the hottest serves {max(used.values())}/{len(idx)} "
-                  f"requests", flush=True)
+            print(f"{label:<22} {run.tok_s:7.1f} tok/s beside the base model's {base.tok_s:7.1f}: "
+                  f"{len(used)} distinct adapters used, the hottest serves {max(used.values())}/{len(idx)} requests",
+                  flush=True)
+            bases.append(base)
+            results.append((label, run, base, hf_runs([dirs[i] for i in idx])))
+        if not scenarios and not args.kinds:
+            bases.append(run_lockstep({"base": engine()}, wl, {"base": none})["base"])
+        if bases:  # every scenario's own base, pooled: the base model's row
+            pooled = Run(seconds=sum(b.seconds for b in bases), steps=sum(b.steps for b in bases),
+                         tokens=sum(b.tokens for b in bases), ttft=[t for b in bases for t in b.ttft],
+                         warm_seconds=bases[0].warm_seconds)
+            report("base model", pooled, pooled, hf_runs([None] * len(wl.prompts)))
+        for label, run, base, hf in results:
+            report(label, run, base, hf)
         kinds = compare_kinds(engine, wl, sets, args.kinds, args.kind_rounds) if args.kinds else {}
-        if args.repeat_base:
-            run("base model, again", [None] * len(wl.prompts), [None] * len(wl.prompts))
-        keys = ("config", "tok_s", "tok_s_ratio", "ttft_p50", "ttft_p50_ratio", "step_ms")
+        keys = ("config", "tok_s", "tok_s_ratio", "ttft_p50", "ttft_p50_ratio", "step_ms", "base_tok_s")
         summary = [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
                     if k in keys or k.startswith("hf_")} for r in rows]
         summary += [{"config": f"{args.kinds} rank-8 {k}", "step_ms": round(ms, 3),

@@ -1,10 +1,12 @@
 """What sampling costs: the engine at temperature 1 against itself greedy, in one run.
 
 vLLM's benchmark workload: 64 requests at once, random prompts of 256 +- 128 tokens and
-128 +- 64 output tokens (ignore_eos, so both runs produce the same tokens count); SmolLM2,
-bf16, 2 threads. Prints output tok/s greedy and at temperature 1 (unseeded and seeded)
-and their ratio to greedy, then the sampler alone on [64, vocab] logits: each kind of
-row against greedy (argmax) at the same shape.
+128 +- 64 output tokens (ignore_eos, so every mode produces the same tokens count); SmolLM2,
+bf16, 2 threads. One engine per mode (greedy, temperature 1 unseeded and seeded, top-p),
+their steps interleaved one by one (benchmarks/lockstep.py: on these shared machines two
+runs one after the other differ by more than sampling costs). Prints each mode's output
+tok/s in its own time and its ratio to greedy, then the sampler alone on [64, vocab]
+logits: each kind of row against greedy (argmax) at the same shape.
 
     python benchmarks/bench_sampling.py                      # engine, then sampler alone
     python benchmarks/bench_sampling.py --skip-engine        # sampler alone (seconds)
@@ -12,54 +14,54 @@ row against greedy (argmax) at the same shape.
 from __future__ import annotations
 
 import argparse
-import random
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from loraplex.engine.engine import LLMEngine
-from loraplex.engine.request import SamplingParams
-from loraplex.engine.sampler import Sampler, SampleRow
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lockstep import run_lockstep  # noqa: E402
+from workload import random_lengths  # noqa: E402
+
+from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from loraplex.engine.engine import LLMEngine  # noqa: E402
+from loraplex.engine.request import SamplingParams  # noqa: E402
+from loraplex.engine.sampler import Sampler, SampleRow  # noqa: E402
 
 
-def random_workload(n: int, seed: int = 0, vocab: tuple[int, int] = (100, 40000)
-                    ) -> tuple[list[list[int]], list[int]]:
-    """vLLM's `--dataset-name random --random-input-len 256 --random-output-len 128
-    --random-range-ratio 0.5`: lengths uniform in [len/2, 3 len/2]."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(*vocab) for _ in range(rng.randint(128, 384))] for _ in range(n)]
-    return prompts, [rng.randint(64, 192) for _ in range(n)]
+MODES = {"greedy": dict(temperature=0), "temperature 1": dict(temperature=1.0),
+         "temperature 1, seeded": dict(temperature=1.0, seed=1234),
+         "temperature 0.8, top_p 0.95": dict(temperature=0.8, top_p=0.95)}
 
 
-def engine_tok_s(engine: LLMEngine, prompts: list[list[int]], outs: list[int], **kw) -> float:
-    """Output tokens/s with every request submitted at once."""
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, **kw) for n in outs]
-    start = time.perf_counter()
-    engine.generate(prompts, params)
-    return sum(outs) / (time.perf_counter() - start)
-
-
-def run_engine(args: argparse.Namespace) -> None:
-    prompts, outs = random_workload(args.num_prompts)
-    # Every mode sends the same prompts: without prefix caching each computes them again,
-    # so what differs between modes is the sampling alone.
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype), num_threads=args.threads,
-                                    scheduler=SchedulerConfig(max_num_seqs=args.num_prompts),
-                                    cache=CacheConfig(enable_prefix_caching=False)))
-    engine.warm_up()
-    engine.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-    print(f"engine: {len(prompts)} requests at once, prompts {min(map(len, prompts))}-{max(map(len, prompts))}, "
-          f"outputs {min(outs)}-{max(outs)} ({sum(outs)} tokens); {args.dtype}, {args.threads} threads", flush=True)
-    greedy = engine_tok_s(engine, prompts, outs, temperature=0)
-    print(f"  greedy                  {greedy:7.1f} output tok/s", flush=True)
-    for name, kw in (("temperature 1", dict(temperature=1.0)),
-                     ("temperature 1, seeded", dict(temperature=1.0, seed=1234)),
-                     ("temperature 0.8, top_p 0.95", dict(temperature=0.8, top_p=0.95))):
-        tok_s = engine_tok_s(engine, prompts, outs, **kw)
-        print(f"  {name:<27} {tok_s:7.1f} output tok/s   {tok_s / greedy:.2f}x greedy", flush=True)
-    again = engine_tok_s(engine, prompts, outs, temperature=0)  # the machine's drift over the run
-    print(f"  greedy again                {again:7.1f} output tok/s   {again / greedy:.2f}x greedy", flush=True)
+def run_engine(args: argparse.Namespace) -> dict[str, float]:
+    """Output tok/s of each mode, the engines in lockstep, the best of `--rounds` rounds
+    (each starting with another engine): {mode: tok/s}."""
+    wl = random_lengths(args.num_prompts)
+    # Every mode sends the same prompts: without prefix caching each computes them again
+    # in every round, so what differs between modes is the sampling alone.
+    engines = {mode: LLMEngine(EngineConfig(model=ModelConfig(model=args.model, dtype=args.dtype),
+                                            num_threads=args.threads,
+                                            scheduler=SchedulerConfig(max_num_seqs=args.num_prompts),
+                                            cache=CacheConfig(enable_prefix_caching=False)))
+               for mode in MODES}
+    params = {mode: (lambda n, kw=kw: SamplingParams(max_tokens=n, ignore_eos=True, **kw)) for mode, kw in MODES.items()}
+    print(f"engine: {len(wl.prompts)} requests at once, prompts {min(map(len, wl.prompts))}-"
+          f"{max(map(len, wl.prompts))}, outputs {min(wl.max_tokens)}-{max(wl.max_tokens)} "
+          f"({wl.num_output_tokens} tokens); {args.dtype}, {args.threads} threads; one engine per mode, "
+          f"their steps interleaved", flush=True)
+    none = {mode: [None] * len(wl.prompts) for mode in MODES}
+    best: dict[str, float] = {}
+    for r in range(args.rounds):
+        runs = run_lockstep(engines, wl, none, params, first=r, warm=r == 0)
+        for mode, run in runs.items():
+            best[mode] = max(best.get(mode, 0.0), run.tok_s)
+        print(f"  round {r + 1}: " + ", ".join(f"{m} {runs[m].tok_s:.1f}" for m in MODES) + " output tok/s",
+              flush=True)
+    for mode, tok_s in best.items():
+        print(f"  {mode:<27} {tok_s:7.1f} output tok/s   {tok_s / best['greedy']:.2f}x greedy", flush=True)
+    return best
 
 
 def time_sampler(logits: torch.Tensor, rows: list[SampleRow], repeat: int) -> float:
@@ -100,6 +102,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-engine", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
