@@ -78,6 +78,9 @@ class EngineStats:
 
     running: int = 0
     waiting: int = 0
+    # Running requests paused for a streaming reader that fell behind or stopped reading
+    # (async_engine.py): they hold their KV blocks and seats but take no steps.
+    paused: int = 0
     lanes: dict[Lane, LaneDepth] = field(default_factory=lambda: {lane: LaneDepth() for lane in Lane})
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use
     num_blocks: int = 0

@@ -354,7 +354,7 @@ class LLMEngine:
         tiers = self.lora.tiers() if self.lora is not None else {}
         loras = self.config.lora if self.lora is not None else None
         return EngineStats(
-            running=len(s.running), waiting=len(s.waiting),
+            running=len(s.running), waiting=len(s.waiting), paused=sum(r.paused for r in s.running),
             lanes={lane: LaneDepth(**lanes[lane.name.lower()]) for lane in Lane},
             kv_cache_usage=self.kv.usage, num_blocks=self.kv.pool.num_blocks, block_size=self.config.cache.block_size,
             device=str(self.runner.device), num_preemptions=s.num_preemptions,

@@ -186,6 +186,8 @@ class _EngineCollector:
 
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.running)
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.waiting)
+        yield gauge("loraplex:num_requests_paused", "Running requests paused for a streaming client that "
+                    "stopped reading or fell behind (holding KV blocks and seats, taking no steps).", s.paused)
         # The one KV pool, on the GPU or the CPU alike; vLLM's older name too.
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = full).", s.kv_cache_usage)
         yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (1 = full); vLLM's older name.", s.kv_cache_usage)

@@ -13,7 +13,7 @@ REQUIRED = [
     "vllm:num_preemptions_total", "vllm:lora_requests_info", "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total", "loraplex:lane_requests_running", "loraplex:lane_requests_waiting",
     "loraplex:lane_foreground", "loraplex:lane_background_step_tokens", "vllm:cache_config_info",
-    "vllm:num_gpu_loaded_lora_adapters", "vllm:num_cpu_loaded_lora_adapters",
+    "vllm:num_gpu_loaded_lora_adapters", "vllm:num_cpu_loaded_lora_adapters", "loraplex:num_requests_paused",
 ]
 
 

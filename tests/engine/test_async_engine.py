@@ -366,7 +366,9 @@ def test_a_reader_that_falls_behind_pauses_its_request_until_it_catches_up(tiny_
         made = req.num_output_tokens
         others = [o async for o in ae.generate([9, 10, 11], _greedy(30))]  # the engine steps on
         still = req.num_output_tokens
+        assert ae.engine.stats().paused == 1  # what loraplex:num_requests_paused reports
         got += [o async for o in slow]  # reading again resumes it
+        assert ae.engine.stats().paused == 0
         return [t for o in got for t in o.new_token_ids], made, still, others
 
     try:
