@@ -165,7 +165,7 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
     # instruction set, and an unsupported one must fall back instead of failing at load.
     from loraplex.adapters import AdapterStore, BaseShapes
     from loraplex.engine.kernels.torch.linear import PackedLinear, packing_supported
-    from loraplex.engine.kernels.cpu import dpbf16 as cpu_dpbf16, gemm as cpu_gemm
+    from loraplex.engine.kernels.cpu import dpbf16 as cpu_dpbf16, gemm as cpu_gemm, linear_choice
     from loraplex.engine.kernels.cpu.lora import CLoRABackend
     from loraplex.engine.lora import LoRAManager
 
@@ -173,13 +173,15 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir)), kernels=kernels), lora)
     assert engine.runner.dtype is torch.bfloat16
     # The fastest bf16 linear this CPU has: on the "cpu" backend the AVX512-BF16 kernel
-    # where the CPU has it, then oneDNN's packed weights where it runs bf16 natively, else
-    # the C GEMM (AVX2); adapters run on the C LoRA kernel wherever the "cpu" backend does.
+    # where the CPU has it (with oneDNN from the row count where it measured faster),
+    # then oneDNN's packed weights where it runs bf16 natively, else the C GEMM (AVX2);
+    # adapters run on the C LoRA kernel wherever the "cpu" backend does.
     proj = type(engine.runner.model.layers[0].qkv_proj)
     cpu_backend = engine.runner.backend.name == "cpu"
     if cpu_backend and cpu_dpbf16.supported():
-        assert proj is cpu_dpbf16.Dpbf16Linear
-        assert type(engine.runner.model.packed_head) is cpu_dpbf16.Dpbf16Linear
+        start = linear_choice.onednn_from_rows() if packing_supported(torch.device("cpu"), torch.bfloat16) else None
+        want = {None: cpu_dpbf16.Dpbf16Linear, 1: PackedLinear}.get(start, linear_choice.SplitLinear)
+        assert proj is want and type(engine.runner.model.packed_head) is want
     elif packing_supported(torch.device("cpu"), torch.bfloat16):
         assert proj is PackedLinear
     elif cpu_backend and cpu_gemm.load_library() is not None:

@@ -1,5 +1,6 @@
 """The "cpu" backend: C kernels (built at first use) for attention, the KV write, the
-fused layer steps, multi-LoRA and, where oneDNN has no fast bf16 path, the linears."""
+fused layer steps, multi-LoRA and the bf16 linears for the row counts where oneDNN has no
+faster path (linear_choice.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,7 +10,7 @@ from torch import nn
 
 from ..torch.backend import TorchBackend
 from ..torch.linear import packing_supported
-from . import dpbf16, gemm
+from . import dpbf16, gemm, linear_choice
 from .decode import cpu_paged_attention
 from .fused import CLayerOps, cpu_write_kv
 from .lora import CLoRABackend
@@ -31,8 +32,10 @@ class CpuBackend(TorchBackend):
     def linear_factory(self) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module] | None:
         c_bf16 = self.dtype == torch.bfloat16
         if c_bf16 and dpbf16.supported():
-            # AVX512-BF16: the C kernel streams decode steps faster than oneDNN (1.1-2.3x
-            # up to 32 rows) and matches it on prefill chunks.
+            # AVX512-BF16: the C kernel streams small decode steps fastest; where oneDNN
+            # has faster instructions for more rows (AMX), it serves those (measured).
+            if packing_supported(self.device, self.dtype):
+                return linear_choice.linear_for_this_cpu()
             return dpbf16.Dpbf16Linear
         if packing_supported(self.device, self.dtype):
             return super().linear_factory()
