@@ -145,106 +145,298 @@ SHRINK_BLOCK(shrink_bf16_r1, uint16_t, bf16_load, vload_bf16, 1, KB1)
 SHRINK_BLOCK(shrink_f32_rb, float, f32_load, vload_f32, RB, KB)
 SHRINK_BLOCK(shrink_f32_r1, float, f32_load, vload_f32, 1, KB1)
 
-/* out[i0 + i][c + j] = round(out + sum_k s[i0 + i][k] bt[k][c + j]) for i < RBX, j < CBX vectors;
- * with EPI (sc, sh: the module's columns of its epilogue's scale and shift),
- * round((out + delta) * sc + sh): one pass and one rounding, as the Triton expand does.
- * EPI is a constant: plain LoRA's code has no test for it. */
-#define EXPAND_BLOCK(NAME, T, LOAD, STORE, VLOAD, RBX, CBX, EPI)                                   \
-static inline void NAME(float s[][MAX_RANK], int i0, int c, int r, const T *bt, int W, T *out, int64_t os, \
-                        const float *sc, const float *sh) {                                         \
+/* fp32: out[i0 + i][c + j] = out + sum_k s[i0 + i][k] bt[k][c + j] for i < RBX, j < CBX
+ * vectors, B^T rank-major [r][W]; with EPI (sc, sh: the module's columns of its
+ * epilogue's scale and shift), (out + delta) * sc + sh in one pass, as the Triton expand
+ * does. EPI is a constant: plain LoRA's code has no test for it. */
+#define EXPAND_BLOCK(NAME, RBX, CBX, EPI)                                                          \
+static inline void NAME(float s[][MAX_RANK], int i0, int c, int r, const float *bt, int W, float *out, \
+                        int64_t os, const float *sc, const float *sh) {                             \
     vf acc[RBX][CBX];                                                                               \
     for (int i = 0; i < RBX; i++)                                                                   \
         for (int q = 0; q < CBX; q++) acc[i][q] = (vf){0};                                          \
     for (int k = 0; k < r; k++) {                                                                   \
         vf bv[CBX];                                                                                 \
-        for (int q = 0; q < CBX; q++) bv[q] = VLOAD(bt + (int64_t)k * W + c + q * VL);              \
+        for (int q = 0; q < CBX; q++) bv[q] = vload_f32(bt + (int64_t)k * W + c + q * VL);          \
         for (int i = 0; i < RBX; i++) {                                                             \
             const vf sb = (vf){0} + s[i0 + i][k];                                                   \
             for (int q = 0; q < CBX; q++) acc[i][q] += sb * bv[q];                                  \
         }                                                                                           \
     }                                                                                               \
     for (int i = 0; i < RBX; i++) {                                                                 \
-        T *o = out + (int64_t)(i0 + i) * os + c;                                                    \
+        float *o = out + (int64_t)(i0 + i) * os + c;                                                \
         float d[CBX * VL];                                                                          \
         memcpy(d, acc[i], sizeof d);                                                                \
         if (EPI) {                                                                                  \
-            for (int l = 0; l < CBX * VL; l++) o[l] = STORE((LOAD(o[l]) + d[l]) * sc[c + l] + sh[c + l]); \
+            for (int l = 0; l < CBX * VL; l++) o[l] = (o[l] + d[l]) * sc[c + l] + sh[c + l];        \
         } else {                                                                                    \
-            for (int l = 0; l < CBX * VL; l++) o[l] = STORE(LOAD(o[l]) + d[l]);                     \
+            for (int l = 0; l < CBX * VL; l++) o[l] += d[l];                                        \
         }                                                                                           \
     }                                                                                               \
 }
 
 /* Rows i0 .. i0 + RBX - 1 of the expand over all W columns: blocks of CBX vectors, then
  * one vector, then one column at a time. */
-#define EXPAND_ROWS(NAME, T, LOAD, STORE, RBX, CBX, EPI)                                           \
-static __attribute__((noinline)) void NAME(float s[][MAX_RANK], int i0, int r, const T *bt, int W, T *out, \
-                                           int64_t os, const float *sc, const float *sh) {         \
+#define EXPAND_ROWS(NAME, RBX, CBX, EPI)                                                           \
+static __attribute__((noinline)) void NAME(float s[][MAX_RANK], int i0, int r, const float *bt, int W, \
+                                           float *out, int64_t os, const float *sc, const float *sh) { \
     int c = 0;                                                                                      \
     for (; c + CBX * VL <= W; c += CBX * VL) NAME##_wide(s, i0, c, r, bt, W, out, os, sc, sh);      \
     for (; c + VL <= W; c += VL) NAME##_one(s, i0, c, r, bt, W, out, os, sc, sh);                   \
     for (; c < W; c++)                                                                              \
         for (int i = 0; i < RBX; i++) {                                                             \
             float d = 0.f;                                                                          \
-            for (int k = 0; k < r; k++) d += s[i0 + i][k] * LOAD(bt[(int64_t)k * W + c]);          \
-            T *o = out + (int64_t)(i0 + i) * os + c;                                                \
-            *o = EPI ? STORE((LOAD(*o) + d) * sc[c] + sh[c]) : STORE(LOAD(*o) + d);                 \
+            for (int k = 0; k < r; k++) d += s[i0 + i][k] * bt[(int64_t)k * W + c];                \
+            float *o = out + (int64_t)(i0 + i) * os + c;                                            \
+            *o = EPI ? (*o + d) * sc[c] + sh[c] : *o + d;                                           \
         }                                                                                           \
 }
 
-#define DEFINE_EXPAND(NAME, T, LOAD, STORE, VLOAD, EPI)                                            \
-EXPAND_BLOCK(NAME##_rb_wide, T, LOAD, STORE, VLOAD, RB, CB, EPI)                                   \
-EXPAND_BLOCK(NAME##_rb_one, T, LOAD, STORE, VLOAD, RB, 1, EPI)                                     \
-EXPAND_BLOCK(NAME##_r1_wide, T, LOAD, STORE, VLOAD, 1, CB1, EPI)                                   \
-EXPAND_BLOCK(NAME##_r1_one, T, LOAD, STORE, VLOAD, 1, 1, EPI)                                      \
-EXPAND_ROWS(NAME##_rb, T, LOAD, STORE, RB, CB, EPI)                                                \
-EXPAND_ROWS(NAME##_r1, T, LOAD, STORE, 1, CB1, EPI)
+#define DEFINE_EXPAND(NAME, EPI)                                                                   \
+EXPAND_BLOCK(NAME##_rb_wide, RB, CB, EPI)                                                          \
+EXPAND_BLOCK(NAME##_rb_one, RB, 1, EPI)                                                            \
+EXPAND_BLOCK(NAME##_r1_wide, 1, CB1, EPI)                                                          \
+EXPAND_BLOCK(NAME##_r1_one, 1, 1, EPI)                                                             \
+EXPAND_ROWS(NAME##_rb, RB, CB, EPI)                                                                \
+EXPAND_ROWS(NAME##_r1, 1, CB1, EPI)
 
-DEFINE_EXPAND(expand_f32, float, f32_load, f32_store, vload_f32, 0)
-DEFINE_EXPAND(expand_bf16, uint16_t, bf16_load, bf16_store, vload_bf16, 0)
-DEFINE_EXPAND(expand_epi_f32, float, f32_load, f32_store, vload_f32, 1)
-DEFINE_EXPAND(expand_epi_bf16, uint16_t, bf16_load, bf16_store, vload_bf16, 1)
+DEFINE_EXPAND(expand_f32, 0)
+DEFINE_EXPAND(expand_epi_f32, 1)
 
-/* One piece of n rows: full blocks of RB rows, then single rows (a decode row computes
- * for itself only). */
-#define DEFINE_LORA(NAME, T, SHRINK, EXPAND, EPI_EXPAND)                                         \
-int NAME(const T *x, int64_t x_stride, T *out, int64_t out_stride, const int32_t *segs,            \
-         const T *a_base, int64_t a_layer_stride, int64_t a_slot_stride, int in_dim, int n_mod,     \
-         const int64_t *mods, const int32_t *ranks, int layer, const int32_t *epi_flags,            \
-         const float *epi_scale, const float *epi_shift, int64_t epi_stride, int begin, int end) {  \
-    int rc = 0;                                                                                     \
-    _Pragma("omp parallel for schedule(dynamic) if (end - begin >= 2) reduction(|: rc)")              \
-    for (int i = begin; i < end; i++) {                                                             \
-        float s[MAX_ROWS][MAX_RANK];                                                                \
-        const int r0 = segs[3 * i], r1 = segs[3 * i + 1], slot = segs[3 * i + 2], n = r1 - r0;      \
-        if (n > MAX_ROWS || n < 1) { rc |= 1; continue; }                                           \
-        const T *a_slot = a_base + layer * a_layer_stride + slot * a_slot_stride;                   \
-        const T *xs = x + (int64_t)r0 * x_stride;                                                   \
-        for (int m = 0; m < n_mod; m++) {                                                           \
-            const int64_t *md = mods + 6 * m;                                                       \
-            const int r = ranks[slot * n_mod + m], r_alloc = (int)md[1], width = (int)md[3];        \
-            if (r == 0) continue;                                                                   \
-            if (r > MAX_RANK) { rc |= 2; continue; }                                                \
-            const T *a = a_slot + md[0] * in_dim;                                                   \
-            const T *bt = (const T *)(intptr_t)md[4] + layer * md[5] + (int64_t)slot * r_alloc * width; \
-            T *o = out + (int64_t)r0 * out_stride + md[2];                                          \
-            int i0 = 0;                                                                             \
-            for (; i0 + RB <= n; i0 += RB) SHRINK##_rb(xs, x_stride, i0, a, r, in_dim, s);          \
-            for (; i0 < n; i0++) SHRINK##_r1(xs, x_stride, i0, a, r, in_dim, s);                    \
-            const int epi = epi_flags && epi_flags[slot];                                           \
-            const float *sc = epi ? epi_scale + slot * epi_stride + md[2] : NULL;                   \
-            const float *sh = epi ? epi_shift + slot * epi_stride + md[2] : NULL;                   \
-            if (epi) {                                                                              \
-                for (i0 = 0; i0 + RB <= n; i0 += RB) EPI_EXPAND##_rb(s, i0, r, bt, width, o, out_stride, sc, sh); \
-                for (; i0 < n; i0++) EPI_EXPAND##_r1(s, i0, r, bt, width, o, out_stride, sc, sh);   \
-            } else {                                                                                \
-                for (i0 = 0; i0 + RB <= n; i0 += RB) EXPAND##_rb(s, i0, r, bt, width, o, out_stride, sc, sh); \
-                for (; i0 < n; i0++) EXPAND##_r1(s, i0, r, bt, width, o, out_stride, sc, sh);       \
+/* bf16: B^T in rank pairs, [ceil(r/2)][W] uint32 whose low half is rank 2p's value of the
+ * column and high half rank 2p+1's (zero past r), so one vector load is a pair of ranks of
+ * VL columns. Blocks of rows widen the halves by a shift and a mask (two ops per two
+ * ranks, where rank-major rows took a zero-extend and a shift per rank), once for all
+ * their rows. A single (decode) row, with AVX512-BF16, instead broadcasts its s pair as
+ * bf16 and adds both ranks' products into fp32 with one vdpbf16ps; s goes as a bf16 pair
+ * and the pair of what that rounding left (16 bits of s in all: as exact as fp32 s against
+ * bf16 weights and a bf16 result), where s alone in bf16 moved DoRA-rescaled outputs
+ * near zero by several bf16 steps. */
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+
+static inline vu vload_u32(const uint32_t *p) {
+    vu v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* One row's s for ranks 2p, 2p+1: fp32, and as bf16 pairs, rounded and the remainder. */
+typedef struct {
+    float s0, s1;
+    uint32_t hi, lo;
+} spair_t;
+
+static inline uint32_t bf16_pair(float a, float b) { return (uint32_t)bf16_store(a) | (uint32_t)bf16_store(b) << 16; }
+
+static inline spair_t spair(float s0, float s1) {
+    const uint32_t hi = bf16_pair(s0, s1);
+    return (spair_t){s0, s1, hi, bf16_pair(s0 - bf16_load((uint16_t)hi), s1 - bf16_load((uint16_t)(hi >> 16)))};
+}
+
+static inline __attribute__((always_inline)) void store_bf16(uint16_t *o, const float *d, int n, const float *sc,
+                                                             const float *sh, int epi) {
+    if (epi) {
+        for (int l = 0; l < n; l++) o[l] = bf16_store((bf16_load(o[l]) + d[l]) * sc[l] + sh[l]);
+    } else {
+        for (int l = 0; l < n; l++) o[l] = bf16_store(bf16_load(o[l]) + d[l]);
+    }
+}
+
+#if defined(__AVX512BF16__) && !defined(LORA_EXPAND_WIDEN)
+#define EXPAND_DP 1
+#define DP_ACC(CBX)                                                                                \
+    {                                                                                               \
+        const __m512bh hi = (__m512bh)_mm512_set1_epi32((int)sp[0][p].hi);                         \
+        const __m512bh lo = (__m512bh)_mm512_set1_epi32((int)sp[0][p].lo);                         \
+        for (int q = 0; q < CBX; q++)                                                               \
+            acc[0][q] = (vf)_mm512_dpbf16_ps(_mm512_dpbf16_ps((__m512)acc[0][q], hi, (__m512bh)bv[q]), lo, \
+                                             (__m512bh)bv[q]);                                      \
+    }
+#else
+#define EXPAND_DP 0
+#define DP_ACC(CBX)
+#endif
+
+#define PAIRS_ACC(RBX, CBX)                                                                        \
+    if (RBX == 1 && EXPAND_DP) {                                                                    \
+        DP_ACC(CBX)                                                                                 \
+    } else {                                                                                        \
+        vf lo[CBX], hi[CBX];                                                                        \
+        for (int q = 0; q < CBX; q++) {                                                             \
+            lo[q] = (vf)(bv[q] << 16);                                                              \
+            hi[q] = (vf)(bv[q] & 0xffff0000u);                                                      \
+        }                                                                                           \
+        for (int i = 0; i < RBX; i++)                                                               \
+            for (int q = 0; q < CBX; q++) acc[i][q] += sp[i][p].s0 * lo[q] + sp[i][p].s1 * hi[q];   \
+    }
+
+/* out[i0 + i][c + j] = round(out + delta) (EPI: round((out + delta) * sc + sh), one
+ * rounding) for i < RBX, j < CBX vectors; sp: the RBX rows' s pairs. */
+#define EXPAND_PAIRS_BLOCK(NAME, RBX, CBX, EPI)                                                    \
+static inline void NAME(const spair_t sp[][MAX_RANK / 2], int i0, int c, int np, const uint32_t *bt, int W, \
+                        uint16_t *out, int64_t os, const float *sc, const float *sh) {              \
+    vf acc[RBX][CBX];                                                                               \
+    for (int i = 0; i < RBX; i++)                                                                   \
+        for (int q = 0; q < CBX; q++) acc[i][q] = (vf){0};                                          \
+    for (int p = 0; p < np; p++) {                                                                  \
+        vu bv[CBX];                                                                                 \
+        for (int q = 0; q < CBX; q++) bv[q] = vload_u32(bt + (int64_t)p * W + c + q * VL);          \
+        PAIRS_ACC(RBX, CBX)                                                                         \
+    }                                                                                               \
+    for (int i = 0; i < RBX; i++) {                                                                 \
+        float d[CBX * VL];                                                                          \
+        memcpy(d, acc[i], sizeof d);                                                                \
+        store_bf16(out + (int64_t)(i0 + i) * os + c, d, CBX * VL, EPI ? sc + c : NULL, EPI ? sh + c : NULL, EPI); \
+    }                                                                                               \
+}
+
+/* Rows i0 .. i0 + RBX - 1: their s in pairs, then blocks of CBX vectors, one vector, and
+ * one column at a time. */
+#define EXPAND_PAIRS_ROWS(NAME, RBX, CBX, EPI)                                                     \
+static __attribute__((noinline)) void NAME(float s[][MAX_RANK], int i0, int r, const uint16_t *bt16, int W, \
+                                           uint16_t *out, int64_t os, const float *sc, const float *sh) { \
+    const uint32_t *bt = (const uint32_t *)bt16;                                                    \
+    const int np = (r + 1) / 2;                                                                     \
+    spair_t sp[RBX][MAX_RANK / 2];                                                                  \
+    for (int i = 0; i < RBX; i++)                                                                   \
+        for (int p = 0; p < np; p++) sp[i][p] = spair(s[i0 + i][2 * p], 2 * p + 1 < r ? s[i0 + i][2 * p + 1] : 0.f); \
+    int c = 0;                                                                                      \
+    for (; c + CBX * VL <= W; c += CBX * VL) NAME##_wide(sp, i0, c, np, bt, W, out, os, sc, sh);    \
+    for (; c + VL <= W; c += VL) NAME##_one(sp, i0, c, np, bt, W, out, os, sc, sh);                 \
+    for (; c < W; c++)                                                                              \
+        for (int i = 0; i < RBX; i++) {                                                             \
+            float d = 0.f;                                                                          \
+            for (int p = 0; p < np; p++) {                                                          \
+                const uint32_t b = bt[(int64_t)p * W + c];                                          \
+                d += sp[i][p].s0 * bf16_load((uint16_t)b) + sp[i][p].s1 * bf16_load((uint16_t)(b >> 16)); \
             }                                                                                       \
+            store_bf16(out + (int64_t)(i0 + i) * os + c, &d, 1, EPI ? sc + c : NULL, EPI ? sh + c : NULL, EPI); \
+        }                                                                                           \
+}
+
+#define DEFINE_EXPAND_PAIRS(NAME, EPI)                                                             \
+EXPAND_PAIRS_BLOCK(NAME##_rb_wide, RB, CB, EPI)                                                    \
+EXPAND_PAIRS_BLOCK(NAME##_rb_one, RB, 1, EPI)                                                      \
+EXPAND_PAIRS_BLOCK(NAME##_r1_wide, 1, CB1, EPI)                                                    \
+EXPAND_PAIRS_BLOCK(NAME##_r1_one, 1, 1, EPI)                                                       \
+EXPAND_PAIRS_ROWS(NAME##_rb, RB, CB, EPI)                                                          \
+EXPAND_PAIRS_ROWS(NAME##_r1, 1, CB1, EPI)
+
+DEFINE_EXPAND_PAIRS(expand_bf16, 0)
+DEFINE_EXPAND_PAIRS(expand_epi_bf16, 1)
+
+#ifndef PF_LOCALITY
+#define PF_LOCALITY 2 /* prefetcht1: into L2 */
+#endif
+
+static inline void prefetch_bytes(const void *p, int64_t n) {
+    const char *c = (const char *)p;
+    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(c + o, 0, PF_LOCALITY);
+}
+
+/* What every piece of one call shares. */
+typedef struct {
+    const char *x, *a_base;
+    char *out;
+    int64_t x_stride, out_stride, a_layer_stride, a_slot_stride, epi_stride;
+    int in_dim, n_mod, layer, pairs;
+    const int64_t *mods;
+    const int32_t *ranks;
+    const int32_t *segs, *epi_flags;
+    const float *epi_scale, *epi_shift;
+} call_t;
+
+/* Module m of `slot`: its A rows and B^T for the layer, and its rank (0: none). */
+static inline int module_weights(const call_t *k, int esize, int slot, int m, const char **a, const char **bt,
+                                 int64_t *a_bytes, int64_t *bt_bytes) {
+    const int64_t *md = k->mods + 6 * m;
+    const int r = k->ranks[slot * k->n_mod + m], r_alloc = (int)md[1], width = (int)md[3];
+    const int r_read = k->pairs ? (r + 1) & ~1 : r;
+    *a = k->a_base + esize * (k->layer * k->a_layer_stride + slot * k->a_slot_stride + md[0] * k->in_dim);
+    *bt = (const char *)(intptr_t)md[4] + esize * (k->layer * md[5] + (int64_t)slot * r_alloc * width);
+    *a_bytes = (int64_t)esize * r * k->in_dim;
+    *bt_bytes = (int64_t)esize * r_read * width;
+    return r;
+}
+
+/* Module m's weights of `slot` (or, past the last module, the first of `next_slot`). */
+static inline void prefetch_module(const call_t *k, int esize, int slot, int m, int next_slot) {
+    if (m == k->n_mod) {
+        if (next_slot < 0) return;
+        slot = next_slot, m = 0;
+    }
+    const char *a, *bt;
+    int64_t a_bytes, bt_bytes;
+    if (module_weights(k, esize, slot, m, &a, &bt, &a_bytes, &bt_bytes) <= 0) return;
+    prefetch_bytes(a, a_bytes);
+    prefetch_bytes(bt, bt_bytes);
+}
+
+/* Piece i (n rows of one slot) over every module of the group: full blocks of RB rows,
+ * then single rows (a decode row computes for itself only). The next module's weights
+ * (the next piece's first, after the last) are prefetched as this one computes. */
+#define DEFINE_PIECE(NAME, T, SHRINK, EXPAND, EPI_EXPAND)                                        \
+static int NAME(const call_t *k, int i, int next_slot) {                                          \
+    float s[MAX_ROWS][MAX_RANK];                                                                    \
+    const int r0 = k->segs[3 * i], r1 = k->segs[3 * i + 1], slot = k->segs[3 * i + 2], n = r1 - r0; \
+    if (n > MAX_ROWS || n < 1) return 1;                                                            \
+    const T *xs = (const T *)k->x + (int64_t)r0 * k->x_stride;                                      \
+    const int epi = k->epi_flags && k->epi_flags[slot];                                             \
+    int rc = 0;                                                                                     \
+    for (int m = 0; m < k->n_mod; m++) {                                                            \
+        const int64_t *md = k->mods + 6 * m;                                                        \
+        const char *ac, *btc;                                                                       \
+        int64_t a_bytes, bt_bytes;                                                                  \
+        const int r = module_weights(k, sizeof(T), slot, m, &ac, &btc, &a_bytes, &bt_bytes);        \
+        const int width = (int)md[3];                                                               \
+        if (r == 0) continue;                                                                       \
+        if (r > MAX_RANK || (k->pairs && (md[1] & 1))) { rc |= 2; continue; }                       \
+        prefetch_module(k, sizeof(T), slot, m + 1, next_slot);                                      \
+        const T *a = (const T *)ac, *bt = (const T *)btc;                                           \
+        T *o = (T *)k->out + (int64_t)r0 * k->out_stride + md[2];                                   \
+        int i0 = 0;                                                                                 \
+        for (; i0 + RB <= n; i0 += RB) SHRINK##_rb(xs, k->x_stride, i0, a, r, k->in_dim, s);       \
+        for (; i0 < n; i0++) SHRINK##_r1(xs, k->x_stride, i0, a, r, k->in_dim, s);                 \
+        const float *sc = epi ? k->epi_scale + slot * k->epi_stride + md[2] : NULL;                 \
+        const float *sh = epi ? k->epi_shift + slot * k->epi_stride + md[2] : NULL;                 \
+        const int64_t os = k->out_stride;                                                           \
+        if (epi) {                                                                                  \
+            for (i0 = 0; i0 + RB <= n; i0 += RB) EPI_EXPAND##_rb(s, i0, r, bt, width, o, os, sc, sh); \
+            for (; i0 < n; i0++) EPI_EXPAND##_r1(s, i0, r, bt, width, o, os, sc, sh);              \
+        } else {                                                                                    \
+            for (i0 = 0; i0 + RB <= n; i0 += RB) EXPAND##_rb(s, i0, r, bt, width, o, os, sc, sh);  \
+            for (; i0 < n; i0++) EXPAND##_r1(s, i0, r, bt, width, o, os, sc, sh);                  \
         }                                                                                           \
     }                                                                                               \
     return rc;                                                                                      \
 }
 
-DEFINE_LORA(lora_segments_bf16, uint16_t, shrink_bf16, expand_bf16, expand_epi_bf16)
-DEFINE_LORA(lora_segments_f32, float, shrink_f32, expand_f32, expand_epi_f32)
+DEFINE_PIECE(piece_bf16, uint16_t, shrink_bf16, expand_bf16, expand_epi_bf16)
+DEFINE_PIECE(piece_f32, float, shrink_f32, expand_f32, expand_epi_f32)
+
+/* Pieces [begin, end) shared out dynamically, each thread taking its next piece before it
+ * computes the current one, so that piece's weights can be prefetched (OpenMP's dynamic
+ * schedule hands the next piece out only when it is asked for). */
+#define DEFINE_LORA(NAME, T, PIECE, PAIRS)                                                         \
+int NAME(const T *x, int64_t x_stride, T *out, int64_t out_stride, const int32_t *segs,            \
+         const T *a_base, int64_t a_layer_stride, int64_t a_slot_stride, int in_dim, int n_mod,     \
+         const int64_t *mods, const int32_t *ranks, int layer, const int32_t *epi_flags,            \
+         const float *epi_scale, const float *epi_shift, int64_t epi_stride, int begin, int end) {  \
+    const call_t k = {(const char *)x, (const char *)a_base, (char *)out, x_stride, out_stride,     \
+                      a_layer_stride, a_slot_stride, epi_stride, in_dim, n_mod, layer, PAIRS, mods, \
+                      ranks, segs, epi_flags, epi_scale, epi_shift};                                \
+    int rc = 0, next = begin;                                                                       \
+    _Pragma("omp parallel if (end - begin >= 2) reduction(|: rc)")                                  \
+    {                                                                                               \
+        int i = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);                                     \
+        while (i < end) {                                                                           \
+            const int j = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);                           \
+            rc |= PIECE(&k, i, j < end ? segs[3 * j + 2] : -1);                                     \
+            i = j;                                                                                  \
+        }                                                                                           \
+    }                                                                                               \
+    return rc;                                                                                      \
+}
+
+DEFINE_LORA(lora_segments_bf16, uint16_t, piece_bf16, 1)
+DEFINE_LORA(lora_segments_f32, float, piece_f32, 0)
