@@ -75,6 +75,31 @@ static inline float hsum(vf v) {
 
 static inline int clamp_last(int i, int n) { return i < n ? i : n - 1; }
 
+#ifndef PF_LOCALITY
+#define PF_LOCALITY 2 /* prefetcht1: into L2 */
+#endif
+#ifndef PF_SPREAD
+#define PF_SPREAD 1 /* the next module's lines prefetched over 1/PF_SPREAD of this one's steps */
+#endif
+#define PF_MAX_LINES 16
+
+/* Weights to prefetch, two ranges (the next module's A and B^T), `lines` lines per step
+ * of the inner loops: a burst of all of them took every fill buffer, and the loads of the
+ * module being computed waited behind it. */
+typedef struct {
+    const char *p[2], *end[2];
+    int lines;
+} pf_t;
+
+static inline void pf_step(pf_t *pf) {
+    for (int l = 0; l < pf->lines; l++) {
+        const int w = pf->p[0] >= pf->end[0];
+        if (pf->p[w] >= pf->end[w]) return;
+        __builtin_prefetch(pf->p[w], 0, PF_LOCALITY);
+        pf->p[w] += 64;
+    }
+}
+
 /* Each block shape is its own function with arrays of exactly its size: GCC keeps an
  * array of vectors in registers only when every element is used (a 4x4 array holding
  * a 4x2 block went to the stack: 2x slower). */
@@ -83,7 +108,7 @@ static inline int clamp_last(int i, int n) { return i < n ? i : n - 1; }
  * past r in the last block repeat the last one; their results are dropped). */
 #define SHRINK_BLOCK(NAME, T, LOAD, VLOAD, RBX, KBX)                                               \
 static __attribute__((noinline)) void NAME(const T *x, int64_t xs, int i0, const T *a, int r, int K, \
-                                           float s[][MAX_RANK]) {                                   \
+                                           float s[][MAX_RANK], pf_t *pf) {                         \
     for (int k0 = 0; k0 < r; k0 += KBX) {                                                           \
         const T *xp[RBX], *ap[KBX];                                                                 \
         for (int i = 0; i < RBX; i++) xp[i] = x + (int64_t)(i0 + i) * xs;                           \
@@ -93,6 +118,7 @@ static __attribute__((noinline)) void NAME(const T *x, int64_t xs, int i0, const
             for (int q = 0; q < KBX; q++) acc[i][q] = (vf){0};                                      \
         int j = 0;                                                                                  \
         for (; j + VL <= K; j += VL) {                                                              \
+            pf_step(pf);                                                                            \
             vf xv[RBX], av[KBX];                                                                    \
             for (int i = 0; i < RBX; i++) xv[i] = VLOAD(xp[i] + j);                                 \
             for (int q = 0; q < KBX; q++) av[q] = VLOAD(ap[q] + j);                                 \
@@ -112,7 +138,7 @@ static __attribute__((noinline)) void NAME(const T *x, int64_t xs, int i0, const
 /* The same with 32 bf16 products per instruction (vdpbf16ps), summed in pairs into fp32. */
 #define SHRINK_BLOCK_DP(NAME, RBX, KBX)                                                            \
 static __attribute__((noinline)) void NAME(const uint16_t *x, int64_t xs, int i0, const uint16_t *a, int r, \
-                                           int K, float s[][MAX_RANK]) {                            \
+                                           int K, float s[][MAX_RANK], pf_t *pf) {                  \
     for (int k0 = 0; k0 < r; k0 += KBX) {                                                           \
         const uint16_t *xp[RBX], *ap[KBX];                                                          \
         for (int i = 0; i < RBX; i++) xp[i] = x + (int64_t)(i0 + i) * xs;                           \
@@ -122,6 +148,7 @@ static __attribute__((noinline)) void NAME(const uint16_t *x, int64_t xs, int i0
             for (int q = 0; q < KBX; q++) acc[i][q] = _mm512_setzero_ps();                          \
         int j = 0;                                                                                  \
         for (; j + 32 <= K; j += 32) {                                                              \
+            pf_step(pf);                                                                            \
             __m512bh xv[RBX], av[KBX];                                                              \
             for (int i = 0; i < RBX; i++) xv[i] = (__m512bh)_mm512_loadu_si512(xp[i] + j);          \
             for (int q = 0; q < KBX; q++) av[q] = (__m512bh)_mm512_loadu_si512(ap[q] + j);          \
@@ -151,11 +178,12 @@ SHRINK_BLOCK(shrink_f32_r1, float, f32_load, vload_f32, 1, KB1)
  * does. EPI is a constant: plain LoRA's code has no test for it. */
 #define EXPAND_BLOCK(NAME, RBX, CBX, EPI)                                                          \
 static inline void NAME(float s[][MAX_RANK], int i0, int c, int r, const float *bt, int W, float *out, \
-                        int64_t os, const float *sc, const float *sh) {                             \
+                        int64_t os, const float *sc, const float *sh, pf_t *pf) {                   \
     vf acc[RBX][CBX];                                                                               \
     for (int i = 0; i < RBX; i++)                                                                   \
         for (int q = 0; q < CBX; q++) acc[i][q] = (vf){0};                                          \
     for (int k = 0; k < r; k++) {                                                                   \
+        pf_step(pf);                                                                                \
         vf bv[CBX];                                                                                 \
         for (int q = 0; q < CBX; q++) bv[q] = vload_f32(bt + (int64_t)k * W + c + q * VL);          \
         for (int i = 0; i < RBX; i++) {                                                             \
@@ -179,10 +207,11 @@ static inline void NAME(float s[][MAX_RANK], int i0, int c, int r, const float *
  * one vector, then one column at a time. */
 #define EXPAND_ROWS(NAME, RBX, CBX, EPI)                                                           \
 static __attribute__((noinline)) void NAME(float s[][MAX_RANK], int i0, int r, const float *bt, int W, \
-                                           float *out, int64_t os, const float *sc, const float *sh) { \
+                                           float *out, int64_t os, const float *sc, const float *sh, \
+                                           pf_t *pf) {                                              \
     int c = 0;                                                                                      \
-    for (; c + CBX * VL <= W; c += CBX * VL) NAME##_wide(s, i0, c, r, bt, W, out, os, sc, sh);      \
-    for (; c + VL <= W; c += VL) NAME##_one(s, i0, c, r, bt, W, out, os, sc, sh);                   \
+    for (; c + CBX * VL <= W; c += CBX * VL) NAME##_wide(s, i0, c, r, bt, W, out, os, sc, sh, pf);      \
+    for (; c + VL <= W; c += VL) NAME##_one(s, i0, c, r, bt, W, out, os, sc, sh, pf);                   \
     for (; c < W; c++)                                                                              \
         for (int i = 0; i < RBX; i++) {                                                             \
             float d = 0.f;                                                                          \
@@ -274,11 +303,12 @@ static inline __attribute__((always_inline)) void store_bf16(uint16_t *o, const 
  * rounding) for i < RBX, j < CBX vectors; sp: the RBX rows' s pairs. */
 #define EXPAND_PAIRS_BLOCK(NAME, RBX, CBX, EPI)                                                    \
 static inline void NAME(const spair_t sp[][MAX_RANK / 2], int i0, int c, int np, const uint32_t *bt, int W, \
-                        uint16_t *out, int64_t os, const float *sc, const float *sh) {              \
+                        uint16_t *out, int64_t os, const float *sc, const float *sh, pf_t *pf) {    \
     vf acc[RBX][CBX];                                                                               \
     for (int i = 0; i < RBX; i++)                                                                   \
         for (int q = 0; q < CBX; q++) acc[i][q] = (vf){0};                                          \
     for (int p = 0; p < np; p++) {                                                                  \
+        pf_step(pf);                                                                                \
         vu bv[CBX];                                                                                 \
         for (int q = 0; q < CBX; q++) bv[q] = vload_u32(bt + (int64_t)p * W + c + q * VL);          \
         PAIRS_ACC(RBX, CBX)                                                                         \
@@ -294,15 +324,16 @@ static inline void NAME(const spair_t sp[][MAX_RANK / 2], int i0, int c, int np,
  * one column at a time. */
 #define EXPAND_PAIRS_ROWS(NAME, RBX, CBX, EPI)                                                     \
 static __attribute__((noinline)) void NAME(float s[][MAX_RANK], int i0, int r, const uint16_t *bt16, int W, \
-                                           uint16_t *out, int64_t os, const float *sc, const float *sh) { \
+                                           uint16_t *out, int64_t os, const float *sc, const float *sh, \
+                                           pf_t *pf) {                                              \
     const uint32_t *bt = (const uint32_t *)bt16;                                                    \
     const int np = (r + 1) / 2;                                                                     \
     spair_t sp[RBX][MAX_RANK / 2];                                                                  \
     for (int i = 0; i < RBX; i++)                                                                   \
         for (int p = 0; p < np; p++) sp[i][p] = spair(s[i0 + i][2 * p], 2 * p + 1 < r ? s[i0 + i][2 * p + 1] : 0.f); \
     int c = 0;                                                                                      \
-    for (; c + CBX * VL <= W; c += CBX * VL) NAME##_wide(sp, i0, c, np, bt, W, out, os, sc, sh);    \
-    for (; c + VL <= W; c += VL) NAME##_one(sp, i0, c, np, bt, W, out, os, sc, sh);                 \
+    for (; c + CBX * VL <= W; c += CBX * VL) NAME##_wide(sp, i0, c, np, bt, W, out, os, sc, sh, pf);    \
+    for (; c + VL <= W; c += VL) NAME##_one(sp, i0, c, np, bt, W, out, os, sc, sh, pf);                 \
     for (; c < W; c++)                                                                              \
         for (int i = 0; i < RBX; i++) {                                                             \
             float d = 0.f;                                                                          \
@@ -324,15 +355,6 @@ EXPAND_PAIRS_ROWS(NAME##_r1, 1, CB1, EPI)
 
 DEFINE_EXPAND_PAIRS(expand_bf16, 0)
 DEFINE_EXPAND_PAIRS(expand_epi_bf16, 1)
-
-#ifndef PF_LOCALITY
-#define PF_LOCALITY 2 /* prefetcht1: into L2 */
-#endif
-
-static inline void prefetch_bytes(const void *p, int64_t n) {
-    const char *c = (const char *)p;
-    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(c + o, 0, PF_LOCALITY);
-}
 
 /* What every piece of one call shares. */
 typedef struct {
@@ -359,23 +381,35 @@ static inline int module_weights(const call_t *k, int esize, int slot, int m, co
     return r;
 }
 
-/* Module m's weights of `slot` (or, past the last module, the first of `next_slot`). */
-static inline void prefetch_module(const call_t *k, int esize, int slot, int m, int next_slot) {
+static inline int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+/* Inner-loop steps of n rows of a module (rank r, K inputs, W outputs): shrink and expand
+ * blocks of RB rows, then single rows. */
+static inline int module_steps(int n, int r, int K, int W, int k_step, int pairs) {
+    const int rr = pairs ? cdiv(r, 2) : r;
+    return n / RB * (cdiv(r, KB) * (K / k_step) + cdiv(W, CB * VL) * rr) +
+           n % RB * (cdiv(r, KB1) * (K / k_step) + cdiv(W, CB1 * VL) * rr);
+}
+
+/* The prefetch of module m's weights of `slot` (or, past the last module, the first of
+ * `next_slot`; none: an empty one), spread over `steps`. */
+static inline pf_t prefetch_module(const call_t *k, int esize, int slot, int m, int next_slot, int steps) {
+    pf_t pf = {{NULL, NULL}, {NULL, NULL}, 0};
     if (m == k->n_mod) {
-        if (next_slot < 0) return;
+        if (next_slot < 0) return pf;
         slot = next_slot, m = 0;
     }
     const char *a, *bt;
     int64_t a_bytes, bt_bytes;
-    if (module_weights(k, esize, slot, m, &a, &bt, &a_bytes, &bt_bytes) <= 0) return;
-    prefetch_bytes(a, a_bytes);
-    prefetch_bytes(bt, bt_bytes);
+    if (module_weights(k, esize, slot, m, &a, &bt, &a_bytes, &bt_bytes) <= 0) return pf;
+    const int64_t lines = (a_bytes + bt_bytes) / 64 * PF_SPREAD / (steps > 0 ? steps : 1) + 1;
+    return (pf_t){{a, bt}, {a + a_bytes, bt + bt_bytes}, lines < PF_MAX_LINES ? (int)lines : PF_MAX_LINES};
 }
 
 /* Piece i (n rows of one slot) over every module of the group: full blocks of RB rows,
  * then single rows (a decode row computes for itself only). The next module's weights
  * (the next piece's first, after the last) are prefetched as this one computes. */
-#define DEFINE_PIECE(NAME, T, SHRINK, EXPAND, EPI_EXPAND)                                        \
+#define DEFINE_PIECE(NAME, T, SHRINK, EXPAND, EPI_EXPAND, K_STEP)                                \
 static int NAME(const call_t *k, int i, int next_slot) {                                          \
     float s[MAX_ROWS][MAX_RANK];                                                                    \
     const int r0 = k->segs[3 * i], r1 = k->segs[3 * i + 1], slot = k->segs[3 * i + 2], n = r1 - r0; \
@@ -391,28 +425,34 @@ static int NAME(const call_t *k, int i, int next_slot) {                        
         const int width = (int)md[3];                                                               \
         if (r == 0) continue;                                                                       \
         if (r > MAX_RANK || (k->pairs && (md[1] & 1))) { rc |= 2; continue; }                       \
-        prefetch_module(k, sizeof(T), slot, m + 1, next_slot);                                      \
+        const int steps = module_steps(n, r, k->in_dim, width, K_STEP, k->pairs);                   \
+        pf_t pf = prefetch_module(k, sizeof(T), slot, m + 1, next_slot, steps);                     \
         const T *a = (const T *)ac, *bt = (const T *)btc;                                           \
         T *o = (T *)k->out + (int64_t)r0 * k->out_stride + md[2];                                   \
         int i0 = 0;                                                                                 \
-        for (; i0 + RB <= n; i0 += RB) SHRINK##_rb(xs, k->x_stride, i0, a, r, k->in_dim, s);       \
-        for (; i0 < n; i0++) SHRINK##_r1(xs, k->x_stride, i0, a, r, k->in_dim, s);                 \
+        for (; i0 + RB <= n; i0 += RB) SHRINK##_rb(xs, k->x_stride, i0, a, r, k->in_dim, s, &pf);       \
+        for (; i0 < n; i0++) SHRINK##_r1(xs, k->x_stride, i0, a, r, k->in_dim, s, &pf);                 \
         const float *sc = epi ? k->epi_scale + slot * k->epi_stride + md[2] : NULL;                 \
         const float *sh = epi ? k->epi_shift + slot * k->epi_stride + md[2] : NULL;                 \
         const int64_t os = k->out_stride;                                                           \
         if (epi) {                                                                                  \
-            for (i0 = 0; i0 + RB <= n; i0 += RB) EPI_EXPAND##_rb(s, i0, r, bt, width, o, os, sc, sh); \
-            for (; i0 < n; i0++) EPI_EXPAND##_r1(s, i0, r, bt, width, o, os, sc, sh);              \
+            for (i0 = 0; i0 + RB <= n; i0 += RB) EPI_EXPAND##_rb(s, i0, r, bt, width, o, os, sc, sh, &pf); \
+            for (; i0 < n; i0++) EPI_EXPAND##_r1(s, i0, r, bt, width, o, os, sc, sh, &pf);              \
         } else {                                                                                    \
-            for (i0 = 0; i0 + RB <= n; i0 += RB) EXPAND##_rb(s, i0, r, bt, width, o, os, sc, sh);  \
-            for (; i0 < n; i0++) EXPAND##_r1(s, i0, r, bt, width, o, os, sc, sh);                  \
+            for (i0 = 0; i0 + RB <= n; i0 += RB) EXPAND##_rb(s, i0, r, bt, width, o, os, sc, sh, &pf);  \
+            for (; i0 < n; i0++) EXPAND##_r1(s, i0, r, bt, width, o, os, sc, sh, &pf);                  \
         }                                                                                           \
     }                                                                                               \
     return rc;                                                                                      \
 }
 
-DEFINE_PIECE(piece_bf16, uint16_t, shrink_bf16, expand_bf16, expand_epi_bf16)
-DEFINE_PIECE(piece_f32, float, shrink_f32, expand_f32, expand_epi_f32)
+#ifdef __AVX512BF16__
+#define BF16_K_STEP 32
+#else
+#define BF16_K_STEP VL
+#endif
+DEFINE_PIECE(piece_bf16, uint16_t, shrink_bf16, expand_bf16, expand_epi_bf16, BF16_K_STEP)
+DEFINE_PIECE(piece_f32, float, shrink_f32, expand_f32, expand_epi_f32, VL)
 
 /* Pieces [begin, end) shared out dynamically, each thread taking its next piece before it
  * computes the current one, so that piece's weights can be prefetched (OpenMP's dynamic
