@@ -91,13 +91,12 @@ typedef struct {
     int lines;
 } pf_t;
 
+/* (A range's last step may run a few lines past its end: a prefetch never faults.) */
 static inline void pf_step(pf_t *pf) {
-    for (int l = 0; l < pf->lines; l++) {
-        const int w = pf->p[0] >= pf->end[0];
-        if (pf->p[w] >= pf->end[w]) return;
-        __builtin_prefetch(pf->p[w], 0, PF_LOCALITY);
-        pf->p[w] += 64;
-    }
+    const int w = pf->p[0] >= pf->end[0];
+    if (pf->p[w] >= pf->end[w]) return;
+    for (int l = 0; l < pf->lines; l++) __builtin_prefetch(pf->p[w] + 64 * l, 0, PF_LOCALITY);
+    pf->p[w] += 64 * pf->lines;
 }
 
 /* Each block shape is its own function with arrays of exactly its size: GCC keeps an
@@ -277,9 +276,10 @@ static inline __attribute__((always_inline)) void store_bf16(uint16_t *o, const 
     {                                                                                               \
         const __m512bh hi = (__m512bh)_mm512_set1_epi32((int)sp[0][p].hi);                         \
         const __m512bh lo = (__m512bh)_mm512_set1_epi32((int)sp[0][p].lo);                         \
-        for (int q = 0; q < CBX; q++)                                                               \
-            acc[0][q] = (vf)_mm512_dpbf16_ps(_mm512_dpbf16_ps((__m512)acc[0][q], hi, (__m512bh)bv[q]), lo, \
-                                             (__m512bh)bv[q]);                                      \
+        for (int q = 0; q < CBX; q++) {                                                             \
+            acc[0][q] = (vf)_mm512_dpbf16_ps((__m512)acc[0][q], hi, (__m512bh)bv[q]);                \
+            rem[q] = (vf)_mm512_dpbf16_ps((__m512)rem[q], lo, (__m512bh)bv[q]);                      \
+        }                                                                                           \
     }
 #else
 #define EXPAND_DP 0
@@ -304,15 +304,19 @@ static inline __attribute__((always_inline)) void store_bf16(uint16_t *o, const 
 #define EXPAND_PAIRS_BLOCK(NAME, RBX, CBX, EPI)                                                    \
 static inline void NAME(const spair_t sp[][MAX_RANK / 2], int i0, int c, int np, const uint32_t *bt, int W, \
                         uint16_t *out, int64_t os, const float *sc, const float *sh, pf_t *pf) {    \
-    vf acc[RBX][CBX];                                                                               \
-    for (int i = 0; i < RBX; i++)                                                                   \
-        for (int q = 0; q < CBX; q++) acc[i][q] = (vf){0};                                          \
+    vf acc[RBX][CBX], rem[CBX]; /* rem: a single row's products of what s's bf16 rounding left */ \
+    for (int q = 0; q < CBX; q++) {                                                                 \
+        rem[q] = (vf){0};                                                                           \
+        for (int i = 0; i < RBX; i++) acc[i][q] = (vf){0};                                          \
+    }                                                                                               \
     for (int p = 0; p < np; p++) {                                                                  \
         pf_step(pf);                                                                                \
         vu bv[CBX];                                                                                 \
         for (int q = 0; q < CBX; q++) bv[q] = vload_u32(bt + (int64_t)p * W + c + q * VL);          \
         PAIRS_ACC(RBX, CBX)                                                                         \
     }                                                                                               \
+    if (RBX == 1 && EXPAND_DP)                                                                      \
+        for (int q = 0; q < CBX; q++) acc[0][q] += rem[q];                                          \
     for (int i = 0; i < RBX; i++) {                                                                 \
         float d[CBX * VL];                                                                          \
         memcpy(d, acc[i], sizeof d);                                                                \
@@ -396,7 +400,7 @@ static inline int module_steps(int n, int r, int K, int W, int k_step, int pairs
 static inline pf_t prefetch_module(const call_t *k, int esize, int slot, int m, int next_slot, int steps) {
     pf_t pf = {{NULL, NULL}, {NULL, NULL}, 0};
     if (m == k->n_mod) {
-        if (next_slot < 0) return pf;
+        if (next_slot < 0 || next_slot == slot) return pf; /* the next piece reads these weights again */
         slot = next_slot, m = 0;
     }
     const char *a, *bt;
