@@ -6,18 +6,24 @@
  * (register blocks of RB rows x KB ranks, dot products vectorised along the input), then
  * expand delta = s B^T (blocks of RB rows x CB vectors of output columns) and add it into
  * `out` with one rounding. Rows past the last full block go one at a time (a decode
- * row computes for itself only). Decode pieces are bound by reading the adapter's A and B^T,
- * which each piece streams once; prefill pieces by arithmetic, which the register blocks
- * keep on the FMA units. With AVX512-BF16 the bf16 shrink multiplies pairs of bf16 in
- * one instruction (vdpbf16ps, fp32 accumulation). Batched torch matmuls did the same at
- * half the memory speed on decode, and oneDNN built a new primitive (~1 ms) for every
+ * row computes for itself only). Prefill pieces are bound by arithmetic, which the
+ * register blocks keep on the FMA units. Decode pieces are bound by reading the
+ * adapter's A and B^T, which each piece streams once: with AVX512-BF16 the bf16 shrink
+ * and a decode row's expand multiply pairs of bf16 in one instruction (vdpbf16ps, fp32
+ * accumulation), B^T stored in rank pairs for it (see the expand), so the arithmetic
+ * takes little time beside the reads; and the reads of the next module run under this
+ * one's arithmetic (software prefetch, spread over the inner loops; see pf_t), where a
+ * module's reads and its arithmetic otherwise took turns. Batched torch matmuls ran
+ * decode at half the memory speed, and oneDNN built a new primitive (~1 ms) for every
  * new segment length on prefill.
  *
  * Weights come from lora/stacks.py SlotStacks: A [layers, slots, RA, in] (modules' rows at
- * their offsets), per module B^T [layers, slots, r_alloc, out_m]. Per module, `mods`
- * holds {A row offset, r_alloc, output column, out_m, B^T base address, B^T layer
- * stride}; `ranks` [slots, modules] the rank each slot really has for the layer.
- * Work items are pieces [begin, end), shared out by OpenMP (torch's own runtime).
+ * their offsets), per module B^T [layers, slots, r_alloc, out_m], bf16 in rank pairs
+ * (SlotStacks(pairs=True): r_alloc even, each slot's block [r_alloc/2][out_m][2]), fp32
+ * rank-major. Per module, `mods` holds {A row offset, r_alloc, output column, out_m, B^T
+ * base address, B^T layer stride}; `ranks` [slots, modules] the rank each slot really has
+ * for the layer. Work items are pieces [begin, end), shared out dynamically on OpenMP
+ * threads (torch's own runtime), each thread knowing its next piece so it can prefetch it.
  *
  * The epilogue of DoRA and lora_bias adapters (lora/epilogue.py), when `epi_flags` is
  * not NULL: for a slot whose flag is set, each module's rows become
@@ -105,7 +111,7 @@ static inline void pf_step(pf_t *pf) {
 
 /* s[i0 + i][k] = x[i0 + i] . a[k] for i < RBX, k < r, KBX ranks at a time (the ranks
  * past r in the last block repeat the last one; their results are dropped). */
-#define SHRINK_BLOCK(NAME, T, LOAD, VLOAD, RBX, KBX)                                               \
+#define SHRINK_BLOCK(NAME, T, LOAD, VLOAD, RBX, KBX)                                                \
 static __attribute__((noinline)) void NAME(const T *x, int64_t xs, int i0, const T *a, int r, int K, \
                                            float s[][MAX_RANK], pf_t *pf) {                         \
     for (int k0 = 0; k0 < r; k0 += KBX) {                                                           \
@@ -135,7 +141,7 @@ static __attribute__((noinline)) void NAME(const T *x, int64_t xs, int i0, const
 
 #ifdef __AVX512BF16__
 /* The same with 32 bf16 products per instruction (vdpbf16ps), summed in pairs into fp32. */
-#define SHRINK_BLOCK_DP(NAME, RBX, KBX)                                                            \
+#define SHRINK_BLOCK_DP(NAME, RBX, KBX)                                                             \
 static __attribute__((noinline)) void NAME(const uint16_t *x, int64_t xs, int i0, const uint16_t *a, int r, \
                                            int K, float s[][MAX_RANK], pf_t *pf) {                  \
     for (int k0 = 0; k0 < r; k0 += KBX) {                                                           \
@@ -175,7 +181,7 @@ SHRINK_BLOCK(shrink_f32_r1, float, f32_load, vload_f32, 1, KB1)
  * vectors, B^T rank-major [r][W]; with EPI (sc, sh: the module's columns of its
  * epilogue's scale and shift), (out + delta) * sc + sh in one pass, as the Triton expand
  * does. EPI is a constant: plain LoRA's code has no test for it. */
-#define EXPAND_BLOCK(NAME, RBX, CBX, EPI)                                                          \
+#define EXPAND_BLOCK(NAME, RBX, CBX, EPI)                                                           \
 static inline void NAME(float s[][MAX_RANK], int i0, int c, int r, const float *bt, int W, float *out, \
                         int64_t os, const float *sc, const float *sh, pf_t *pf) {                   \
     vf acc[RBX][CBX];                                                                               \
@@ -204,28 +210,28 @@ static inline void NAME(float s[][MAX_RANK], int i0, int c, int r, const float *
 
 /* Rows i0 .. i0 + RBX - 1 of the expand over all W columns: blocks of CBX vectors, then
  * one vector, then one column at a time. */
-#define EXPAND_ROWS(NAME, RBX, CBX, EPI)                                                           \
+#define EXPAND_ROWS(NAME, RBX, CBX, EPI)                                                            \
 static __attribute__((noinline)) void NAME(float s[][MAX_RANK], int i0, int r, const float *bt, int W, \
                                            float *out, int64_t os, const float *sc, const float *sh, \
                                            pf_t *pf) {                                              \
     int c = 0;                                                                                      \
-    for (; c + CBX * VL <= W; c += CBX * VL) NAME##_wide(s, i0, c, r, bt, W, out, os, sc, sh, pf);      \
-    for (; c + VL <= W; c += VL) NAME##_one(s, i0, c, r, bt, W, out, os, sc, sh, pf);                   \
+    for (; c + CBX * VL <= W; c += CBX * VL) NAME##_wide(s, i0, c, r, bt, W, out, os, sc, sh, pf);  \
+    for (; c + VL <= W; c += VL) NAME##_one(s, i0, c, r, bt, W, out, os, sc, sh, pf);               \
     for (; c < W; c++)                                                                              \
         for (int i = 0; i < RBX; i++) {                                                             \
             float d = 0.f;                                                                          \
-            for (int k = 0; k < r; k++) d += s[i0 + i][k] * bt[(int64_t)k * W + c];                \
+            for (int k = 0; k < r; k++) d += s[i0 + i][k] * bt[(int64_t)k * W + c];                 \
             float *o = out + (int64_t)(i0 + i) * os + c;                                            \
             *o = EPI ? (*o + d) * sc[c] + sh[c] : *o + d;                                           \
         }                                                                                           \
 }
 
-#define DEFINE_EXPAND(NAME, EPI)                                                                   \
-EXPAND_BLOCK(NAME##_rb_wide, RB, CB, EPI)                                                          \
-EXPAND_BLOCK(NAME##_rb_one, RB, 1, EPI)                                                            \
-EXPAND_BLOCK(NAME##_r1_wide, 1, CB1, EPI)                                                          \
-EXPAND_BLOCK(NAME##_r1_one, 1, 1, EPI)                                                             \
-EXPAND_ROWS(NAME##_rb, RB, CB, EPI)                                                                \
+#define DEFINE_EXPAND(NAME, EPI)                                                                    \
+EXPAND_BLOCK(NAME##_rb_wide, RB, CB, EPI)                                                           \
+EXPAND_BLOCK(NAME##_rb_one, RB, 1, EPI)                                                             \
+EXPAND_BLOCK(NAME##_r1_wide, 1, CB1, EPI)                                                           \
+EXPAND_BLOCK(NAME##_r1_one, 1, 1, EPI)                                                              \
+EXPAND_ROWS(NAME##_rb, RB, CB, EPI)                                                                 \
 EXPAND_ROWS(NAME##_r1, 1, CB1, EPI)
 
 DEFINE_EXPAND(expand_f32, 0)
@@ -272,13 +278,13 @@ static inline __attribute__((always_inline)) void store_bf16(uint16_t *o, const 
 
 #if defined(__AVX512BF16__) && !defined(LORA_EXPAND_WIDEN)
 #define EXPAND_DP 1
-#define DP_ACC(CBX)                                                                                \
+#define DP_ACC(CBX)                                                                                 \
     {                                                                                               \
-        const __m512bh hi = (__m512bh)_mm512_set1_epi32((int)sp[0][p].hi);                         \
-        const __m512bh lo = (__m512bh)_mm512_set1_epi32((int)sp[0][p].lo);                         \
+        const __m512bh hi = (__m512bh)_mm512_set1_epi32((int)sp[0][p].hi);                          \
+        const __m512bh lo = (__m512bh)_mm512_set1_epi32((int)sp[0][p].lo);                          \
         for (int q = 0; q < CBX; q++) {                                                             \
-            acc[0][q] = (vf)_mm512_dpbf16_ps((__m512)acc[0][q], hi, (__m512bh)bv[q]);                \
-            rem[q] = (vf)_mm512_dpbf16_ps((__m512)rem[q], lo, (__m512bh)bv[q]);                      \
+            acc[0][q] = (vf)_mm512_dpbf16_ps((__m512)acc[0][q], hi, (__m512bh)bv[q]);               \
+            rem[q] = (vf)_mm512_dpbf16_ps((__m512)rem[q], lo, (__m512bh)bv[q]);                     \
         }                                                                                           \
     }
 #else
@@ -286,7 +292,7 @@ static inline __attribute__((always_inline)) void store_bf16(uint16_t *o, const 
 #define DP_ACC(CBX)
 #endif
 
-#define PAIRS_ACC(RBX, CBX)                                                                        \
+#define PAIRS_ACC(RBX, CBX)                                                                         \
     if (RBX == 1 && EXPAND_DP) {                                                                    \
         DP_ACC(CBX)                                                                                 \
     } else {                                                                                        \
@@ -301,10 +307,10 @@ static inline __attribute__((always_inline)) void store_bf16(uint16_t *o, const 
 
 /* out[i0 + i][c + j] = round(out + delta) (EPI: round((out + delta) * sc + sh), one
  * rounding) for i < RBX, j < CBX vectors; sp: the RBX rows' s pairs. */
-#define EXPAND_PAIRS_BLOCK(NAME, RBX, CBX, EPI)                                                    \
+#define EXPAND_PAIRS_BLOCK(NAME, RBX, CBX, EPI)                                                     \
 static inline void NAME(const spair_t sp[][MAX_RANK / 2], int i0, int c, int np, const uint32_t *bt, int W, \
                         uint16_t *out, int64_t os, const float *sc, const float *sh, pf_t *pf) {    \
-    vf acc[RBX][CBX], rem[CBX]; /* rem: a single row's products of what s's bf16 rounding left */ \
+    vf acc[RBX][CBX], rem[CBX]; /* rem: a single row's products of what s's bf16 rounding left */   \
     for (int q = 0; q < CBX; q++) {                                                                 \
         rem[q] = (vf){0};                                                                           \
         for (int i = 0; i < RBX; i++) acc[i][q] = (vf){0};                                          \
@@ -326,7 +332,7 @@ static inline void NAME(const spair_t sp[][MAX_RANK / 2], int i0, int c, int np,
 
 /* Rows i0 .. i0 + RBX - 1: their s in pairs, then blocks of CBX vectors, one vector, and
  * one column at a time. */
-#define EXPAND_PAIRS_ROWS(NAME, RBX, CBX, EPI)                                                     \
+#define EXPAND_PAIRS_ROWS(NAME, RBX, CBX, EPI)                                                      \
 static __attribute__((noinline)) void NAME(float s[][MAX_RANK], int i0, int r, const uint16_t *bt16, int W, \
                                            uint16_t *out, int64_t os, const float *sc, const float *sh, \
                                            pf_t *pf) {                                              \
@@ -336,8 +342,8 @@ static __attribute__((noinline)) void NAME(float s[][MAX_RANK], int i0, int r, c
     for (int i = 0; i < RBX; i++)                                                                   \
         for (int p = 0; p < np; p++) sp[i][p] = spair(s[i0 + i][2 * p], 2 * p + 1 < r ? s[i0 + i][2 * p + 1] : 0.f); \
     int c = 0;                                                                                      \
-    for (; c + CBX * VL <= W; c += CBX * VL) NAME##_wide(sp, i0, c, np, bt, W, out, os, sc, sh, pf);    \
-    for (; c + VL <= W; c += VL) NAME##_one(sp, i0, c, np, bt, W, out, os, sc, sh, pf);                 \
+    for (; c + CBX * VL <= W; c += CBX * VL) NAME##_wide(sp, i0, c, np, bt, W, out, os, sc, sh, pf); \
+    for (; c + VL <= W; c += VL) NAME##_one(sp, i0, c, np, bt, W, out, os, sc, sh, pf);             \
     for (; c < W; c++)                                                                              \
         for (int i = 0; i < RBX; i++) {                                                             \
             float d = 0.f;                                                                          \
@@ -349,12 +355,12 @@ static __attribute__((noinline)) void NAME(float s[][MAX_RANK], int i0, int r, c
         }                                                                                           \
 }
 
-#define DEFINE_EXPAND_PAIRS(NAME, EPI)                                                             \
-EXPAND_PAIRS_BLOCK(NAME##_rb_wide, RB, CB, EPI)                                                    \
-EXPAND_PAIRS_BLOCK(NAME##_rb_one, RB, 1, EPI)                                                      \
-EXPAND_PAIRS_BLOCK(NAME##_r1_wide, 1, CB1, EPI)                                                    \
-EXPAND_PAIRS_BLOCK(NAME##_r1_one, 1, 1, EPI)                                                       \
-EXPAND_PAIRS_ROWS(NAME##_rb, RB, CB, EPI)                                                          \
+#define DEFINE_EXPAND_PAIRS(NAME, EPI)                                                              \
+EXPAND_PAIRS_BLOCK(NAME##_rb_wide, RB, CB, EPI)                                                     \
+EXPAND_PAIRS_BLOCK(NAME##_rb_one, RB, 1, EPI)                                                       \
+EXPAND_PAIRS_BLOCK(NAME##_r1_wide, 1, CB1, EPI)                                                     \
+EXPAND_PAIRS_BLOCK(NAME##_r1_one, 1, 1, EPI)                                                        \
+EXPAND_PAIRS_ROWS(NAME##_rb, RB, CB, EPI)                                                           \
 EXPAND_PAIRS_ROWS(NAME##_r1, 1, CB1, EPI)
 
 DEFINE_EXPAND_PAIRS(expand_bf16, 0)
@@ -413,8 +419,8 @@ static inline pf_t prefetch_module(const call_t *k, int esize, int slot, int m, 
 /* Piece i (n rows of one slot) over every module of the group: full blocks of RB rows,
  * then single rows (a decode row computes for itself only). The next module's weights
  * (the next piece's first, after the last) are prefetched as this one computes. */
-#define DEFINE_PIECE(NAME, T, SHRINK, EXPAND, EPI_EXPAND, K_STEP)                                \
-static int NAME(const call_t *k, int i, int next_slot) {                                          \
+#define DEFINE_PIECE(NAME, T, SHRINK, EXPAND, EPI_EXPAND, K_STEP)                                   \
+static int NAME(const call_t *k, int i, int next_slot) {                                            \
     float s[MAX_ROWS][MAX_RANK];                                                                    \
     const int r0 = k->segs[3 * i], r1 = k->segs[3 * i + 1], slot = k->segs[3 * i + 2], n = r1 - r0; \
     if (n > MAX_ROWS || n < 1) return 1;                                                            \
@@ -434,17 +440,17 @@ static int NAME(const call_t *k, int i, int next_slot) {                        
         const T *a = (const T *)ac, *bt = (const T *)btc;                                           \
         T *o = (T *)k->out + (int64_t)r0 * k->out_stride + md[2];                                   \
         int i0 = 0;                                                                                 \
-        for (; i0 + RB <= n; i0 += RB) SHRINK##_rb(xs, k->x_stride, i0, a, r, k->in_dim, s, &pf);       \
-        for (; i0 < n; i0++) SHRINK##_r1(xs, k->x_stride, i0, a, r, k->in_dim, s, &pf);                 \
+        for (; i0 + RB <= n; i0 += RB) SHRINK##_rb(xs, k->x_stride, i0, a, r, k->in_dim, s, &pf);   \
+        for (; i0 < n; i0++) SHRINK##_r1(xs, k->x_stride, i0, a, r, k->in_dim, s, &pf);             \
         const float *sc = epi ? k->epi_scale + slot * k->epi_stride + md[2] : NULL;                 \
         const float *sh = epi ? k->epi_shift + slot * k->epi_stride + md[2] : NULL;                 \
         const int64_t os = k->out_stride;                                                           \
         if (epi) {                                                                                  \
             for (i0 = 0; i0 + RB <= n; i0 += RB) EPI_EXPAND##_rb(s, i0, r, bt, width, o, os, sc, sh, &pf); \
-            for (; i0 < n; i0++) EPI_EXPAND##_r1(s, i0, r, bt, width, o, os, sc, sh, &pf);              \
+            for (; i0 < n; i0++) EPI_EXPAND##_r1(s, i0, r, bt, width, o, os, sc, sh, &pf);          \
         } else {                                                                                    \
-            for (i0 = 0; i0 + RB <= n; i0 += RB) EXPAND##_rb(s, i0, r, bt, width, o, os, sc, sh, &pf);  \
-            for (; i0 < n; i0++) EXPAND##_r1(s, i0, r, bt, width, o, os, sc, sh, &pf);                  \
+            for (i0 = 0; i0 + RB <= n; i0 += RB) EXPAND##_rb(s, i0, r, bt, width, o, os, sc, sh, &pf); \
+            for (; i0 < n; i0++) EXPAND##_r1(s, i0, r, bt, width, o, os, sc, sh, &pf);              \
         }                                                                                           \
     }                                                                                               \
     return rc;                                                                                      \
@@ -461,8 +467,8 @@ DEFINE_PIECE(piece_f32, float, shrink_f32, expand_f32, expand_epi_f32, VL)
 /* Pieces [begin, end) shared out dynamically, each thread taking its next piece before it
  * computes the current one, so that piece's weights can be prefetched (OpenMP's dynamic
  * schedule hands the next piece out only when it is asked for). */
-#define DEFINE_LORA(NAME, T, PIECE, PAIRS)                                                         \
-int NAME(const T *x, int64_t x_stride, T *out, int64_t out_stride, const int32_t *segs,            \
+#define DEFINE_LORA(NAME, T, PIECE, PAIRS)                                                          \
+int NAME(const T *x, int64_t x_stride, T *out, int64_t out_stride, const int32_t *segs,             \
          const T *a_base, int64_t a_layer_stride, int64_t a_slot_stride, int in_dim, int n_mod,     \
          const int64_t *mods, const int32_t *ranks, int layer, const int32_t *epi_flags,            \
          const float *epi_scale, const float *epi_shift, int64_t epi_stride, int begin, int end) {  \

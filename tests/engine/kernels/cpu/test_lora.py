@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from loraplex.engine.kernels.cpu import lora as cpu_lora
+from loraplex.engine.kernels.cpu.lora import CLoRABackend
+from loraplex.engine.lora import GROUPS, pack_adapter
 from loraplex.engine.lora.stacks import rank_pairs
-from tests.engine.kernels.kernel_cases import MARCHES, use_build
+from loraplex.engine.lora.torch_backend import GroupedLoRABatch, LoRABatch
+from tests.engine.kernels.kernel_cases import MARCHES, llama_shapes, random_adapter, random_epilogues, use_build
 
 pytestmark = pytest.mark.skipif(cpu_lora.load_library() is None, reason="no C compiler to build the CPU kernels")
 
@@ -151,3 +154,47 @@ def test_epilogue_rounds_once(code_path):
     assert not torch.equal(expected, twice)  # the case tells the two apart
     cpu_lora.cpu_lora_segments(x, out, segs, a, mods, ranks, 0, (flags, scale, shift))
     assert torch.equal(out, expected)
+
+
+# Odd output widths (vector and column tails), inputs past one dp step of 32 pairs.
+P_OUT, P_IN, P_GROUP_IN = llama_shapes(67, 37, 13, 149)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rank", [8, 16, 64])
+def test_slot_stacks_through_the_kernel_match_the_reference(dtype, rank, code_path):
+    """The C backend's stacks (bf16: B^T in rank pairs) through the kernel give what the
+    per-segment torch loop gives: odd ranks beside `rank` (loaded first, so the pairs are
+    regrown to it), DoRA and lora_bias epilogues, decode rows and long prefill segments;
+    the grouped torch path reads the same stacks back rank-major."""
+    cpu = torch.device("cpu")
+    lora = CLoRABackend(6, 2, P_GROUP_IN, P_OUT, rank, dtype, cpu)
+    adapters = [({m: 5 for m in P_OUT} | {"k_proj": 3, "down_proj": 1}, None),
+                ({m: rank for m in P_OUT}, (True, True)),
+                ({m: rank for m in P_OUT} | {"v_proj": rank - 1}, None),
+                ({"q_proj": rank, "up_proj": 7, "down_proj": rank}, (False, True))]
+    for slot, (ranks, epi) in enumerate(adapters):
+        adapter = random_adapter(ranks, P_IN, P_OUT, 2, seed=slot + 1)
+        epilogues = random_epilogues(adapter, slot, *epi) if epi else None
+        lora.set_slot(slot, pack_adapter(adapter, P_OUT, 2, dtype, cpu, epilogues))
+    assert lora.stacks.pairs == (dtype == torch.bfloat16) and lora.stacks.epilogues.slots == {1, 3}
+    segments = [(0, 1, 0), (1, 2, 1), (2, 3, 2), (3, 4, 3), (4, 45, 1), (45, 115, 2), (115, 122, 3)]
+    gen = torch.Generator().manual_seed(rank)
+    x = {g: torch.randn(122, P_GROUP_IN[g], generator=gen).to(dtype) for g in GROUPS}
+    out = {g: torch.randn(122, sum(P_OUT[m] for m in GROUPS[g]), generator=gen).to(dtype) for g in GROUPS}
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    for batch in (lora.batch(segments), GroupedLoRABatch(lora.stacks, lora.packed, segments)):
+        for layer in range(2):
+            for g in GROUPS:
+                got, want = out[g].clone(), out[g].clone()
+                batch.apply(layer, g, x[g], got)
+                LoRABatch(lora.packed, segments).apply(layer, g, x[g], want)
+                torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{type(batch).__name__} {layer} {g}: {m}")
+
+
+def test_rank_pairs_layout():
+    """Ranks 2p and 2p+1 of a column side by side, zero past an odd rank."""
+    bt = torch.arange(15.0).view(3, 5)
+    pairs = rank_pairs(bt).view(2, 5, 2)
+    assert torch.equal(pairs[:, :, 0], bt[0::2]) and torch.equal(pairs[0, :, 1], bt[1])
+    assert torch.equal(pairs[1, :, 1], torch.zeros(5))
