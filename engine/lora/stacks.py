@@ -35,7 +35,7 @@ class SlotStacks:
     module reads half the bytes of a block-diagonal B, and decode steps are memory bound;
     transposed, each rank's row is contiguous for bmm. With `pairs` (the C kernel's bf16
     layout, kernels/cpu/lora.c) each slot's [r, out_m] block holds instead ranks two by two,
-    [r/2, out_m, 2]: ranks 2p and 2p+1 of a column side by side, the operand of vdpbf16ps;
+    [r/2, out_m, 2]: ranks 2p and 2p+1 of a column side by side, widened two at a time;
     rank is then allocated even (the odd one out's partner stays zero).
     Missing modules and groups are zeros. `epilogues`: DoRA's and lora_bias's per-feature
     maps (epilogue.py), allocated at the first adapter that has one.

@@ -8,12 +8,12 @@
  * `out` with one rounding. Rows past the last full block go one at a time (a decode
  * row computes for itself only). Prefill pieces are bound by arithmetic, which the
  * register blocks keep on the FMA units. Decode pieces are bound by reading the
- * adapter's A and B^T, which each piece streams once: with AVX512-BF16 the bf16 shrink
- * and a decode row's expand multiply pairs of bf16 in one instruction (vdpbf16ps, fp32
- * accumulation), B^T stored in rank pairs for it (see the expand), so the arithmetic
- * takes little time beside the reads; and the reads of the next module run under this
- * one's arithmetic (software prefetch, spread over the inner loops; see pf_t), where a
- * module's reads and its arithmetic otherwise took turns. Batched torch matmuls ran
+ * adapter's A and B^T, which each piece streams once: the reads of the next module run
+ * under this one's arithmetic (software prefetch spread over the inner loops, see pf_t),
+ * where a module's reads and its arithmetic otherwise took turns, and the arithmetic is
+ * kept short: with AVX512-BF16 the bf16 shrink multiplies pairs of bf16 in one
+ * instruction (vdpbf16ps, fp32 accumulation), and bf16 B^T is stored in rank pairs so
+ * the expand widens two ranks with two ops (see there). Batched torch matmuls ran
  * decode at half the memory speed, and oneDNN built a new primitive (~1 ms) for every
  * new segment length on prefill.
  *
@@ -239,32 +239,16 @@ DEFINE_EXPAND(expand_epi_f32, 1)
 
 /* bf16: B^T in rank pairs, [ceil(r/2)][W] uint32 whose low half is rank 2p's value of the
  * column and high half rank 2p+1's (zero past r), so one vector load is a pair of ranks of
- * VL columns. Blocks of rows widen the halves by a shift and a mask (two ops per two
- * ranks, where rank-major rows took a zero-extend and a shift per rank), once for all
- * their rows. A single (decode) row, with AVX512-BF16, instead broadcasts its s pair as
- * bf16 and adds both ranks' products into fp32 with one vdpbf16ps; s goes as a bf16 pair
- * and the pair of what that rounding left (16 bits of s in all: as exact as fp32 s against
- * bf16 weights and a bf16 result), where s alone in bf16 moved DoRA-rescaled outputs
- * near zero by several bf16 steps. */
+ * VL columns, widened by a shift and a mask: two ops per two ranks, where rank-major rows
+ * took a zero-extend and a shift per rank. s stays fp32. (vdpbf16ps on the pairs, s
+ * rounded to bf16 with its remainder as a second pair to stay as exact, measured no
+ * faster on decode rows, whose reads bound them, and slower on cached weights.) */
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 
 static inline vu vload_u32(const uint32_t *p) {
     vu v;
     memcpy(&v, p, sizeof v);
     return v;
-}
-
-/* One row's s for ranks 2p, 2p+1: fp32, and as bf16 pairs, rounded and the remainder. */
-typedef struct {
-    float s0, s1;
-    uint32_t hi, lo;
-} spair_t;
-
-static inline uint32_t bf16_pair(float a, float b) { return (uint32_t)bf16_store(a) | (uint32_t)bf16_store(b) << 16; }
-
-static inline spair_t spair(float s0, float s1) {
-    const uint32_t hi = bf16_pair(s0, s1);
-    return (spair_t){s0, s1, hi, bf16_pair(s0 - bf16_load((uint16_t)hi), s1 - bf16_load((uint16_t)(hi >> 16)))};
 }
 
 static inline __attribute__((always_inline)) void store_bf16(uint16_t *o, const float *d, int n, const float *sc,
@@ -276,53 +260,27 @@ static inline __attribute__((always_inline)) void store_bf16(uint16_t *o, const 
     }
 }
 
-#if defined(__AVX512BF16__) && !defined(LORA_EXPAND_WIDEN)
-#define EXPAND_DP 1
-#define DP_ACC(CBX)                                                                                 \
-    {                                                                                               \
-        const __m512bh hi = (__m512bh)_mm512_set1_epi32((int)sp[0][p].hi);                          \
-        const __m512bh lo = (__m512bh)_mm512_set1_epi32((int)sp[0][p].lo);                          \
-        for (int q = 0; q < CBX; q++) {                                                             \
-            acc[0][q] = (vf)_mm512_dpbf16_ps((__m512)acc[0][q], hi, (__m512bh)bv[q]);               \
-            rem[q] = (vf)_mm512_dpbf16_ps((__m512)rem[q], lo, (__m512bh)bv[q]);                     \
-        }                                                                                           \
-    }
-#else
-#define EXPAND_DP 0
-#define DP_ACC(CBX)
-#endif
-
-#define PAIRS_ACC(RBX, CBX)                                                                         \
-    if (RBX == 1 && EXPAND_DP) {                                                                    \
-        DP_ACC(CBX)                                                                                 \
-    } else {                                                                                        \
+/* out[i0 + i][c + j] = round(out + delta) (EPI: round((out + delta) * sc + sh), one
+ * rounding) for i < RBX, j < CBX vectors; sp: the RBX rows' s, ranks 2p and 2p+1 in
+ * sp[i][p][0] and [1]. */
+#define EXPAND_PAIRS_BLOCK(NAME, RBX, CBX, EPI)                                                     \
+static inline void NAME(const float sp[][MAX_RANK / 2][2], int i0, int c, int np, const uint32_t *bt, int W, \
+                        uint16_t *out, int64_t os, const float *sc, const float *sh, pf_t *pf) {    \
+    vf acc[RBX][CBX];                                                                               \
+    for (int i = 0; i < RBX; i++)                                                                   \
+        for (int q = 0; q < CBX; q++) acc[i][q] = (vf){0};                                          \
+    for (int p = 0; p < np; p++) {                                                                  \
+        pf_step(pf);                                                                                \
+        vu bv[CBX];                                                                                 \
+        for (int q = 0; q < CBX; q++) bv[q] = vload_u32(bt + (int64_t)p * W + c + q * VL);          \
         vf lo[CBX], hi[CBX];                                                                        \
         for (int q = 0; q < CBX; q++) {                                                             \
             lo[q] = (vf)(bv[q] << 16);                                                              \
             hi[q] = (vf)(bv[q] & 0xffff0000u);                                                      \
         }                                                                                           \
         for (int i = 0; i < RBX; i++)                                                               \
-            for (int q = 0; q < CBX; q++) acc[i][q] += sp[i][p].s0 * lo[q] + sp[i][p].s1 * hi[q];   \
-    }
-
-/* out[i0 + i][c + j] = round(out + delta) (EPI: round((out + delta) * sc + sh), one
- * rounding) for i < RBX, j < CBX vectors; sp: the RBX rows' s pairs. */
-#define EXPAND_PAIRS_BLOCK(NAME, RBX, CBX, EPI)                                                     \
-static inline void NAME(const spair_t sp[][MAX_RANK / 2], int i0, int c, int np, const uint32_t *bt, int W, \
-                        uint16_t *out, int64_t os, const float *sc, const float *sh, pf_t *pf) {    \
-    vf acc[RBX][CBX], rem[CBX]; /* rem: a single row's products of what s's bf16 rounding left */   \
-    for (int q = 0; q < CBX; q++) {                                                                 \
-        rem[q] = (vf){0};                                                                           \
-        for (int i = 0; i < RBX; i++) acc[i][q] = (vf){0};                                          \
+            for (int q = 0; q < CBX; q++) acc[i][q] += sp[i][p][0] * lo[q] + sp[i][p][1] * hi[q];   \
     }                                                                                               \
-    for (int p = 0; p < np; p++) {                                                                  \
-        pf_step(pf);                                                                                \
-        vu bv[CBX];                                                                                 \
-        for (int q = 0; q < CBX; q++) bv[q] = vload_u32(bt + (int64_t)p * W + c + q * VL);          \
-        PAIRS_ACC(RBX, CBX)                                                                         \
-    }                                                                                               \
-    if (RBX == 1 && EXPAND_DP)                                                                      \
-        for (int q = 0; q < CBX; q++) acc[0][q] += rem[q];                                          \
     for (int i = 0; i < RBX; i++) {                                                                 \
         float d[CBX * VL];                                                                          \
         memcpy(d, acc[i], sizeof d);                                                                \
@@ -330,17 +288,20 @@ static inline void NAME(const spair_t sp[][MAX_RANK / 2], int i0, int c, int np,
     }                                                                                               \
 }
 
-/* Rows i0 .. i0 + RBX - 1: their s in pairs, then blocks of CBX vectors, one vector, and
- * one column at a time. */
+/* Rows i0 .. i0 + RBX - 1: their s in pairs (zero past an odd r: s[r] is not written),
+ * then blocks of CBX vectors, one vector, and one column at a time. */
 #define EXPAND_PAIRS_ROWS(NAME, RBX, CBX, EPI)                                                      \
 static __attribute__((noinline)) void NAME(float s[][MAX_RANK], int i0, int r, const uint16_t *bt16, int W, \
                                            uint16_t *out, int64_t os, const float *sc, const float *sh, \
                                            pf_t *pf) {                                              \
     const uint32_t *bt = (const uint32_t *)bt16;                                                    \
     const int np = (r + 1) / 2;                                                                     \
-    spair_t sp[RBX][MAX_RANK / 2];                                                                  \
+    float sp[RBX][MAX_RANK / 2][2];                                                                 \
     for (int i = 0; i < RBX; i++)                                                                   \
-        for (int p = 0; p < np; p++) sp[i][p] = spair(s[i0 + i][2 * p], 2 * p + 1 < r ? s[i0 + i][2 * p + 1] : 0.f); \
+        for (int p = 0; p < np; p++) {                                                              \
+            sp[i][p][0] = s[i0 + i][2 * p];                                                         \
+            sp[i][p][1] = 2 * p + 1 < r ? s[i0 + i][2 * p + 1] : 0.f;                               \
+        }                                                                                           \
     int c = 0;                                                                                      \
     for (; c + CBX * VL <= W; c += CBX * VL) NAME##_wide(sp, i0, c, np, bt, W, out, os, sc, sh, pf); \
     for (; c + VL <= W; c += VL) NAME##_one(sp, i0, c, np, bt, W, out, os, sc, sh, pf);             \
@@ -349,7 +310,7 @@ static __attribute__((noinline)) void NAME(float s[][MAX_RANK], int i0, int r, c
             float d = 0.f;                                                                          \
             for (int p = 0; p < np; p++) {                                                          \
                 const uint32_t b = bt[(int64_t)p * W + c];                                          \
-                d += sp[i][p].s0 * bf16_load((uint16_t)b) + sp[i][p].s1 * bf16_load((uint16_t)(b >> 16)); \
+                d += sp[i][p][0] * bf16_load((uint16_t)b) + sp[i][p][1] * bf16_load((uint16_t)(b >> 16)); \
             }                                                                                       \
             store_bf16(out + (int64_t)(i0 + i) * os + c, &d, 1, EPI ? sc + c : NULL, EPI ? sh + c : NULL, EPI); \
         }                                                                                           \
