@@ -1,12 +1,14 @@
 """Multi-LoRA compute on the CPU: the C LoRA backend (engine/kernels/cpu/lora.c) against the torch one.
 
 One run, same threads, same adapters (rank 8 on all seven projections of SmolLM2's 30
-layers, 32 device slots, weights streaming from memory as in a real step). For each
+layers, 64 device slots, weights streaming from memory as in a real step). For each
 step shape it runs every layer and group of one step through each backend's batch both
 ways: the C kernel (the "cpu" backend), and the torch path (short segments grouped into
 padded bmm, long ones as per-segment matmuls: what runs without a C compiler). Prefill
 steps draw new segment lengths every repetition, as a server's chunks do. Prints the
-milliseconds of LoRA per step, GFLOP/s of LoRA arithmetic, and the C kernel's speed-up.
+milliseconds of LoRA per step, GFLOP/s of LoRA arithmetic, the GB/s at which the C kernel
+reads adapter weights (each piece reads its adapter's A and B^T once per layer: what
+bounds decode steps), and the C kernel's speed-up.
 
     python benchmarks/bench_lora_cpu.py                 # 2 threads
     python benchmarks/bench_lora_cpu.py --threads 1 --rank 64
@@ -26,7 +28,7 @@ from loraplex.engine.lora import GROUPS, pack_adapter
 from loraplex.engine.kernels.cpu.lora import CLoRABackend
 from loraplex.engine.lora.torch_backend import TorchLoRABackend
 
-HIDDEN, Q, KV, INTER, LAYERS, SLOTS = 576, 576, 192, 1536, 30, 32
+HIDDEN, Q, KV, INTER, LAYERS, SLOTS = 576, 576, 192, 1536, 30, 64
 OUT = {"q_proj": Q, "k_proj": KV, "v_proj": KV, "o_proj": HIDDEN, "gate_proj": INTER, "up_proj": INTER,
        "down_proj": HIDDEN}
 IN = {"q_proj": HIDDEN, "k_proj": HIDDEN, "v_proj": HIDDEN, "o_proj": Q, "gate_proj": HIDDEN, "up_proj": HIDDEN,
@@ -80,18 +82,20 @@ def main() -> None:
     rng = random.Random(0)
     shapes = {
         "decode, 16 rows of 16 adapters": lambda: _decode([1] * 16),
+        "decode, 64 rows of 64 adapters": lambda: _decode([1] * 64),
         "decode, 64 rows of 32 adapters": lambda: _decode([2] * 32),
         "decode, 64 rows, zipf-like (12, 8, 6, ...)": lambda: _decode([12, 8, 6, 5, 4, 4, 3, 3] + [1] * 19),
         "prefill, 1024-token chunk of 5 prompts + 32 decodes": lambda: _prefill(rng, 32, 1024, 5),
         "prefill, 1024-token chunk of 1 prompt": lambda: _prefill(rng, 0, 1024, 1),
     }
     flop_per_row = 2 * args.rank * sum(IN[m] + OUT[m] for m in OUT)
+    bytes_per_piece = args.rank * sum(IN[m] + OUT[m] for m in OUT) * dtype.itemsize * LAYERS
     print(f"SmolLM2 shapes, {LAYERS} layers, rank {args.rank} on 7 projections, {SLOTS} slots, bf16, "
           f"{args.threads} threads")
     for label, make in shapes.items():
         times = {}
         for c_kernel in (True, False):
-            total, rows = 0.0, 0
+            total, rows, weight_bytes = 0.0, 0, 0
             for rep in range(args.reps + 1):  # the first is a warm-up for both
                 segments = make()
                 n = segments[-1][1]
@@ -105,9 +109,10 @@ def main() -> None:
                 if rep:
                     total += time.perf_counter() - start
                     rows += sum(e - s for s, e, _ in segments)
-            times[c_kernel] = (total / args.reps, flop_per_row * LAYERS * rows / total / 1e9)
-        (t_c, gf_c), (t_t, gf_t) = times[True], times[False]
-        print(f"{label:<52} C {t_c * 1e3:7.2f} ms ({gf_c:5.1f} GFLOP/s) | torch {t_t * 1e3:7.2f} ms "
+                    weight_bytes += len(cpu_lora.pieces(segments)) * bytes_per_piece
+            times[c_kernel] = (total / args.reps, flop_per_row * LAYERS * rows / total / 1e9, weight_bytes / total / 1e9)
+        (t_c, gf_c, gb_c), (t_t, gf_t, _) = times[True], times[False]
+        print(f"{label:<52} C {t_c * 1e3:7.2f} ms ({gf_c:5.1f} GFLOP/s, {gb_c:5.1f} GB/s) | torch {t_t * 1e3:7.2f} ms "
               f"({gf_t:5.1f} GFLOP/s) | C {t_t / t_c:5.2f}x", flush=True)
 
 

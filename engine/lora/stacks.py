@@ -15,6 +15,17 @@ from .epilogue import EpilogueStacks
 from .packing import GROUPS, PackedGroup
 
 
+def rank_pairs(bt: torch.Tensor) -> torch.Tensor:
+    """Bᵀ [r, out] -> [r + r % 2, out] holding [ceil(r/2), out, 2]: ranks 2p and 2p+1 of
+    each column side by side (the second zero past r), the C kernel's bf16 layout."""
+    r, w = bt.shape
+    out = bt.new_zeros(r + (r & 1), w)
+    pairs = out.view(-1, w, 2)
+    pairs[:, :, 0] = bt[0::2]
+    pairs[:r // 2, :, 1] = bt[1::2]
+    return out
+
+
 class SlotStacks:
     """Every device slot's adapter weights per group, stacked for `bmm`.
 
@@ -22,13 +33,17 @@ class SlotStacks:
     rows at offset[g][m], padded to rank[g][m] (the largest rank any loaded slot has for
     it). b[g][m]: [layers, slots, rank[g][m], out_m], (B·scale)ᵀ per module: expanding per
     module reads half the bytes of a block-diagonal B, and decode steps are memory bound;
-    transposed, each rank's row is contiguous for bmm and for the C kernel (kernels/cpu/lora.c).
+    transposed, each rank's row is contiguous for bmm. With `pairs` (the C kernel's bf16
+    layout, kernels/cpu/lora.c) each slot's [r, out_m] block holds instead ranks two by two,
+    [r/2, out_m, 2]: ranks 2p and 2p+1 of a column side by side, widened two at a time;
+    rank is then allocated even (the odd one out's partner stays zero).
     Missing modules and groups are zeros. `epilogues`: DoRA's and lora_bias's per-feature
     maps (epilogue.py), allocated at the first adapter that has one.
     """
 
     def __init__(self, num_slots: int, num_layers: int, in_sizes: dict[str, int],
-                 out_sizes: dict[str, int], dtype: torch.dtype, device: torch.device) -> None:
+                 out_sizes: dict[str, int], dtype: torch.dtype, device: torch.device, pairs: bool = False) -> None:
+        self.pairs = pairs
         self.num_slots, self.num_layers, self.dtype, self.device = num_slots, num_layers, dtype, device
         self.in_sizes, self.out_sizes = in_sizes, out_sizes
         self.cols = {g: [sum(out_sizes[m] for m in mods[:k]) for k in range(len(mods))] for g, mods in GROUPS.items()}
@@ -75,7 +90,7 @@ class SlotStacks:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _b(self, g: str, k: int) -> torch.Tensor:
-        shape = (self.num_layers, self.num_slots, self.rank[g][k], self.out_sizes[GROUPS[g][k]])
+        shape = (self.num_layers, self.num_slots, self._span(self.rank[g][k]), self.out_sizes[GROUPS[g][k]])
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _grow(self, g: str, need: list[int]) -> None:
@@ -86,8 +101,9 @@ class SlotStacks:
         self.a[g] = self._a(g)
         for k, r in enumerate(old_rank):
             self.a[g][:, :, self.offset(g, k):self.offset(g, k) + r] = old_a[:, :, old_offsets[k]:old_offsets[k] + r]
+            # A slot's first ranks are a prefix of its block in either layout.
             old_b, self.b[g][k] = self.b[g][k], self._b(g, k)
-            self.b[g][k][:, :, :r] = old_b
+            self.b[g][k][:, :, :old_b.shape[2]] = old_b
 
     @torch.no_grad()
     def set_slot(self, slot: int, packed: list[dict[str, PackedGroup]]) -> None:
@@ -110,7 +126,23 @@ class SlotStacks:
                     if r:
                         off = self.offset(g, k)
                         self.a[g][layer, slot, off:off + r] = a
-                        self.b[g][k][layer, slot, :r] = b.T
+                        self._set_bt(self.b[g][k][layer, slot], b.T)
+
+    def _set_bt(self, dst: torch.Tensor, bt: torch.Tensor) -> None:
+        """One slot's Bᵀ [r, out] into its (zeroed) block `dst` [rank, out]."""
+        r = bt.shape[0]
+        dst[:self._span(r)] = rank_pairs(bt) if self.pairs else bt
+
+    def _span(self, r: int) -> int:
+        """How many of a block's [rank, out] rows hold its first r ranks."""
+        return r + (r & 1) if self.pairs else r
+
+    def _rows(self, bt: torch.Tensor, r: int) -> torch.Tensor:
+        """The first `_span(r)` rows of [E] blocks -> their r ranks rank-major, [E, r, out]."""
+        if not self.pairs:
+            return bt
+        e, span, w = bt.shape
+        return bt.reshape(e, span // 2, w, 2).transpose(2, 3).reshape(e, span, w)[:, :r]
 
     def _module_parts(self, g: str, p: PackedGroup | None) -> list[tuple[int, torch.Tensor | None, torch.Tensor | None]]:
         """Per module of group g: (rank, A [r, in], B·scale [out, r]); rank 0 when absent."""
@@ -121,10 +153,10 @@ class SlotStacks:
 
     def c_modules(self, g: str) -> torch.Tensor:
         """int64 [modules, 6]: A row offset, allocated rank, output column, out width, B^T
-        address, B^T layer stride (lora.c's `mods`)."""
+        address, B^T layer stride (lora.c's `mods`); allocated rank counts B^T's (even in pairs)."""
         hit = self._mods.get(g)
         if hit is None or hit[0] != self.generation:
-            rows = [[self.offset(g, k), self.rank[g][k], self.cols[g][k], self.out_sizes[m],
+            rows = [[self.offset(g, k), self.b[g][k].shape[2], self.cols[g][k], self.out_sizes[m],
                      self.b[g][k].data_ptr(), self.b[g][k].stride(0)] for k, m in enumerate(GROUPS[g])]
             hit = self._mods[g] = (self.generation, torch.tensor(rows, dtype=torch.int64))
         return hit[1]
@@ -137,7 +169,7 @@ class SlotStacks:
         lo, hi = slots[0], slots[-1] + 1
         if hi - lo == len(slots):  # a slot range: views, no copy
             a = self.a[g][layer, lo:hi, :ra]
-            bs = [self.b[g][k][layer, lo:hi, :r] if r else None for k, r in enumerate(ranks)]
+            bs = [self._rows(self.b[g][k][layer, lo:hi, :self._span(r)], r) if r else None for k, r in enumerate(ranks)]
         else:
             a, bs = self._gather(layer, g, slots, ra, ranks)
         return a.transpose(1, 2), bs
@@ -151,6 +183,6 @@ class SlotStacks:
         if hit is None or hit[0] != ranks:
             idx = torch.tensor(slots, device=self.device)
             a = self.a[g][layer, :, :ra].index_select(0, idx)
-            bs = [self.b[g][k][layer, :, :r].index_select(0, idx) if r else None for k, r in enumerate(ranks)]
+            bs = [self._rows(self.b[g][k][layer, :, :self._span(r)].index_select(0, idx), r) if r else None for k, r in enumerate(ranks)]
             hit = self._gathered[(layer, g)] = (ranks, a, bs)
         return hit[1], hit[2]

@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from loraplex.engine.kernels.cpu import lora as cpu_lora
-from tests.engine.kernels.kernel_cases import MARCHES, use_build
+from loraplex.engine.kernels.cpu.lora import CLoRABackend
+from loraplex.engine.lora import GROUPS, pack_adapter
+from loraplex.engine.lora.stacks import rank_pairs
+from loraplex.engine.lora.torch_backend import GroupedLoRABatch, LoRABatch
+from tests.engine.kernels.kernel_cases import MARCHES, llama_shapes, random_adapter, random_epilogues, use_build
 
 pytestmark = pytest.mark.skipif(cpu_lora.load_library() is None, reason="no C compiler to build the CPU kernels")
 
@@ -30,10 +34,19 @@ def _args(rows=4, dtype=torch.float32, k=8, r=3, w=6, seed=0):
     # 1 layer, 2 slots; scaled so deltas stay O(1) whatever k and r, like out
     a = (torch.randn(1, 2, r, k, generator=gen) / k**0.5).to(dtype)
     bt = (torch.randn(1, 2, r, w, generator=gen) / r**0.5).to(dtype)
-    mods = torch.tensor([[0, r, 0, w, bt.data_ptr(), bt.stride(0)]], dtype=torch.int64)
+    mods, kernel_bt = _modules(bt)
     ranks = torch.full((1, 2, 1), r, dtype=torch.int32)
     segs = torch.tensor([[0, rows, 1]], dtype=torch.int32)
-    return x, out, segs, a, mods, ranks, bt
+    return x, out, segs, a, mods, ranks, bt, kernel_bt
+
+
+def _modules(bt):
+    """One module's `mods` row over B^T [layers, slots, r, w] as the kernel reads it (bf16:
+    in rank pairs), and that tensor (the row holds its address)."""
+    if bt.dtype == torch.bfloat16:
+        bt = torch.stack([torch.stack([rank_pairs(b) for b in per_layer]) for per_layer in bt])
+    mods = torch.tensor([[0, bt.shape[2], 0, bt.shape[3], bt.data_ptr(), bt.stride(0)]], dtype=torch.int64)
+    return mods, bt
 
 
 def _expected(x, out, a, bt):
@@ -42,7 +55,7 @@ def _expected(x, out, a, bt):
 
 
 def test_one_segment_is_x_a_b():
-    x, out, segs, a, mods, ranks, bt = _args()
+    x, out, segs, a, mods, ranks, bt, _kbt = _args()
     expected = _expected(x, out, a, bt)
     cpu_lora.cpu_lora_segments(x, out, segs, a, mods, ranks, 0)
     torch.testing.assert_close(out, expected)
@@ -58,7 +71,7 @@ SHAPES = [(1, 32, 1, 16), (3, 48, 5, 70), (4, 64, 8, 64), (7, 576, 8, 192), (33,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows,k,r,w", SHAPES)
 def test_blocks_and_tails_match_fp32(dtype, rows, k, r, w, code_path):
-    x, out, segs, a, mods, ranks, bt = _args(rows, dtype, k, r, w, seed=rows + k)
+    x, out, segs, a, mods, ranks, bt, _kbt = _args(rows, dtype, k, r, w, seed=rows + k)
     expected = _expected(x, out, a, bt)
     cpu_lora.cpu_lora_segments(x, out, segs, a, mods, ranks, 0)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1.6e-2)
@@ -68,7 +81,7 @@ def test_blocks_and_tails_match_fp32(dtype, rows, k, r, w, code_path):
 def test_long_segment_in_pieces_equals_one_pass(code_path):
     """A 150-row prefill segment cut into pieces gives what 64-row pieces of it give,
     rows of other slots (slot 0 here: rank 0) are untouched."""
-    x, out, _, a, mods, ranks, bt = _args(rows=160, k=64, r=8, w=64)
+    x, out, _, a, mods, ranks, bt, _kbt = _args(rows=160, k=64, r=8, w=64)
     ranks[0, 0] = 0
     segments = [(0, 5, 0), (5, 155, 1), (155, 160, 0)]
     expected = _expected(x, out, a, bt)
@@ -83,7 +96,7 @@ def test_long_segment_in_pieces_equals_one_pass(code_path):
 
 
 def test_rejects_wrong_dtypes_and_layouts():
-    x, out, segs, a, mods, ranks, _ = _args()
+    x, out, segs, a, mods, ranks, *_ = _args()
     with pytest.raises(AssertionError):
         cpu_lora.cpu_lora_segments(x.double(), out, segs, a, mods, ranks, 0)
     with pytest.raises(AssertionError):
@@ -95,7 +108,7 @@ def test_rejects_wrong_dtypes_and_layouts():
 
 
 def test_piece_longer_than_the_kernel_takes_is_refused():
-    x, out, segs, a, mods, ranks, _ = _args(rows=cpu_lora.MAX_ROWS + 1)
+    x, out, segs, a, mods, ranks, *_ = _args(rows=cpu_lora.MAX_ROWS + 1)
     before = out.clone()
     with pytest.raises(ValueError, match="refused"):
         cpu_lora.cpu_lora_segments(x, out, segs, a, mods, ranks, 0)
@@ -108,7 +121,7 @@ def test_epilogue_rescales_flagged_slots(dtype, flag, code_path):
     """DoRA / lora_bias (lora/epilogue.py): out = round((out + delta) * scale + shift), one
     rounding as the expand stores, on a flagged slot's columns only, at any width and row
     count (register blocks, single rows, vector and column tails)."""
-    x, out, segs, a, mods, ranks, bt = _args(rows=5, dtype=dtype, k=48, r=5, w=70)
+    x, out, segs, a, mods, ranks, bt, _kbt = _args(rows=5, dtype=dtype, k=48, r=5, w=70)
     gen = torch.Generator().manual_seed(1)
     flags = torch.tensor([0, flag], dtype=torch.int32)
     scale, shift = 1 + 0.2 * torch.randn(2, 70, generator=gen), torch.randn(2, 70, generator=gen)
@@ -127,9 +140,10 @@ def test_epilogue_rounds_once(code_path):
     first would miss on most elements."""
     gen = torch.Generator().manual_seed(2)
     rows, k, r, w = 9, 48, 5, 70
-    x, out, segs, a, mods, ranks, bt = _args(rows=rows, dtype=torch.bfloat16, k=k, r=r, w=w)
+    x, out, segs, a, mods, ranks, bt, _kbt = _args(rows=rows, dtype=torch.bfloat16, k=k, r=r, w=w)
     for t in (x, a, bt):  # multiples of 1/4 in [-0.5, 0.5]: every product and sum is exact
         t.copy_(torch.randint(-2, 3, t.shape, generator=gen) / 4)
+    mods, _kbt = _modules(bt)
     flags = torch.tensor([0, 1], dtype=torch.int32)
     scale = 2.0 ** torch.randint(-1, 2, (2, w), generator=gen).float()  # exact products
     shift = torch.randn(2, w, generator=gen).to(torch.bfloat16).float()
@@ -140,3 +154,47 @@ def test_epilogue_rounds_once(code_path):
     assert not torch.equal(expected, twice)  # the case tells the two apart
     cpu_lora.cpu_lora_segments(x, out, segs, a, mods, ranks, 0, (flags, scale, shift))
     assert torch.equal(out, expected)
+
+
+# Odd output widths (vector and column tails), inputs past one dp step of 32 pairs.
+P_OUT, P_IN, P_GROUP_IN = llama_shapes(67, 37, 13, 149)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rank", [8, 16, 64])
+def test_slot_stacks_through_the_kernel_match_the_reference(dtype, rank, code_path):
+    """The C backend's stacks (bf16: B^T in rank pairs) through the kernel give what the
+    per-segment torch loop gives: odd ranks beside `rank` (loaded first, so the pairs are
+    regrown to it), DoRA and lora_bias epilogues, decode rows and long prefill segments;
+    the grouped torch path reads the same stacks back rank-major."""
+    cpu = torch.device("cpu")
+    lora = CLoRABackend(6, 2, P_GROUP_IN, P_OUT, rank, dtype, cpu)
+    adapters = [({m: 5 for m in P_OUT} | {"k_proj": 3, "down_proj": 1}, None),
+                ({m: rank for m in P_OUT}, (True, True)),
+                ({m: rank for m in P_OUT} | {"v_proj": rank - 1}, None),
+                ({"q_proj": rank, "up_proj": 7, "down_proj": rank}, (False, True))]
+    for slot, (ranks, epi) in enumerate(adapters):
+        adapter = random_adapter(ranks, P_IN, P_OUT, 2, seed=slot + 1)
+        epilogues = random_epilogues(adapter, slot, *epi) if epi else None
+        lora.set_slot(slot, pack_adapter(adapter, P_OUT, 2, dtype, cpu, epilogues))
+    assert lora.stacks.pairs == (dtype == torch.bfloat16) and lora.stacks.epilogues.slots == {1, 3}
+    segments = [(0, 1, 0), (1, 2, 1), (2, 3, 2), (3, 4, 3), (4, 45, 1), (45, 115, 2), (115, 122, 3)]
+    gen = torch.Generator().manual_seed(rank)
+    x = {g: torch.randn(122, P_GROUP_IN[g], generator=gen).to(dtype) for g in GROUPS}
+    out = {g: torch.randn(122, sum(P_OUT[m] for m in GROUPS[g]), generator=gen).to(dtype) for g in GROUPS}
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    for batch in (lora.batch(segments), GroupedLoRABatch(lora.stacks, lora.packed, segments)):
+        for layer in range(2):
+            for g in GROUPS:
+                got, want = out[g].clone(), out[g].clone()
+                batch.apply(layer, g, x[g], got)
+                LoRABatch(lora.packed, segments).apply(layer, g, x[g], want)
+                torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{type(batch).__name__} {layer} {g}: {m}")
+
+
+def test_rank_pairs_layout():
+    """Ranks 2p and 2p+1 of a column side by side, zero past an odd rank."""
+    bt = torch.arange(15.0).view(3, 5)
+    pairs = rank_pairs(bt).view(2, 5, 2)
+    assert torch.equal(pairs[:, :, 0], bt[0::2]) and torch.equal(pairs[0, :, 1], bt[1])
+    assert torch.equal(pairs[1, :, 1], torch.zeros(5))
