@@ -41,7 +41,11 @@ def build_lora_manager(settings: Settings) -> LoRAManager:
 
 
 def build_engine(settings: Settings) -> AsyncEngine:
-    engine = LLMEngine(settings.engine, lora_manager=build_lora_manager(settings))
-    engine.report_prefill = True  # metering bills the prompt tokens of a request aborted mid-prefill
-    log.info("engine warmed up for every batch width in %.1f s", engine.warm_up())
-    return AsyncEngine(engine)
+    def build() -> LLMEngine:
+        engine = LLMEngine(settings.engine, lora_manager=build_lora_manager(settings))
+        engine.report_prefill = True  # metering bills the prompt tokens of a request aborted mid-prefill
+        log.info("engine warmed up for every batch width in %.1f s", engine.warm_up())
+        return engine
+
+    # Built on the engine thread: the one thread that runs the model (async_engine.py).
+    return AsyncEngine(build)

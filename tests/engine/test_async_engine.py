@@ -434,3 +434,36 @@ def test_readers_waiting_for_output_are_not_paused_when_the_event_loop_stalls(ti
     finally:
         ae.shutdown()
     assert made == 400 and paused == []
+
+
+def test_an_engine_built_by_a_function_is_built_and_stepped_on_the_engine_thread(tiny_llama_dir):
+    """Only the engine thread ever runs the model: a second thread's OpenMP team would
+    make every parallel region of a step wait for sleeping workers (async_engine.py)."""
+    built_on, stepped_on = [], set()
+
+    def build() -> LLMEngine:
+        built_on.append(threading.get_ident())
+        engine = _engine(tiny_llama_dir)
+        step = engine.step
+        engine.step = lambda: (stepped_on.add(threading.get_ident()), step())[1]
+        return engine
+
+    ae = AsyncEngine(build)
+
+    async def main() -> list:
+        return [o async for o in ae.generate([5, 6, 7], _greedy(4))]
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+    finally:
+        ae.shutdown()
+    assert sum(len(o.new_token_ids) for o in outs) == 4
+    assert built_on != [threading.get_ident()] and stepped_on == set(built_on)
+
+
+def test_a_build_that_fails_fails_the_constructor():
+    def build() -> LLMEngine:
+        raise FileNotFoundError("no model in /nowhere")
+
+    with pytest.raises(FileNotFoundError, match="no model in /nowhere"):
+        AsyncEngine(build)
