@@ -16,7 +16,7 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -24,6 +24,7 @@ from ..config import LoRAConfig
 from ..errors import InvalidRequestError, UnknownAdapterError
 from ..mixtures import is_mixture, resolve_mixture
 from ..request import AdapterRef
+from ..threads import serial_torch_executor
 from .backend import LoRABackend, LoRAHook
 from .epilogue import BaseWeights, module_epilogues
 from .mixtures import MixtureRecipes
@@ -69,7 +70,7 @@ class LoRAManager:
         self._pending: dict[str, object] = {}  # digest -> Future of a background load
         self._failed: dict[str, str] = {}  # digest -> why loading failed
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="loraplex-lora-load")
+        self._pool = serial_torch_executor(1, thread_name_prefix="loraplex-lora-load")  # see engine/threads.py
         self._rows: dict[int, AdapterRef] = {}  # device row -> the adapter loaded there
         self._device: dict[str, int] = {}  # digest -> its device row
         self._bytes: dict[str, int] = {}  # digest -> device bytes of its weights (CPU-tier adapters)
