@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels_gpu import PEAKS, Timer, build_large_model, kernel_benchmarks, write_adapters  # noqa: E402
-from bench_lora import run_engine  # noqa: E402
+from lockstep import run_lockstep  # noqa: E402
 from workload import Workload, heavy_tailed, left_padded  # noqa: E402
 
 NEEDS_GPU = ("needs a CUDA GPU and a CUDA build of torch (torch.cuda.is_available() is False); "
@@ -165,7 +165,9 @@ def engine_tok_s(model_dir: Path, store_root: Path, adapters: dict[str, Path], n
         manager = LoRAManager(store, cfg.lora)
     engine = LLMEngine(cfg, manager)
     try:
-        return run_engine(engine, wl, assign_adapters(len(wl.prompts), names))
+        run = run_lockstep({"engine": engine}, wl, {"engine": assign_adapters(len(wl.prompts), names)})["engine"]
+        return {"tok_s": run.tok_s, "elapsed": run.seconds, "steps": run.steps, "warm": run.warm_seconds,
+                "ttft_p50": run.ttft_p(50), "ttft_p99": run.ttft_p(99), "preemptions": run.preemptions}
     finally:
         if manager is not None:
             manager.close()
