@@ -10,6 +10,7 @@ tensors beside it (adapter loading and validation) run torch serially.
 """
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import functools
 from concurrent.futures import ThreadPoolExecutor
@@ -39,3 +40,9 @@ def serial_torch_thread() -> None:
 def serial_torch_executor(max_workers: int | None = None, thread_name_prefix: str = "") -> ThreadPoolExecutor:
     """A thread pool whose threads run torch serially."""
     return ThreadPoolExecutor(max_workers, thread_name_prefix=thread_name_prefix, initializer=serial_torch_thread)
+
+
+def use_serial_default_executor() -> None:
+    """The running loop's `asyncio.to_thread` pool runs torch serially (a server's adapter
+    uploads validate tensors there)."""
+    asyncio.get_running_loop().set_default_executor(serial_torch_executor(thread_name_prefix="loraplex-io"))

@@ -167,8 +167,12 @@ class TorchLoRABackend(LoRABackend):
     def stacks(self) -> SlotStacks:
         if self._stacks is None:
             self._stacks = SlotStacks(self.num_slots, self.num_layers, self.in_sizes, self.out_sizes,
-                                      self.dtype, self.device)
+                                      self.dtype, self.device, pairs=self.rank_pairs())
         return self._stacks
+
+    def rank_pairs(self) -> bool:
+        """Whether B^T is stacked in rank pairs (SlotStacks `pairs`): a kernel's layout."""
+        return False
 
     def set_slot(self, slot: int, packed: list[dict[str, PackedGroup]]) -> None:
         if slot >= len(self.packed):

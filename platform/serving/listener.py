@@ -47,7 +47,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from loraplex.platform.errors import RateLimitedError, api_error
-from loraplex.engine.threads import serial_torch_executor
+from loraplex.engine.threads import use_serial_default_executor
 from loraplex.platform.heap import freeze_startup_heap
 from loraplex.platform.metrics import CONTENT_TYPE
 from loraplex.platform.settings import ServerLimits, Settings
@@ -327,8 +327,7 @@ class _SideServer(uvicorn.Server):
 async def serve(main: uvicorn.Server, app: Starlette, settings: Settings) -> None:
     """Run `main`, plus `/metrics` on its own listener when `settings.metrics_port` is set."""
     freeze_startup_heap()
-    # asyncio.to_thread work (adapter uploads validate tensors) must not start OpenMP teams
-    asyncio.get_running_loop().set_default_executor(serial_torch_executor(thread_name_prefix="loraplex-io"))
+    use_serial_default_executor()
     if settings.metrics_port is None:
         await main.serve()
         return

@@ -24,7 +24,7 @@ from loraplex.platform.fleet.errors import error_status
 from loraplex.platform.http import json_response
 from loraplex.platform.worker.routes import worker_routes
 from loraplex.platform.worker.state import WorkerState
-from loraplex.engine.threads import serial_torch_executor
+from loraplex.engine.threads import use_serial_default_executor
 from loraplex.platform.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
@@ -74,8 +74,7 @@ def create_worker_app(state: WorkerState, *, loader: Loader | None = None,
 
 
 async def _load(state: WorkerState, loader: Loader, on_failure: Callable[[BaseException], None] | None) -> None:
-    # asyncio.to_thread work must not start OpenMP teams beside the engine thread's
-    asyncio.get_running_loop().set_default_executor(serial_torch_executor(thread_name_prefix="loraplex-io"))
+    use_serial_default_executor()
     try:
         engine, source = await asyncio.to_thread(loader)
     except Exception as exc:  # noqa: BLE001 - reported, and the process exits

@@ -24,20 +24,17 @@ log = logging.getLogger("loraplex.worker")
 
 def build_worker_engine(settings: Settings, config: WorkerConfig) -> tuple[AsyncEngine, BlobAdapterSource]:
     """The engine over the shared adapter store (fetched by digest, cached in config.cache_dir)."""
-    sources: list[BlobAdapterSource] = []
-
     def build() -> LLMEngine:  # on the engine thread, the one thread that runs the model (async_engine.py)
-        model_dir = resolve_model_dir(settings.engine.model.model)
+        model_dir = resolve_model_dir(settings.engine.model.model)  # converting a checkpoint runs tensors
         source = open_source(config.adapter_store, model_dir, config.cache_dir, settings.engine.lora.max_lora_rank,
                              config.s3_endpoint_url, cache_max_bytes=config.cache_max_bytes)
-        sources.append(source)
         engine = LLMEngine(settings.engine, lora_manager=LoRAManager(source, settings.engine.lora))
         engine.report_prefill = True  # the gateway bills the prompt tokens of a request aborted mid-prefill
         log.info("engine warmed up for every batch width in %.1f s", engine.warm_up())
         return engine
 
     engine = AsyncEngine(build)
-    return engine, sources[0]
+    return engine, engine.engine.lora.store
 
 
 class DrainingServer(uvicorn.Server):

@@ -126,12 +126,8 @@ class CLoRABackend(TorchLoRABackend):
     """The torch backend's slot stacks, every segment (long ones too) through the C kernel;
     bf16 B^T in rank pairs, the kernel's layout (the torch path can still read them)."""
 
-    @property
-    def stacks(self) -> SlotStacks:
-        if self._stacks is None:
-            self._stacks = SlotStacks(self.num_slots, self.num_layers, self.in_sizes, self.out_sizes,
-                                      self.dtype, self.device, pairs=self.dtype == torch.bfloat16)
-        return self._stacks
+    def rank_pairs(self) -> bool:
+        return self.dtype == torch.bfloat16
 
     def batch(self, segments: list[tuple[int, int, int]]) -> LoRAHook:
         return CLoRABatch(self.stacks, segments)
