@@ -192,7 +192,7 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
         assert proj is torch.nn.Linear
     assert isinstance(lora.backend, CLoRABackend) == (engine.runner.backend.name == "cpu")
     if cpu_backend:
-        assert lora.backend.torch_from_rows == lora_choice.torch_from_rows(torch.bfloat16)
+        assert lora.backend.crossovers is lora_choice.crossovers(torch.bfloat16)
     outs = _run(engine, _prompts(), MAX_TOKENS)
     assert [len(o) for o in outs] == list(MAX_TOKENS)
 

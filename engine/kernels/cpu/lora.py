@@ -4,17 +4,18 @@ oneDNN primitive to build for each new segment length (~1 ms each: prefill chunk
 repeat one).
 
 Where oneDNN measured clearly faster on long segments (lora_choice.py: AMX on a Xeon),
-a segment of at least that many bf16 rows has its first multiple of BUCKET rows run
-through the per-segment torch loop (`lora.torch_backend.LoRABatch`: a shrink and an
-expand matmul, then its epilogue) and the rest through the C kernel with the short
-pieces; rounding to BUCKET keeps oneDNN to one primitive per multiple. Elsewhere (fp32,
-an EPYC) every segment goes to the C kernel.
+a segment of at least that many bf16 rows (measured per adapter rank) has its first
+multiple of BUCKET rows run through the per-segment torch loop
+(`lora.torch_backend.LoRABatch`: a shrink and an expand matmul, then its epilogue) and
+the rest through the C kernel with the short pieces; rounding to BUCKET keeps oneDNN to
+one primitive per multiple. Elsewhere (fp32, an EPYC) every segment goes to the C kernel.
 
 Its reference is that per-segment torch loop, which the tests compare it with.
 """
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
@@ -48,15 +49,15 @@ def pieces(segments: list[tuple[int, int, int]], rows: int = PIECE_ROWS) -> torc
     return torch.tensor(out, dtype=torch.int32).view(-1, 3)
 
 
-def split(segments: list[tuple[int, int, int]], torch_from_rows: int | None
+def split(segments: list[tuple[int, int, int]], torch_from_rows: Callable[[int], int | None] | None
           ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """(the C kernel's segments, the torch path's): of each segment of at least
-    `torch_from_rows` rows (None: none) its first multiple of BUCKET rows go to torch,
-    the rest (and every shorter segment) to the C kernel; rows disjoint, order kept."""
+    `torch_from_rows(slot)` rows (None: none) its first multiple of BUCKET rows go to
+    torch, the rest (and every shorter segment) to the C kernel; rows disjoint, in order."""
     c, onednn = [], []
     for start, end, slot in segments:
-        cut = start
-        if torch_from_rows is not None and end - start >= torch_from_rows:
+        cut, limit = start, None if torch_from_rows is None else torch_from_rows(slot)
+        if limit is not None and end - start >= limit:
             cut = start + (end - start) // BUCKET * BUCKET
             if cut > start:
                 onednn.append((start, cut, slot))
@@ -113,7 +114,7 @@ class CLoRABatch:
 
     def __init__(self, stacks: SlotStacks, segments: list[tuple[int, int, int]],
                  packed: list[list[dict[str, PackedGroup]] | None] | None = None,
-                 torch_from_rows: int | None = None) -> None:
+                 torch_from_rows: Callable[[int], int | None] | None = None) -> None:
         lib = load_library()
         assert lib is not None, "load_library() returned None: use the torch path"
         assert stacks.dtype in _SUFFIX and stacks.pairs == (stacks.dtype == torch.bfloat16), (stacks.dtype, stacks.pairs)
@@ -162,19 +163,32 @@ class CLoRABatch:
 
 class CLoRABackend(TorchLoRABackend):
     """The torch backend's slot stacks through the C kernel, but for the long bf16
-    segments where oneDNN measured faster on this CPU (`torch_from_rows`, from
+    segments where oneDNN measured faster on this CPU (`crossovers`: rank -> rows, from
     lora_choice; None: every segment through the C kernel); bf16 B^T in rank pairs, the
     kernel's layout (the grouped torch path can still read them)."""
 
     def __init__(self, num_slots: int, num_layers: int, in_sizes: dict[str, int], out_sizes: dict[str, int],
                  max_rank: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__(num_slots, num_layers, in_sizes, out_sizes, max_rank, dtype, device)
-        from .lora_choice import torch_from_rows  # it times this module's batches
+        from .lora_choice import crossovers  # it times this module's batches
 
-        self.torch_from_rows = torch_from_rows(self.dtype)
+        self.crossovers = crossovers(self.dtype)
+        self.slot_ranks: list[int] = [0] * num_slots  # each slot's largest module rank
 
     def rank_pairs(self) -> bool:
         return self.dtype == torch.bfloat16
 
+    def set_slot(self, slot: int, packed: list[dict[str, PackedGroup]]) -> None:
+        super().set_slot(slot, packed)
+        if slot >= len(self.slot_ranks):
+            self.slot_ranks.extend([0] * (slot + 1 - len(self.slot_ranks)))
+        self.slot_ranks[slot] = max((part[3] for layer in packed for g in layer.values() for part in g.parts),
+                                    default=0)
+
+    def torch_from_rows(self, slot: int) -> int | None:
+        """The segment length from which `slot`'s adapter runs on oneDNN (None: never)."""
+        return None if self.crossovers is None else self.crossovers.rows_for(self.slot_ranks[slot])
+
     def batch(self, segments: list[tuple[int, int, int]]) -> LoRAHook:
-        return CLoRABatch(self.stacks, segments, self.packed, self.torch_from_rows)
+        return CLoRABatch(self.stacks, segments, self.packed,
+                          None if self.crossovers is None else self.torch_from_rows)

@@ -10,6 +10,7 @@ import torch
 
 from loraplex.engine.kernels.cpu import lora as cpu_lora
 from loraplex.engine.kernels.cpu.lora import CLoRABackend
+from loraplex.engine.kernels.cpu.lora_choice import Crossovers
 from loraplex.engine.lora import GROUPS, pack_adapter
 from loraplex.engine.lora.stacks import rank_pairs
 from loraplex.engine.lora.torch_backend import GroupedLoRABatch, LoRABatch
@@ -202,7 +203,7 @@ def test_slot_stacks_through_the_kernel_match_the_reference(dtype, rank, code_pa
     decode rows and long prefill segments; the grouped torch path reads the same stacks
     back rank-major."""
     lora = _loaded(dtype, rank)
-    lora.torch_from_rows = None  # every segment through the kernel, whatever this CPU measured
+    lora.crossovers = None  # every segment through the kernel, whatever this CPU measured
     segments = [(0, 1, 0), (1, 2, 1), (2, 3, 2), (3, 4, 3), (4, 45, 1), (45, 115, 2), (115, 122, 3)]
     x, out = _activations(122, dtype, rank)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
@@ -214,13 +215,14 @@ def test_split_gives_torch_whole_buckets_of_long_segments():
     b = cpu_lora.BUCKET
     segments = [(0, 1, 0), (1, 1 + b - 1, 1), (b, 3 * b + 7, 2), (3 * b + 7, 5 * b + 7, 3), (5 * b + 7, 5 * b + 9, 0)]
     assert cpu_lora.split(segments, None) == (segments, [])
-    c, onednn = cpu_lora.split(segments, b)
+    c, onednn = cpu_lora.split(segments, lambda slot: b)
     assert onednn == [(b, 3 * b, 2), (3 * b + 7, 5 * b + 7, 3)]
     assert c == [(0, 1, 0), (1, b, 1), (3 * b, 3 * b + 7, 2), (5 * b + 7, 5 * b + 9, 0)]
     rows = sorted(r for s, e, _ in c + onednn for r in range(s, e))
     assert rows == list(range(5 * b + 9))  # disjoint, and every row on one path
-    assert cpu_lora.split(segments, 3 * b)[1] == []  # none reaches the crossover
-    assert cpu_lora.split(segments, 2 * b)[1] == [(b, 3 * b, 2), (3 * b + 7, 5 * b + 7, 3)]
+    assert cpu_lora.split(segments, lambda slot: 3 * b)[1] == []  # none reaches the crossover
+    assert cpu_lora.split(segments, lambda slot: 2 * b)[1] == [(b, 3 * b, 2), (3 * b + 7, 5 * b + 7, 3)]
+    assert cpu_lora.split(segments, lambda slot: b if slot == 3 else None)[1] == [(3 * b + 7, 5 * b + 7, 3)]
 
 
 @pytest.mark.parametrize("rank", [8, 64])
@@ -235,11 +237,11 @@ def test_long_segments_through_onednn_match_the_kernel_and_the_reference(rank):
                 (3 + 3 * b + 9, 3 + 3 * b + 29, 2), (3 + 3 * b + 29, 3 + 4 * b + 29, 0)]
     rows = 3 + 4 * b + 29 + 5  # 5 rows past the last segment: no adapter
     x, out = _activations(rows, torch.bfloat16, rank)
-    lora.torch_from_rows = b
+    lora.crossovers = Crossovers({8: b})
     hybrid = lora.batch(segments)
     assert [s for s in hybrid.torch.segments] == [(3, 3 + 2 * b, 1), (3 + 2 * b + 9, 3 + 3 * b + 9, 3),
                                                   (3 + 3 * b + 29, 3 + 4 * b + 29, 0)]
-    lora.torch_from_rows = None
+    lora.crossovers = None
     kernel = lora.batch(segments)
     assert kernel.torch is None
     tol = dict(atol=3e-2, rtol=2e-2)

@@ -8,7 +8,8 @@ import torch
 from loraplex.engine.kernels.cpu import lora as cpu_lora, lora_choice as lc
 from loraplex.engine.kernels.cpu.linear_choice import MARGIN
 from loraplex.engine.kernels.torch.linear import packing_supported
-from tests.engine.kernels.kernel_cases import llama_shapes
+from loraplex.engine.lora import pack_adapter
+from tests.engine.kernels.kernel_cases import llama_shapes, random_adapter
 
 pytestmark = pytest.mark.skipif(cpu_lora.load_library() is None, reason="no C compiler to build the CPU kernels")
 bf16_onednn = pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.bfloat16),
@@ -26,33 +27,50 @@ def test_crossover_on_lora_timings():
     assert lc.crossover({64: (MARGIN * 1.01, 1.0), 1024: (9.0, 1.0)}) == 64  # oneDNN for every bucket
 
 
+def test_rows_for_a_rank_takes_the_largest_measured_rank_below_it():
+    found = lc.Crossovers({8: 512, 16: 256, 32: None})
+    assert [found.rows_for(r) for r in (1, 8, 12, 16, 31)] == [512, 512, 512, 256, 256]
+    assert found.rows_for(32) is None and found.rows_for(128) is None
+
+
 def test_measure_times_both_paths_at_bucketed_lengths():
-    times = lc.measure(rows=(cpu_lora.BUCKET, 2 * cpu_lora.BUCKET), reps=1)
+    times = lc.measure(4, rows=(cpu_lora.BUCKET, 2 * cpu_lora.BUCKET), reps=1)
     assert sorted(times) == [cpu_lora.BUCKET, 2 * cpu_lora.BUCKET]
     assert all(c > 0 and d > 0 for c, d in times.values())
     with pytest.raises(AssertionError):  # the torch path is only ever given whole buckets
-        lc.measure(rows=(cpu_lora.BUCKET + 1,))
+        lc.measure(4, rows=(cpu_lora.BUCKET + 1,))
 
 
 @bf16_onednn
-def test_the_measured_choice_is_a_measured_row_count_and_kept_per_thread_count():
-    start = lc.torch_from_rows(torch.bfloat16)
-    assert start is None or start in lc.ROWS
-    assert lc.torch_from_rows(torch.bfloat16) == start  # measured once
-    assert lc._torch_from_rows.cache_info().currsize >= 1
+def test_the_measured_choice_is_a_measured_row_count_per_rank_and_kept_per_thread_count():
+    found = lc.crossovers(torch.bfloat16)
+    measured = lc._crossovers(torch.get_num_threads())
+    assert sorted(measured) == list(lc.RANKS) and all(r is None or r in lc.ROWS for r in measured.values())
+    assert found is (measured if any(r is not None for r in measured.values()) else None)
+    assert lc.crossovers(torch.bfloat16) is found  # measured once
 
 
 def test_fp32_stays_on_the_c_kernel():
-    assert lc.torch_from_rows(torch.float32) is None
+    assert lc.crossovers(torch.float32) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_c_backend_takes_the_choice_into_its_batches(dtype):
-    out, _inp, group_in = llama_shapes(64, 64, 16, 128)
-    lora = cpu_lora.CLoRABackend(2, 1, group_in, out, 8, dtype, torch.device("cpu"))
-    assert lora.torch_from_rows == lc.torch_from_rows(dtype)
-    lora.torch_from_rows = cpu_lora.BUCKET  # whatever this CPU measured
-    batch = lora.batch([(0, 1, 0), (1, 1 + 2 * cpu_lora.BUCKET + 5, 1)])
-    assert batch.torch is not None and batch.torch.segments == [(1, 1 + 2 * cpu_lora.BUCKET, 1)]
+    """Each segment is split at the crossover of its adapter's largest rank."""
+    out, inp, group_in = llama_shapes(64, 64, 16, 128)
+    cpu, b = torch.device("cpu"), cpu_lora.BUCKET
+    lora = cpu_lora.CLoRABackend(2, 1, group_in, out, 8, dtype, cpu)
+    assert lora.crossovers is lc.crossovers(dtype)
+    for slot, rank in enumerate((4, 32)):
+        lora.set_slot(slot, pack_adapter(random_adapter({"q_proj": 2, "v_proj": rank}, inp, out, 1, slot), out, 1,
+                                         dtype, cpu))
+    assert lora.slot_ranks == [4, 32]
+    lora.crossovers = lc.Crossovers({8: 3 * b, 32: b})  # whatever this CPU measured
+    assert [lora.torch_from_rows(s) for s in (0, 1)] == [3 * b, b]
+    segments = [(0, 1, 0), (1, 1 + 2 * b + 5, 1), (1 + 2 * b + 5, 1 + 4 * b + 5, 0)]
+    batch = lora.batch(segments)
+    assert batch.torch is not None and batch.torch.segments == [(1, 1 + 2 * b, 1)]
     assert batch.torch.slots is lora.packed
-    assert batch.pieces.tolist() == [[0, 1, 0], [1 + 2 * cpu_lora.BUCKET, 1 + 2 * cpu_lora.BUCKET + 5, 1]]
+    assert batch.pieces[:, 1].sub(batch.pieces[:, 0]).sum() == 1 + 5 + 2 * b
+    lora.crossovers = None
+    assert lora.batch(segments).torch is None
