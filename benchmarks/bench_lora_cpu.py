@@ -3,15 +3,20 @@
 One run, same threads, same adapters (rank 8 on all seven projections of SmolLM2's 30
 layers, 64 device slots, weights streaming from memory as in a real step). For each
 step shape it runs every layer and group of one step through each backend's batch both
-ways: the C kernel (the "cpu" backend), and the torch path (short segments grouped into
-padded bmm, long ones as per-segment matmuls: what runs without a C compiler). Prefill
-steps draw new segment lengths every repetition, as a server's chunks do. Prints the
-milliseconds of LoRA per step, GFLOP/s of LoRA arithmetic, the GB/s at which the C kernel
-reads adapter weights (each piece reads its adapter's A and B^T once per layer: what
-bounds decode steps), and the C kernel's speed-up.
+ways: the C kernel alone, and the torch path (short segments grouped into padded bmm,
+long ones as per-segment matmuls: what runs without a C compiler); prefill steps also
+through the "cpu" backend's hybrid, "C+oneDNN" (kernels/cpu/lora_choice.py: the whole
+64-row buckets of segments from the crossover measured here for their rank on through
+oneDNN, the rest through the C kernel). Prefill steps draw new segment lengths every
+repetition, as a server's chunks do (so oneDNN builds primitives for some of them, as it
+does while a server warms). Prints the milliseconds of LoRA per step, GFLOP/s of LoRA
+arithmetic, the GB/s at which the C kernel reads adapter weights (each piece reads its
+adapter's A and B^T once per layer: what bounds decode steps), the C kernel's speed-up
+over torch, and the hybrid's over the C kernel and over torch.
 
     python benchmarks/bench_lora_cpu.py                 # 2 threads
     python benchmarks/bench_lora_cpu.py --threads 1 --rank 64
+    python benchmarks/bench_lora_cpu.py --torch-from-rows 64   # the hybrid's crossover forced, every rank
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from types import SimpleNamespace
 import torch
 
 from loraplex.adapters.peft import LoRAWeight
-from loraplex.engine.kernels.cpu import lora as cpu_lora
+from loraplex.engine.kernels.cpu import lora as cpu_lora, lora_choice
 from loraplex.engine.lora import GROUPS, pack_adapter
 from loraplex.engine.kernels.cpu.lora import CLoRABackend
 from loraplex.engine.lora.torch_backend import TorchLoRABackend
@@ -68,6 +73,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--torch-from-rows", type=int, default=None,
+                    help="the hybrid's crossover (default: measured, as the cpu backend does)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if cpu_lora.load_library() is None:
@@ -90,30 +97,52 @@ def main() -> None:
     }
     flop_per_row = 2 * args.rank * sum(IN[m] + OUT[m] for m in OUT)
     bytes_per_piece = args.rank * sum(IN[m] + OUT[m] for m in OUT) * dtype.itemsize * LAYERS
+    forced = args.torch_from_rows
+    hybrid = lora_choice.Crossovers({1: forced}) if forced else lora_choice.crossovers(dtype)
     print(f"SmolLM2 shapes, {LAYERS} layers, rank {args.rank} on 7 projections, {SLOTS} slots, bf16, "
-          f"{args.threads} threads")
+          f"{args.threads} threads; C+oneDNN: oneDNN from rows by rank {hybrid} "
+          f"({'given' if forced else 'measured'}; None: never), "
+          f"{hybrid.rows_for(args.rank) if hybrid else None} rows for rank {args.rank}")
+    c_backend = backends[True]
     for label, make in shapes.items():
-        times = {}
-        for c_kernel in (True, False):
-            total, rows, weight_bytes = 0.0, 0, 0
-            for rep in range(args.reps + 1):  # the first is a warm-up for both
-                segments = make()
-                n = segments[-1][1]
-                x = {g: torch.randn(n, GROUP_IN[g]).to(dtype) for g in GROUPS}
-                out = {g: torch.randn(n, GROUP_OUT[g]).to(dtype) for g in GROUPS}
-                start = time.perf_counter()
-                batch = backends[c_kernel].batch(segments)
-                for layer in range(LAYERS):
-                    for g in GROUPS:
-                        batch.apply(layer, g, x[g], out[g])
-                if rep:
-                    total += time.perf_counter() - start
-                    rows += sum(e - s for s, e, _ in segments)
-                    weight_bytes += len(cpu_lora.pieces(segments)) * bytes_per_piece
-            times[c_kernel] = (total / args.reps, flop_per_row * LAYERS * rows / total / 1e9, weight_bytes / total / 1e9)
-        (t_c, gf_c, gb_c), (t_t, gf_t, _) = times[True], times[False]
-        print(f"{label:<52} C {t_c * 1e3:7.2f} ms ({gf_c:5.1f} GFLOP/s, {gb_c:5.1f} GB/s) | torch {t_t * 1e3:7.2f} ms "
-              f"({gf_t:5.1f} GFLOP/s) | C {t_t / t_c:5.2f}x", flush=True)
+        modes = {"C": (c_backend, None), "torch": (backends[False], None)}
+        if label.startswith("prefill"):
+            modes["C+oneDNN"] = (c_backend, hybrid)
+        times = {mode: _time(backend, found, make, args.reps, flop_per_row, bytes_per_piece)
+                 for mode, (backend, found) in modes.items()}
+        (t_c, gf_c, gb_c), (t_t, gf_t, _) = times["C"], times["torch"]
+        line = (f"{label:<52} C {t_c * 1e3:7.2f} ms ({gf_c:5.1f} GFLOP/s, {gb_c:5.1f} GB/s) "
+                f"| torch {t_t * 1e3:7.2f} ms ({gf_t:5.1f} GFLOP/s) | C {t_t / t_c:5.2f}x")
+        if "C+oneDNN" in times:
+            t_h, gf_h, _ = times["C+oneDNN"]
+            line += (f" | C+oneDNN {t_h * 1e3:7.2f} ms ({gf_h:5.1f} GFLOP/s): {t_c / t_h:5.2f}x C, "
+                     f"{t_t / t_h:5.2f}x torch")
+        print(line, flush=True)
+
+
+def _time(backend, crossovers: lora_choice.Crossovers | None, make, reps: int, flop_per_row: int,
+          bytes_per_piece: int):
+    """(seconds per step, GFLOP/s, C kernel's weight GB/s) of `reps` steps of `make()`'s
+    segments through `backend` (the C backend with `crossovers`: None, the C kernel only)."""
+    if isinstance(backend, CLoRABackend):
+        backend.crossovers = crossovers
+    dtype = backend.dtype
+    total, rows, weight_bytes = 0.0, 0, 0
+    for rep in range(reps + 1):  # the first is a warm-up
+        segments = make()
+        n = segments[-1][1]
+        x = {g: torch.randn(n, GROUP_IN[g]).to(dtype) for g in GROUPS}
+        out = {g: torch.randn(n, GROUP_OUT[g]).to(dtype) for g in GROUPS}
+        start = time.perf_counter()
+        batch = backend.batch(segments)
+        for layer in range(LAYERS):
+            for g in GROUPS:
+                batch.apply(layer, g, x[g], out[g])
+        if rep:
+            total += time.perf_counter() - start
+            rows += sum(e - s for s, e, _ in segments)
+            weight_bytes += len(cpu_lora.pieces(segments)) * bytes_per_piece
+    return total / reps, flop_per_row * LAYERS * rows / total / 1e9, weight_bytes / total / 1e9
 
 
 if __name__ == "__main__":

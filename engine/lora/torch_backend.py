@@ -10,9 +10,11 @@ short prefill chunks) are grouped by slot into one padded batch [E slots, P rows
 
 so the op count per layer and group does not grow with the number of adapters. Long
 segments keep the per-segment matmuls, which are efficient there. On the "cpu" backend
-every segment, long ones included, goes to the C kernel (kernels/cpu/lora.py) instead:
-one call per layer and group, and no oneDNN primitive to build for each new segment
-length (~1 ms each: prefill chunks rarely repeat one).
+the C kernel (kernels/cpu/lora.py) takes every segment instead, one call per layer and
+group with no oneDNN primitive to build for each new segment length (~1 ms each: prefill
+chunks rarely repeat one), except where oneDNN measured clearly faster on long bf16
+segments (kernels/cpu/lora_choice.py, per adapter rank; AMX): their rows up to a
+multiple of 64 run through `LoRABatch` here, one primitive per multiple.
 
 The weights live in `SlotStacks`: per group one tensor over layers and slots, rank padded
 with zeros to the largest loaded rank (zeros keep it exact: padded rank columns of `s` are

@@ -165,7 +165,7 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
     # instruction set, and an unsupported one must fall back instead of failing at load.
     from loraplex.adapters import AdapterStore, BaseShapes
     from loraplex.engine.kernels.torch.linear import PackedLinear, packing_supported
-    from loraplex.engine.kernels.cpu import dpbf16 as cpu_dpbf16, gemm as cpu_gemm, linear_choice
+    from loraplex.engine.kernels.cpu import dpbf16 as cpu_dpbf16, gemm as cpu_gemm, linear_choice, lora_choice
     from loraplex.engine.kernels.cpu.lora import CLoRABackend
     from loraplex.engine.lora import LoRAManager
 
@@ -175,7 +175,8 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
     # The fastest bf16 linear this CPU has: on the "cpu" backend the AVX512-BF16 kernel
     # where the CPU has it (with oneDNN from the row count where it measured faster),
     # then oneDNN's packed weights where it runs bf16 natively, else the C GEMM (AVX2);
-    # adapters run on the C LoRA kernel wherever the "cpu" backend does.
+    # adapters run on the C LoRA kernel wherever the "cpu" backend does (with oneDNN for
+    # long segments from the length where it measured faster).
     proj = type(engine.runner.model.layers[0].qkv_proj)
     cpu_backend = engine.runner.backend.name == "cpu"
     if cpu_backend and cpu_dpbf16.supported():
@@ -190,6 +191,8 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
     else:
         assert proj is torch.nn.Linear
     assert isinstance(lora.backend, CLoRABackend) == (engine.runner.backend.name == "cpu")
+    if cpu_backend:
+        assert lora.backend.crossovers is lora_choice.crossovers(torch.bfloat16)
     outs = _run(engine, _prompts(), MAX_TOKENS)
     assert [len(o) for o in outs] == list(MAX_TOKENS)
 

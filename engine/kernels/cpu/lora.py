@@ -1,21 +1,28 @@
-"""The C multi-LoRA kernel (lora.c) over `lora.stacks.SlotStacks`: every adapter
-segment of a step, decode rows and prefill chunks, in one call per layer and group, and
-no oneDNN primitive to build for each new segment length (~1 ms each: prefill chunks
-rarely repeat one).
+"""The C multi-LoRA kernel (lora.c) over `lora.stacks.SlotStacks`: a step's adapter
+segments, decode rows and short prefill chunks, in one call per layer and group, and no
+oneDNN primitive to build for each new segment length (~1 ms each: prefill chunks rarely
+repeat one).
 
-Its reference is the per-segment torch loop (`lora.torch_backend.LoRABatch`), which the
-tests compare it with.
+Where oneDNN measured clearly faster on long segments (lora_choice.py: AMX on a Xeon),
+a segment of at least that many bf16 rows (measured per adapter rank) has its first
+multiple of BUCKET rows run through the per-segment torch loop
+(`lora.torch_backend.LoRABatch`: a shrink and an expand matmul, then its epilogue) and
+the rest through the C kernel with the short pieces; rounding to BUCKET keeps oneDNN to
+one primitive per multiple. Elsewhere (fp32, an EPYC) every segment goes to the C kernel.
+
+Its reference is that per-segment torch loop, which the tests compare it with.
 """
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
 from ...lora.backend import LoRAHook
-from ...lora.packing import GROUPS
+from ...lora.packing import GROUPS, PackedGroup
 from ...lora.stacks import SlotStacks
-from ...lora.torch_backend import TorchLoRABackend
+from ...lora.torch_backend import LoRABatch, TorchLoRABackend
 from . import build
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -25,6 +32,10 @@ MAX_ROWS = 64  # the kernel's per-piece row limit (lora.c MAX_ROWS)
 # Rows per work item: long segments are cut into pieces of this size so both threads
 # share a prefill chunk, while each piece still reuses the adapter's weights 32 times.
 PIECE_ROWS = 32
+# Rows a long segment gives the torch path come in multiples of this: a step's new
+# prefill lengths then reuse oneDNN's primitive for one of a few lengths instead of
+# building their own, and the C kernel takes the remainder in at most two pieces.
+BUCKET = 64
 
 
 def load_library() -> ctypes.CDLL | None:
@@ -36,6 +47,23 @@ def pieces(segments: list[tuple[int, int, int]], rows: int = PIECE_ROWS) -> torc
     assert 0 < rows <= MAX_ROWS
     out = [(s, min(s + rows, end), slot) for start, end, slot in segments for s in range(start, end, rows)]
     return torch.tensor(out, dtype=torch.int32).view(-1, 3)
+
+
+def split(segments: list[tuple[int, int, int]], torch_from_rows: Callable[[int], int | None] | None
+          ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """(the C kernel's segments, the torch path's): of each segment of at least
+    `torch_from_rows(slot)` rows (None: none) its first multiple of BUCKET rows go to
+    torch, the rest (and every shorter segment) to the C kernel; rows disjoint, in order."""
+    c, onednn = [], []
+    for start, end, slot in segments:
+        cut, limit = start, None if torch_from_rows is None else torch_from_rows(slot)
+        if limit is not None and end - start >= limit:
+            cut = start + (end - start) // BUCKET * BUCKET
+            if cut > start:
+                onednn.append((start, cut, slot))
+        if end > cut:
+            c.append((cut, end, slot))
+    return c, onednn
 
 
 def cpu_lora_segments(x: torch.Tensor, out: torch.Tensor, segments: torch.Tensor, a: torch.Tensor,
@@ -76,21 +104,28 @@ def cpu_lora_segments(x: torch.Tensor, out: torch.Tensor, segments: torch.Tensor
 
 class CLoRABatch:
     """One step's segments, cut into pieces once; `apply` is one kernel call, the
-    epilogues (DoRA, lora_bias) of the rows whose adapters have one included.
+    epilogues (DoRA, lora_bias) of the rows whose adapters have one included, plus the
+    torch loop over the long segments' rows `split` gives it (`torch_from_rows`, which
+    needs the backend's `packed` adapters; each path applies its own rows' epilogues).
 
     What stays fixed over the step (pieces, stack addresses, each group's modules) is
     bound once per group, so a call only adds the layer's and the activations' addresses:
     `cpu_lora_segments`' checks on every one of a step's 120 calls cost ~1 ms on SmolLM2."""
 
-    def __init__(self, stacks: SlotStacks, segments: list[tuple[int, int, int]]) -> None:
+    def __init__(self, stacks: SlotStacks, segments: list[tuple[int, int, int]],
+                 packed: list[list[dict[str, PackedGroup]] | None] | None = None,
+                 torch_from_rows: Callable[[int], int | None] | None = None) -> None:
         lib = load_library()
         assert lib is not None, "load_library() returned None: use the torch path"
         assert stacks.dtype in _SUFFIX and stacks.pairs == (stacks.dtype == torch.bfloat16), (stacks.dtype, stacks.pairs)
         self.stacks = stacks
-        self.pieces = pieces(segments)
-        self.rows = max((end for _, end, _ in segments), default=0)
         assert all(0 <= slot < stacks.num_slots for *_, slot in segments)
-        self.epilogue = any(slot in stacks.epilogues.slots for *_, slot in segments)
+        c_segments, onednn = split(segments, torch_from_rows)
+        assert packed is not None or not onednn, "the torch path reads the backend's packed adapters"
+        self.torch = LoRABatch(packed, onednn) if onednn else None
+        self.pieces = pieces(c_segments)
+        self.rows = max((end for _, end, _ in segments), default=0)
+        self.epilogue = any(slot in stacks.epilogues.slots for *_, slot in c_segments)
         self.fn = getattr(lib, f"lora_segments_{_SUFFIX[stacks.dtype]}")
         self.generation = stacks.generation
         self.bound: dict[str, tuple] = {}
@@ -106,6 +141,10 @@ class CLoRABatch:
                  mods.data_ptr()))
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        if self.torch is not None:
+            self.torch.apply(layer, group, x, out)
+        if not len(self.pieces):
+            return
         s = self.stacks
         if s.generation != self.generation:  # an adapter loaded mid-step moved the stacks
             self.generation, self.bound = s.generation, {}
@@ -123,11 +162,33 @@ class CLoRABatch:
 
 
 class CLoRABackend(TorchLoRABackend):
-    """The torch backend's slot stacks, every segment (long ones too) through the C kernel;
-    bf16 B^T in rank pairs, the kernel's layout (the torch path can still read them)."""
+    """The torch backend's slot stacks through the C kernel, but for the long bf16
+    segments where oneDNN measured faster on this CPU (`crossovers`: rank -> rows, from
+    lora_choice; None: every segment through the C kernel); bf16 B^T in rank pairs, the
+    kernel's layout (the grouped torch path can still read them)."""
+
+    def __init__(self, num_slots: int, num_layers: int, in_sizes: dict[str, int], out_sizes: dict[str, int],
+                 max_rank: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__(num_slots, num_layers, in_sizes, out_sizes, max_rank, dtype, device)
+        from .lora_choice import crossovers  # it times this module's batches
+
+        self.crossovers = crossovers(self.dtype)
+        self.slot_ranks: list[int] = [0] * num_slots  # each slot's largest module rank
 
     def rank_pairs(self) -> bool:
         return self.dtype == torch.bfloat16
 
+    def set_slot(self, slot: int, packed: list[dict[str, PackedGroup]]) -> None:
+        super().set_slot(slot, packed)
+        if slot >= len(self.slot_ranks):
+            self.slot_ranks.extend([0] * (slot + 1 - len(self.slot_ranks)))
+        self.slot_ranks[slot] = max((part[3] for layer in packed for g in layer.values() for part in g.parts),
+                                    default=0)
+
+    def torch_from_rows(self, slot: int) -> int | None:
+        """The segment length from which `slot`'s adapter runs on oneDNN (None: never)."""
+        return None if self.crossovers is None else self.crossovers.rows_for(self.slot_ranks[slot])
+
     def batch(self, segments: list[tuple[int, int, int]]) -> LoRAHook:
-        return CLoRABatch(self.stacks, segments)
+        return CLoRABatch(self.stacks, segments, self.packed,
+                          None if self.crossovers is None else self.torch_from_rows)

@@ -10,6 +10,7 @@ import torch
 
 from loraplex.engine.kernels.cpu import lora as cpu_lora
 from loraplex.engine.kernels.cpu.lora import CLoRABackend
+from loraplex.engine.kernels.cpu.lora_choice import Crossovers
 from loraplex.engine.lora import GROUPS, pack_adapter
 from loraplex.engine.lora.stacks import rank_pairs
 from loraplex.engine.lora.torch_backend import GroupedLoRABatch, LoRABatch
@@ -160,13 +161,9 @@ def test_epilogue_rounds_once(code_path):
 P_OUT, P_IN, P_GROUP_IN = llama_shapes(67, 37, 13, 149)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rank", [8, 16, 64])
-def test_slot_stacks_through_the_kernel_match_the_reference(dtype, rank, code_path):
-    """The C backend's stacks (bf16: B^T in rank pairs) through the kernel give what the
-    per-segment torch loop gives: odd ranks beside `rank` (loaded first, so the pairs are
-    regrown to it), DoRA and lora_bias epilogues, decode rows and long prefill segments;
-    the grouped torch path reads the same stacks back rank-major."""
+def _loaded(dtype: torch.dtype, rank: int) -> CLoRABackend:
+    """The C backend with four adapters: odd ranks beside `rank` (loaded first, so the
+    pairs are regrown to it), DoRA and lora_bias epilogues on slots 1 and 3."""
     cpu = torch.device("cpu")
     lora = CLoRABackend(6, 2, P_GROUP_IN, P_OUT, rank, dtype, cpu)
     adapters = [({m: 5 for m in P_OUT} | {"k_proj": 3, "down_proj": 1}, None),
@@ -178,18 +175,84 @@ def test_slot_stacks_through_the_kernel_match_the_reference(dtype, rank, code_pa
         epilogues = random_epilogues(adapter, slot, *epi) if epi else None
         lora.set_slot(slot, pack_adapter(adapter, P_OUT, 2, dtype, cpu, epilogues))
     assert lora.stacks.pairs == (dtype == torch.bfloat16) and lora.stacks.epilogues.slots == {1, 3}
-    segments = [(0, 1, 0), (1, 2, 1), (2, 3, 2), (3, 4, 3), (4, 45, 1), (45, 115, 2), (115, 122, 3)]
-    gen = torch.Generator().manual_seed(rank)
-    x = {g: torch.randn(122, P_GROUP_IN[g], generator=gen).to(dtype) for g in GROUPS}
-    out = {g: torch.randn(122, sum(P_OUT[m] for m in GROUPS[g]), generator=gen).to(dtype) for g in GROUPS}
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
-    for batch in (lora.batch(segments), GroupedLoRABatch(lora.stacks, lora.packed, segments)):
+    return lora
+
+
+def _activations(rows: int, dtype: torch.dtype, seed: int) -> tuple[dict, dict]:
+    gen = torch.Generator().manual_seed(seed)
+    x = {g: torch.randn(rows, P_GROUP_IN[g], generator=gen).to(dtype) for g in GROUPS}
+    out = {g: torch.randn(rows, sum(P_OUT[m] for m in GROUPS[g]), generator=gen).to(dtype) for g in GROUPS}
+    return x, out
+
+
+def _assert_matches_reference(batches, lora, segments, x, out, tol):
+    for batch in batches:
         for layer in range(2):
             for g in GROUPS:
                 got, want = out[g].clone(), out[g].clone()
                 batch.apply(layer, g, x[g], got)
                 LoRABatch(lora.packed, segments).apply(layer, g, x[g], want)
                 torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{type(batch).__name__} {layer} {g}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rank", [8, 16, 64])
+def test_slot_stacks_through_the_kernel_match_the_reference(dtype, rank, code_path):
+    """The C backend's stacks (bf16: B^T in rank pairs) through the kernel give what the
+    per-segment torch loop gives: odd ranks beside `rank`, DoRA and lora_bias epilogues,
+    decode rows and long prefill segments; the grouped torch path reads the same stacks
+    back rank-major."""
+    lora = _loaded(dtype, rank)
+    lora.crossovers = None  # every segment through the kernel, whatever this CPU measured
+    segments = [(0, 1, 0), (1, 2, 1), (2, 3, 2), (3, 4, 3), (4, 45, 1), (45, 115, 2), (115, 122, 3)]
+    x, out = _activations(122, dtype, rank)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    _assert_matches_reference([lora.batch(segments), GroupedLoRABatch(lora.stacks, lora.packed, segments)],
+                              lora, segments, x, out, tol)
+
+
+def test_split_gives_torch_whole_buckets_of_long_segments():
+    b = cpu_lora.BUCKET
+    segments = [(0, 1, 0), (1, 1 + b - 1, 1), (b, 3 * b + 7, 2), (3 * b + 7, 5 * b + 7, 3), (5 * b + 7, 5 * b + 9, 0)]
+    assert cpu_lora.split(segments, None) == (segments, [])
+    c, onednn = cpu_lora.split(segments, lambda slot: b)
+    assert onednn == [(b, 3 * b, 2), (3 * b + 7, 5 * b + 7, 3)]
+    assert c == [(0, 1, 0), (1, b, 1), (3 * b, 3 * b + 7, 2), (5 * b + 7, 5 * b + 9, 0)]
+    rows = sorted(r for s, e, _ in c + onednn for r in range(s, e))
+    assert rows == list(range(5 * b + 9))  # disjoint, and every row on one path
+    assert cpu_lora.split(segments, lambda slot: 3 * b)[1] == []  # none reaches the crossover
+    assert cpu_lora.split(segments, lambda slot: 2 * b)[1] == [(b, 3 * b, 2), (3 * b + 7, 5 * b + 7, 3)]
+    assert cpu_lora.split(segments, lambda slot: b if slot == 3 else None)[1] == [(3 * b + 7, 5 * b + 7, 3)]
+
+
+@pytest.mark.parametrize("rank", [8, 64])
+def test_long_segments_through_onednn_match_the_kernel_and_the_reference(rank):
+    """A crossover forced to one bucket (whatever this CPU measured): the long segments'
+    whole buckets run through the torch loop, the rest and the decode rows through the
+    kernel; the result is the all-kernel batch's and the reference's, DoRA and lora_bias
+    (slots 1 and 3) included, lengths off the bucket included, other rows untouched."""
+    b = cpu_lora.BUCKET
+    lora = _loaded(torch.bfloat16, rank)
+    segments = [(0, 1, 0), (1, 2, 1), (2, 3, 2), (3, 3 + 2 * b + 9, 1), (3 + 2 * b + 9, 3 + 3 * b + 9, 3),
+                (3 + 3 * b + 9, 3 + 3 * b + 29, 2), (3 + 3 * b + 29, 3 + 4 * b + 29, 0)]
+    rows = 3 + 4 * b + 29 + 5  # 5 rows past the last segment: no adapter
+    x, out = _activations(rows, torch.bfloat16, rank)
+    lora.crossovers = Crossovers({8: b})
+    hybrid = lora.batch(segments)
+    assert [s for s in hybrid.torch.segments] == [(3, 3 + 2 * b, 1), (3 + 2 * b + 9, 3 + 3 * b + 9, 3),
+                                                  (3 + 3 * b + 29, 3 + 4 * b + 29, 0)]
+    lora.crossovers = None
+    kernel = lora.batch(segments)
+    assert kernel.torch is None
+    tol = dict(atol=3e-2, rtol=2e-2)
+    _assert_matches_reference([hybrid], lora, segments, x, out, tol)
+    for layer in range(2):
+        for g in GROUPS:
+            got, want = out[g].clone(), out[g].clone()
+            hybrid.apply(layer, g, x[g], got)
+            kernel.apply(layer, g, x[g], want)
+            torch.testing.assert_close(got, want, **tol)
+            assert torch.equal(got[-5:], out[g][-5:])
 
 
 def test_rank_pairs_layout():
