@@ -115,7 +115,7 @@ class SamplingParams:
             raise InvalidRequestError("repetition_penalty must be in (0, 2]")
         if not 0 <= self.min_p <= 1:
             raise InvalidRequestError("min_p must be between 0 and 1")
-        object.__setattr__(self, "logit_bias", _normalize_logit_bias(self.logit_bias))
+        object.__setattr__(self, "logit_bias", normalize_logit_bias(self.logit_bias))
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise InvalidRequestError("structured_output must be a StructuredOutput")
 
@@ -134,7 +134,9 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
-def _normalize_logit_bias(bias) -> tuple[tuple[int, float], ...]:
+def normalize_logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` as sorted (token id, bias) pairs, or InvalidRequestError (the cap on
+    entries is checked before any is looked at)."""
     size = len(bias) if hasattr(bias, "__len__") else 0
     if size > MAX_LOGIT_BIAS:
         raise InvalidRequestError(f"logit_bias has {size} entries, over the cap of {MAX_LOGIT_BIAS} "

@@ -27,7 +27,7 @@ from loraplex.platform.metrics import CONTENT_TYPE, Metrics
 from loraplex.platform.serving.openai_routes import openai_routes
 from loraplex.platform.serving.openapi import openai_openapi
 from loraplex.platform.serving.refusals import RefusalHold
-from loraplex.platform.serving.request_limits import ParsePool
+from loraplex.platform.serving.parse_pool import ParsePool
 from loraplex.platform.serving.tokenize_routes import tokenize_routes
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy.throttle import ThrottleConfig

@@ -27,8 +27,9 @@ from loraplex.platform.serving.gaie import lower_lane, objective_lane, parse_obj
 from loraplex.platform.serving.hooks import Hooks, RequestContext
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.serving.prompt_batch import PromptTally, merge_prompt_streams
-from loraplex.platform.serving.protocol import GenRequest, parse_chat, parse_completion
-from loraplex.platform.serving.request_limits import BodyBudget, ParsePool, check_choices, parse_request_json
+from loraplex.platform.serving.parse_pool import ParsePool
+from loraplex.platform.serving.protocol import GenRequest, parse_chat, parse_completion, screen_request
+from loraplex.platform.serving.request_limits import BodyBudget, check_choices, parse_request_json
 from loraplex.platform.serving.render import TokenText
 from loraplex.platform.settings import Settings
 
@@ -142,8 +143,9 @@ class Gateway:
         self.check_serving()
         limits = self.settings.limits
         raw = await call.read_body(principal)
-        body = await pool.run(parse_request_json, raw, limits, call.chat, self.max_model_len,
-                              self.tokenizer.max_token_chars)
+        checks = (limits, call.chat, self.max_model_len, self.tokenizer.max_token_chars)
+        await pool.screen(raw, screen_request, *checks)
+        body = await pool.run(parse_request_json, raw, *checks)
         adapter = self.resolve_model(principal, body.get("model"), call.path_adapter, body.get("adapters"))
         lane = self.lane_for(principal, call.lane, body.get("priority"), call.objective)
         req = await pool.run(parse_chat if call.chat else parse_completion, body, self.tokenizer, self.max_model_len)

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraplex.engine.errors import InvalidRequestError, PromptTooLongError
-from loraplex.engine.request import MAX_REQUEST_LOGPROB_ENTRIES, MAX_REQUEST_OUTPUT_TOKENS, SamplingParams, check_production
+from loraplex.engine.request import (
+    MAX_REQUEST_LOGPROB_ENTRIES,
+    MAX_REQUEST_OUTPUT_TOKENS,
+    SamplingParams,
+    check_production,
+    normalize_logit_bias,
+)
 from loraplex.engine.structured import StructuredOutput
 from loraplex.engine.tokenizer import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
@@ -23,7 +29,9 @@ from loraplex.platform.serving.openai_fields import (
     response_format,
     sampling_error,
 )
+from loraplex.platform.serving.request_limits import parse_request_json
 from loraplex.platform.serving.tools import ToolRequest, parse_tools, prepare_messages, template_supports_tools
+from loraplex.platform.settings import ServerLimits
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP = MAX_STOP_STRINGS
@@ -260,3 +268,33 @@ def parse_completion(body: dict, tokenizer, max_model_len: int) -> GenRequest:
     echo_texts = [_echo_text(r, ids, tokenizer) for r, ids in zip(raw, prompts)] if echo else None
     return GenRequest(False, body.get("model"), prompts[0], sampling, get_bool(body, "stream"),
                       _include_usage(body), logprobs, body.get("priority"), n, echo_texts, prompts=prompts)
+
+
+def check_body(body: dict, chat: bool) -> None:
+    """The checks of parse_chat / parse_completion that need no tokenizer, in their order:
+    what a body can be refused for before its prompt is rendered and tokenized."""
+    _check_common(body, chat)
+    if chat:
+        if "messages" not in body:
+            raise BadRequestError("messages is required", "messages")
+        parse_tools(body)
+    else:
+        echo_and_suffix(body)
+        choices(body, chat=False)
+        if "prompt" not in body:
+            raise BadRequestError("prompt is required", "prompt")
+        split_prompts(body["prompt"])
+    response_format(body)
+    bias = logit_processors(body).get("logit_bias")
+    if bias is not None:
+        try:
+            normalize_logit_bias(bias)
+        except InvalidRequestError as exc:
+            raise sampling_error(exc, body) from None
+
+
+def screen_request(raw: bytes, limits: ServerLimits, chat: bool, max_model_len: int, max_token_chars: int) -> None:
+    """Every refusal of an OpenAI request body that needs no tokenizer: its JSON and
+    bounds (request_limits.parse_request_json), then its fields (`check_body`). What
+    serving/parse_pool.py runs on a big body in a process of its own."""
+    check_body(parse_request_json(raw, limits, chat, max_model_len, max_token_chars), chat)

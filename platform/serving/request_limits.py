@@ -9,7 +9,7 @@
   token spells at most `Tokenizer.max_token_chars` characters, with a margin for
   normalizers that merge characters) is refused with 413 before it is tokenized.
 - Parsing the JSON, checking it, tokenizing and the chat template run on a small pool of
-  threads of their own (`ParsePool`), so the event loop, and `/health`, never wait for them.
+  threads of their own, a big body in a process of its own first (parse_pool.py).
 - The bytes: each tenant may send `ServerLimits.body_bytes_per_second` of request body
   (`BodyBudget`, a token bucket holding one largest body). Parsing JSON holds the
   interpreter lock whichever thread does it (orjson does not release it), so bytes are
@@ -21,8 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import orjson
@@ -34,10 +33,8 @@ from loraplex.platform.errors import BadRequestError, PayloadTooLargeError, Rate
 from loraplex.platform.settings import ServerLimits
 from loraplex.platform.tenancy.throttle import TokenBuckets
 
-T = TypeVar("T")
 # Characters a normalizer may fold into one (e.g. NFC composing a letter and its accents).
 _NORMALIZER_MARGIN = 4
-PARSE_THREADS = 2
 
 
 def check_content_length(request: Request, max_bytes: int) -> None:
@@ -235,16 +232,3 @@ async def read_charged_body(request: Request, tenant: str, budget: BodyBudget, m
     if declared is None:
         budget.debit(tenant, len(raw))
     return raw
-
-
-class ParsePool:
-    """A few threads for tokenizing and chat templates, away from the event loop."""
-
-    def __init__(self, threads: int = PARSE_THREADS) -> None:
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="loraplex-parse")
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
