@@ -111,6 +111,12 @@ def draw(weights: torch.Tensor, u: torch.Tensor, keys: torch.Tensor) -> torch.Te
     return (block * _BLOCK + (inside.double() / noise).argmax(-1, keepdim=True))[:, 0]
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax of each row (the first of tied maxima, as argmax). Through max: torch's CPU
+    argmax over [64, 49152] fp32 took 2.3 ms on 2 threads, max 0.9 ms, ~2% of a decode step."""
+    return logits.max(dim=-1).indices
+
+
 def _padded(seqs: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max(1, max(map(len, seqs)))
     out = torch.full((len(seqs), width), pad, dtype=torch.long)
@@ -227,7 +233,7 @@ class Sampler:
         logits = self.process(logits, rows, copy=any(r.params.logprobs is not None for r in rows))
         drawn = [i for i, r in enumerate(rows) if _is_drawn(r.params)]
         if not drawn:
-            tokens = logits.argmax(dim=-1)
+            tokens = greedy_tokens(logits)
         else:
             noise = self._noise([rows[i] for i in drawn])
             params = [rows[i].params for i in drawn]
@@ -236,7 +242,7 @@ class Sampler:
             else:
                 tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
                 greedy = [i for i, r in enumerate(rows) if not _is_drawn(r.params)]
-                tokens[greedy] = logits[greedy].argmax(dim=-1)
+                tokens[greedy] = greedy_tokens(logits[greedy])
                 tokens[drawn] = _draw(logits[drawn], params, *noise)
         out_tokens = tokens.tolist()
         for row, token in zip(rows, out_tokens):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from loraplex.engine.request import SamplingParams
-from loraplex.engine.sampler import Sampler, SampleRow
+from loraplex.engine.sampler import Sampler, SampleRow, greedy_tokens
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -378,3 +378,13 @@ def test_penalties_on_the_tiny_model_match_a_torch_reference(tiny_pair, kw):
         assert tokens == out
     plain = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     assert [o.new_token_ids for o in plain] != got  # the penalties changed something here
+
+
+def test_greedy_tokens_take_the_first_of_tied_maxima_as_argmax():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (16, 1000), generator=gen).float()  # many ties per row
+    logits[3, 500] = float("nan")
+    logits[5] = float("-inf")
+    logits[7, 0] = logits[7, 999] = 100.0
+    assert greedy_tokens(logits).tolist() == logits.argmax(-1).tolist()
+    assert greedy_tokens(logits)[7] == 0 and greedy_tokens(logits)[5] == 0
