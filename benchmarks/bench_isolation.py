@@ -13,6 +13,8 @@ turn, for `--seconds` each:
   tools         A sends a 3.5 MiB tools list
   (A's big bodies soon get 429 from its request body budget, `--max-body-rate`)
   slow reader   A holds 4 long streams and reads each a few bytes a second
+  read streams  (a control, not an attack) the same 4 streams read as fast as they come:
+                what A's streams cost B while they run, before the slow reader's pause
 
 Each attacker runs in a process of its own (no share of this process's GIL), at the
 lowest CPU priority, so that on a small machine B loses what the server spends on the
@@ -282,7 +284,8 @@ def tools(t: Target, stop, got: Counter) -> None:
     _repeat(t, body, stop, got)
 
 
-def slow_reader(t: Target, stop, got: Counter, streams: int = 4) -> None:
+def _long_streams(t: Target, stop, got: Counter, streams: int, read: int, every: float) -> None:
+    """`streams` long streams from A, each read `read` bytes at a time every `every` s."""
     body = json.dumps({"model": t.model, "max_tokens": t.max_model_len - 64, "stream": True, "ignore_eos": True,
                        "messages": [{"role": "user", "content": "Write a very long story."}]}).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {t.keys['A']}\r\n"
@@ -300,9 +303,9 @@ def slow_reader(t: Target, stop, got: Counter, streams: int = 4) -> None:
             socks.append(s)
         alive = []
         for s in socks:
-            s.settimeout(0.2)
+            s.settimeout(min(0.2, every) or 0.05)
             try:
-                if s.recv(16) == b"":
+                if s.recv(read) == b"":
                     got["stream ended"] += 1
                     s.close()
                     continue
@@ -314,13 +317,25 @@ def slow_reader(t: Target, stop, got: Counter, streams: int = 4) -> None:
                 continue
             alive.append(s)
         socks = alive
-        stop.wait(0.5)
+        if every:
+            stop.wait(every)
     for s in socks:
         s.close()
 
 
+def slow_reader(t: Target, stop, got: Counter) -> None:
+    _long_streams(t, stop, got, 4, 16, 0.5)
+
+
+def read_streams(t: Target, stop, got: Counter) -> None:
+    """Not an attack: the slow reader's four streams read as fast as they come, what the
+    slow reader costs B at most (its streams run like these until they are paused)."""
+    _long_streams(t, stop, got, 4, 1 << 16, 0.0)
+
+
 ATTACKS: dict[str, Callable] = {"junk keys": junk_keys, "slow bodies": slow_bodies, "json_schema": json_schema,
-                                "logit_bias": logit_bias, "tools": tools, "slow reader": slow_reader}
+                                "logit_bias": logit_bias, "tools": tools, "slow reader": slow_reader,
+                                "read streams": read_streams}
 
 
 def _attack_main(name: str, t: Target, stop, out) -> None:
