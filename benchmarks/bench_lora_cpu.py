@@ -30,7 +30,7 @@ import torch
 from loraplex.adapters.peft import LoRAWeight
 from loraplex.engine.kernels.cpu import lora as cpu_lora, lora_choice
 from loraplex.engine.lora import GROUPS, pack_adapter
-from loraplex.engine.kernels.cpu.lora import CLoRABackend
+from loraplex.engine.kernels.cpu.lora_backend import CLoRABackend
 from loraplex.engine.lora.torch_backend import TorchLoRABackend
 
 HIDDEN, Q, KV, INTER, LAYERS, SLOTS = 576, 576, 192, 1536, 30, 64

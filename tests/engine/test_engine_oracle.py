@@ -166,7 +166,7 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
     from loraplex.adapters import AdapterStore, BaseShapes
     from loraplex.engine.kernels.torch.linear import PackedLinear, packing_supported
     from loraplex.engine.kernels.cpu import dpbf16 as cpu_dpbf16, gemm as cpu_gemm, linear_choice, lora_choice
-    from loraplex.engine.kernels.cpu.lora import CLoRABackend
+    from loraplex.engine.kernels.cpu.lora_backend import CLoRABackend
     from loraplex.engine.lora import LoRAManager
 
     lora = LoRAManager(AdapterStore(tmp_path, BaseShapes.from_model_dir(tiny_llama_dir)))

@@ -13,7 +13,7 @@ from ..torch.linear import packing_supported
 from . import dpbf16, gemm, linear_choice
 from .decode import cpu_paged_attention
 from .fused import CLayerOps, cpu_write_kv
-from .lora import CLoRABackend
+from .lora_backend import CLoRABackend
 from .metadata import CpuAttentionMetadata, build_cpu_metadata
 
 

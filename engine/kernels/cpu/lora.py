@@ -19,10 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-from ...lora.backend import LoRAHook
 from ...lora.packing import GROUPS, PackedGroup
 from ...lora.stacks import SlotStacks
-from ...lora.torch_backend import LoRABatch, TorchLoRABackend
+from ...lora.torch_backend import LoRABatch
 from . import build
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -159,36 +158,3 @@ class CLoRABatch:
             epi = (flags.data_ptr(), scale.data_ptr(), shift.data_ptr(), scale.stride(0))
         build.run(self.fn, (x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), *fixed,
                             ranks_ptr + layer * ranks_layer, layer, *epi), self.pieces.shape[0])
-
-
-class CLoRABackend(TorchLoRABackend):
-    """The torch backend's slot stacks through the C kernel, but for the long bf16
-    segments where oneDNN measured faster on this CPU (`crossovers`: rank -> rows, from
-    lora_choice; None: every segment through the C kernel); bf16 B^T in rank pairs, the
-    kernel's layout (the grouped torch path can still read them)."""
-
-    def __init__(self, num_slots: int, num_layers: int, in_sizes: dict[str, int], out_sizes: dict[str, int],
-                 max_rank: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__(num_slots, num_layers, in_sizes, out_sizes, max_rank, dtype, device)
-        from .lora_choice import crossovers  # it times this module's batches
-
-        self.crossovers = crossovers(self.dtype)
-        self.slot_ranks: list[int] = [0] * num_slots  # each slot's largest module rank
-
-    def rank_pairs(self) -> bool:
-        return self.dtype == torch.bfloat16
-
-    def set_slot(self, slot: int, packed: list[dict[str, PackedGroup]]) -> None:
-        super().set_slot(slot, packed)
-        if slot >= len(self.slot_ranks):
-            self.slot_ranks.extend([0] * (slot + 1 - len(self.slot_ranks)))
-        self.slot_ranks[slot] = max((part[3] for layer in packed for g in layer.values() for part in g.parts),
-                                    default=0)
-
-    def torch_from_rows(self, slot: int) -> int | None:
-        """The segment length from which `slot`'s adapter runs on oneDNN (None: never)."""
-        return None if self.crossovers is None else self.crossovers.rows_for(self.slot_ranks[slot])
-
-    def batch(self, segments: list[tuple[int, int, int]]) -> LoRAHook:
-        return CLoRABatch(self.stacks, segments, self.packed,
-                          None if self.crossovers is None else self.torch_from_rows)

@@ -81,7 +81,7 @@ def test_each_backend_builds_only_its_own_metadata():
     c = create_backend("cpu", cpu, torch.float32)
     from loraplex.engine.kernels.cpu.decode import cpu_paged_attention
     from loraplex.engine.kernels.cpu.fused import CLayerOps, cpu_write_kv
-    from loraplex.engine.kernels.cpu.lora import CLoRABackend
+    from loraplex.engine.kernels.cpu.lora_backend import CLoRABackend
 
     assert (c.write_kv, c.paged_attention, c.lora_backend) == (cpu_write_kv, cpu_paged_attention, CLoRABackend)
     assert isinstance(c.layer_ops(), CLayerOps)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from loraplex.engine.kernels.cpu import lora as cpu_lora
-from loraplex.engine.kernels.cpu.lora import CLoRABackend, CLoRABatch
+from loraplex.engine.kernels.cpu.lora import CLoRABatch
+from loraplex.engine.kernels.cpu.lora_backend import CLoRABackend
 from loraplex.engine.lora import GROUPS, pack_adapter, segments_of
 from loraplex.engine.lora.torch_backend import GROUPED_MAX_ROWS, GroupedLoRABatch, LoRABatch, TorchLoRABackend
 from tests.engine.kernels.kernel_cases import llama_shapes, random_adapter, random_epilogues

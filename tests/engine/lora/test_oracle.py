@@ -12,7 +12,7 @@ from loraplex.engine.config import (CacheConfig, EngineConfig, LoRAConfig, Model
                                     SpeculativeConfig)
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.errors import UnknownAdapterError
-from loraplex.engine.kernels.cpu.lora import CLoRABackend
+from loraplex.engine.kernels.cpu.lora_backend import CLoRABackend
 from loraplex.engine.lora import LoRAManager
 from loraplex.engine.request import SamplingParams
 from tests.engine.oracle import OracleDrafts, draft_whatever_the_timing, hf_greedy, run_greedy_with_adapters

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loraplex.engine.kernels.cpu import lora as cpu_lora
-from loraplex.engine.kernels.cpu.lora import CLoRABackend
+from loraplex.engine.kernels.cpu.lora_backend import CLoRABackend
 from loraplex.engine.kernels.cpu.lora_choice import Crossovers
 from loraplex.engine.lora import GROUPS, pack_adapter
 from loraplex.engine.lora.stacks import rank_pairs

@@ -7,6 +7,7 @@ import torch
 
 from loraplex.engine.kernels.cpu import lora as cpu_lora, lora_choice as lc
 from loraplex.engine.kernels.cpu.linear_choice import MARGIN
+from loraplex.engine.kernels.cpu.lora_backend import CLoRABackend
 from loraplex.engine.kernels.torch.linear import packing_supported
 from loraplex.engine.lora import pack_adapter
 from tests.engine.kernels.kernel_cases import llama_shapes, random_adapter
@@ -59,7 +60,7 @@ def test_the_c_backend_takes_the_choice_into_its_batches(dtype):
     """Each segment is split at the crossover of its adapter's largest rank."""
     out, inp, group_in = llama_shapes(64, 64, 16, 128)
     cpu, b = torch.device("cpu"), cpu_lora.BUCKET
-    lora = cpu_lora.CLoRABackend(2, 1, group_in, out, 8, dtype, cpu)
+    lora = CLoRABackend(2, 1, group_in, out, 8, dtype, cpu)
     assert lora.crossovers is lc.crossovers(dtype)
     for slot, rank in enumerate((4, 32)):
         lora.set_slot(slot, pack_adapter(random_adapter({"q_proj": 2, "v_proj": rank}, inp, out, 1, slot), out, 1,
