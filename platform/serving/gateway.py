@@ -143,9 +143,8 @@ class Gateway:
         self.check_serving()
         limits = self.settings.limits
         raw = await call.read_body(principal)
-        checks = (limits, call.chat, self.max_model_len, self.tokenizer.max_token_chars)
-        await pool.screen(raw, screen_request, *checks)
-        body = await pool.run(parse_request_json, raw, *checks)
+        body = await pool.parse(raw, parse_request_json, limits, call.chat, self.max_model_len,
+                                self.tokenizer.max_token_chars, screen_with=screen_request)
         adapter = self.resolve_model(principal, body.get("model"), call.path_adapter, body.get("adapters"))
         lane = self.lane_for(principal, call.lane, body.get("priority"), call.objective)
         req = await pool.run(parse_chat if call.chat else parse_completion, body, self.tokenizer, self.max_model_len)

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import multiprocessing
 import os
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -74,10 +75,18 @@ class ParsePool:
     def __init__(self, threads: int = PARSE_THREADS, screen_bytes: int = SCREEN_BYTES) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="loraplex-parse")
         self.screen_bytes = screen_bytes
+        self.screened: Counter[str] = Counter()  # bodies sent to the child, by outcome
         self._child: ProcessPoolExecutor | None = None
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def parse(self, raw: bytes, fn: Callable[..., T], *args: Any,
+                    screen_with: Callable[..., Any] | None = None) -> T:
+        """`fn(raw, *args)` on a thread, a big body screened first with
+        `screen_with(raw, *args)` (default: `fn` itself) in the child."""
+        await self.screen(raw, screen_with or fn, *args)
+        return await self.run(fn, raw, *args)
 
     async def screen(self, raw: bytes, fn: Callable[..., Any], *args: Any) -> None:
         """Raise the domain error `fn(raw, *args)` raises, found in the child, when `raw`
@@ -91,8 +100,10 @@ class ParsePool:
         except Exception as exc:  # noqa: BLE001 - the child's failure must not fail the request
             log.warning("screening a %d-byte body in the child process failed (%s: %s); parsing it here",
                         len(raw), type(exc).__name__, exc)
+            self.screened["failed"] += 1
             self._stop_child()
             return
+        self.screened["passed" if found is None else "refused"] += 1
         if found is not None:
             raise _rebuild(found)
 

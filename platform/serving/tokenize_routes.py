@@ -55,10 +55,10 @@ async def _authorized_body(request: Request, gw: Gateway, prompt: bool) -> dict:
     principal = await gw.auth.authenticate(request.headers.get("authorization"), client_address(request))
     raw = await read_charged_body(request, principal.tenant, gw.body_budget, limits.max_body_bytes)
     pool = request.app.state.parse_pool
-    parse, args = ((parse_request_json, (limits, None, gw.max_model_len, gw.tokenizer.max_token_chars)) if prompt
-                   else (parse_json_object, (limits,)))
-    await pool.screen(raw, parse, *args)
-    body = await pool.run(parse, raw, *args)
+    if prompt:
+        body = await pool.parse(raw, parse_request_json, limits, None, gw.max_model_len, gw.tokenizer.max_token_chars)
+    else:
+        body = await pool.parse(raw, parse_json_object, limits)
     gw.resolve_model(principal, body.get("model"), request.path_params.get("adapter"))  # 404 unless allowed
     return body
 

@@ -34,6 +34,25 @@ def test_400_bad_requests(live):
     assert r.status_code == 400
 
 
+def test_a_big_body_is_refused_by_the_screening_process(live):
+    """A schema over its cap in a body over the screening size: the 400 names the cap,
+    found in the child process (the pool counts what the child refused), and the request after
+    it is served as usual."""
+    pool = live.app.state.parse_pool
+    before = pool.screened.copy()
+    schema = {"type": "object", "properties": {f"f{i}": {"type": "string", "description": "x" * 80}
+                                               for i in range(pool.screen_bytes // 80)}}
+    body = {"model": live.model, "messages": [{"role": "user", "content": "json"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}}
+    r = _post(live, "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    assert "max_schema_bytes" in r.json()["error"]["message"]
+    assert pool.screened["refused"] == before["refused"] + 1
+    small = _post(live, "/v1/chat/completions", {"model": live.model, "max_tokens": 2,
+                                                 "messages": [{"role": "user", "content": "hi"}]})
+    assert small.status_code == 200 and sum(pool.screened.values()) == sum(before.values()) + 1
+
+
 def test_404_unknown_model_and_route(live):
     with pytest.raises(openai.NotFoundError) as e:
         live.client().completions.create(model="gpt-9", prompt="x")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -47,16 +48,23 @@ def crossover(times: dict[int, tuple[float, float]], margin: float = MARGIN) -> 
     return start
 
 
-def _best_of(layers: list[nn.Module], x: torch.Tensor, reps: int) -> float:
-    for layer in layers:  # oneDNN builds its primitive for a row count on first use
-        layer(x)
+def best_time(run: Callable[[], None], reps: int) -> float:
+    """The fastest of `reps` timed calls of `run`, after one untimed call (oneDNN builds
+    its primitive for a shape on first use)."""
+    run()
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
-        for layer in layers:
-            layer(x)
+        run()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def _calls(layers: list[nn.Module], x: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        for layer in layers:
+            layer(x)
+    return run
 
 
 def measure(rows: tuple[int, ...] = ROWS, reps: int = 3) -> dict[int, tuple[float, float]]:
@@ -65,7 +73,7 @@ def measure(rows: tuple[int, ...] = ROWS, reps: int = 3) -> dict[int, tuple[floa
     weights = [torch.randn(*SHAPE, generator=gen).bfloat16() for _ in range(COPIES)]
     c, onednn = [Dpbf16Linear(w, None) for w in weights], [PackedLinear(w, None) for w in weights]
     with torch.inference_mode():
-        return {n: (_best_of(c, x, reps), _best_of(onednn, x, reps))
+        return {n: (best_time(_calls(c, x), reps), best_time(_calls(onednn, x), reps))
                 for n in rows for x in (torch.randn(n, SHAPE[1], generator=gen).bfloat16(),)}
 
 

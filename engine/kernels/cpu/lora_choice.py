@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
@@ -27,7 +27,7 @@ from ...lora.packing import GROUPS, pack_adapter
 from ...lora.stacks import SlotStacks
 from ...lora.torch_backend import LoRABatch
 from ..torch.linear import packing_supported
-from .linear_choice import crossover
+from .linear_choice import best_time, crossover
 from .lora import BUCKET, CLoRABatch
 
 log = logging.getLogger(__name__)
@@ -61,16 +61,12 @@ def _adapter(rank: int) -> tuple[SlotStacks, list]:
     return stacks, [packed]
 
 
-def _best_of(batch, x: dict[str, torch.Tensor], out: dict[str, torch.Tensor], reps: int) -> float:
-    best = float("inf")
-    for rep in range(reps + 1):  # the first builds oneDNN's primitives for this length
-        start = time.perf_counter()
+def _step(batch, x: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
         for layer in range(LAYERS):
             for g in GROUPS:
                 batch.apply(layer, g, x[g], out[g])
-        if rep:
-            best = min(best, time.perf_counter() - start)
-    return best
+    return run
 
 
 def measure(rank: int, rows: tuple[int, ...] = ROWS, reps: int = 3) -> dict[int, tuple[float, float]]:
@@ -85,8 +81,8 @@ def measure(rank: int, rows: tuple[int, ...] = ROWS, reps: int = 3) -> dict[int,
             x = {g: torch.randn(n, k, generator=gen).bfloat16() for g, k in GROUP_IN.items()}
             out = {g: torch.zeros(n, sum(OUT[m] for m in mods), dtype=torch.bfloat16) for g, mods in GROUPS.items()}
             segments = [(0, n, 0)]
-            times[n] = (_best_of(CLoRABatch(stacks, segments), x, out, reps),
-                        _best_of(LoRABatch(packed, segments), x, out, reps))
+            times[n] = (best_time(_step(CLoRABatch(stacks, segments), x, out), reps),
+                        best_time(_step(LoRABatch(packed, segments), x, out), reps))
     return times
 
 

@@ -60,7 +60,20 @@ def test_a_big_body_is_screened_in_another_process(pool):
 
 
 def test_a_small_body_is_not_screened(pool):
+    before = pool.screened.copy()
     _run(pool.screen(b"x" * (SMALL - 1), refuse_with_pid))  # would raise, had it been screened
+    assert pool.screened == before
+
+
+def test_parse_screens_a_big_body_then_parses_it_here(pool):
+    raw = _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "x" * 2000}}])
+    before = pool.screened.copy()
+    with pytest.raises(BadRequestError, match="parameters"):
+        _run(pool.parse(raw, parse_request_json, LIMITS, True, 2048, 16, screen_with=screen_request))
+    assert pool.screened["refused"] == before["refused"] + 1  # the child refused it, not the parse here
+    ok = _chat(padding="y" * SMALL)  # parse_request_json alone does not look at fields
+    assert _run(pool.parse(ok, parse_request_json, LIMITS, True, 2048, 16))["padding"] == "y" * SMALL
+    assert pool.screened["passed"] == before["passed"] + 1
 
 
 def test_the_error_keeps_its_attributes(pool):
@@ -100,6 +113,8 @@ def test_a_valid_big_body_passes(pool):
 
 
 def test_a_child_that_dies_fails_no_request_and_is_replaced(pool):
+    failed = pool.screened["failed"]
     _run(pool.screen(b"x" * SMALL, die))  # parsed here instead: no error
+    assert pool.screened["failed"] == failed + 1
     with pytest.raises(BadRequestError):
         _run(pool.screen(b"x" * SMALL, refuse_with_pid))
