@@ -164,7 +164,7 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
     # bf16 is the default; its kernels (oneDNN packing, C kernels) depend on the CPU's
     # instruction set, and an unsupported one must fall back instead of failing at load.
     from loraplex.adapters import AdapterStore, BaseShapes
-    from loraplex.engine.kernels.torch.linear import PackedLinear, packing_supported
+    from loraplex.engine.kernels.torch.linear import PackedLinear, WideLinear, packing_supported, widening_supported
     from loraplex.engine.kernels.cpu import dpbf16 as cpu_dpbf16, gemm as cpu_gemm, linear_choice, lora_choice
     from loraplex.engine.kernels.cpu.lora_backend import CLoRABackend
     from loraplex.engine.lora import LoRAManager
@@ -172,22 +172,24 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
     lora = LoRAManager(AdapterStore(tmp_path, BaseShapes.from_model_dir(tiny_llama_dir)))
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir)), kernels=kernels), lora)
     assert engine.runner.dtype is torch.bfloat16
-    # The fastest bf16 linear this CPU has: on the "cpu" backend the AVX512-BF16 kernel
-    # where the CPU has it (with oneDNN from the row count where it measured faster),
-    # then oneDNN's packed weights where it runs bf16 natively, else the C GEMM (AVX2);
+    # The fastest bf16 linear this CPU has: on the "cpu" backend the C kernel (AVX512-BF16
+    # where the CPU has it, else the AVX2 GEMM), with the fastest oneDNN kernel (packed
+    # bf16, or widened to fp32 where bf16 is emulated) from the row count where it
+    # measured faster; on the torch backend oneDNN's packed weights where it packs bf16;
     # adapters run on the C LoRA kernel wherever the "cpu" backend does (with oneDNN for
     # long segments from the length where it measured faster).
     proj = type(engine.runner.model.layers[0].qkv_proj)
+    cpu = torch.device("cpu")
     cpu_backend = engine.runner.backend.name == "cpu"
-    if cpu_backend and cpu_dpbf16.supported():
-        start = linear_choice.onednn_from_rows() if packing_supported(torch.device("cpu"), torch.bfloat16) else None
-        want = {None: cpu_dpbf16.Dpbf16Linear, 1: PackedLinear}.get(start, linear_choice.SplitLinear)
+    many = [m for m, ok in ((PackedLinear, packing_supported(cpu, torch.bfloat16)),
+                            (WideLinear, widening_supported(cpu, torch.bfloat16))) if ok]
+    if cpu_backend and cpu_gemm.load_library() is not None:
+        few = cpu_dpbf16.Dpbf16Linear if cpu_dpbf16.supported() else cpu_gemm.Bf16Linear
+        choice = linear_choice.choose(few, many) if many else linear_choice.LinearChoice(few, few, None)
+        want = {None: few, 1: choice.many}.get(choice.from_rows, linear_choice.SplitLinear)
         assert proj is want and type(engine.runner.model.packed_head) is want
-    elif packing_supported(torch.device("cpu"), torch.bfloat16):
+    elif packing_supported(cpu, torch.bfloat16):
         assert proj is PackedLinear
-    elif cpu_backend and cpu_gemm.load_library() is not None:
-        assert proj is cpu_gemm.Bf16Linear
-        assert type(engine.runner.model.packed_head) is cpu_gemm.Bf16Linear
     else:
         assert proj is torch.nn.Linear
     assert isinstance(lora.backend, CLoRABackend) == (engine.runner.backend.name == "cpu")

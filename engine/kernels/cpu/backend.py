@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..torch.backend import TorchBackend
-from ..torch.linear import packing_supported
+from ..torch.linear import PackedLinear, WideLinear, packing_supported, widening_supported
 from . import dpbf16, gemm, linear_choice
 from .decode import cpu_paged_attention
 from .fused import CLayerOps, cpu_write_kv
@@ -30,16 +30,14 @@ class CpuBackend(TorchBackend):
         return CLayerOps(self.dtype)
 
     def linear_factory(self) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module] | None:
-        c_bf16 = self.dtype == torch.bfloat16
-        if c_bf16 and dpbf16.supported():
-            # AVX512-BF16: the C kernel streams small decode steps fastest; where oneDNN
-            # has faster instructions for more rows (AMX), it serves those (measured).
-            if packing_supported(self.device, self.dtype):
-                return linear_choice.linear_for_this_cpu()
-            return dpbf16.Dpbf16Linear
-        if packing_supported(self.device, self.dtype):
+        if self.dtype != torch.bfloat16:
             return super().linear_factory()
-        if c_bf16 and gemm.load_library() is not None:
-            # oneDNN has no fast bf16 path on this CPU (AVX2 only): the C GEMM instead.
-            return gemm.Bf16Linear
-        return None
+        # The C kernel streams a small decode step's rows fastest; oneDNN, on the packed
+        # bf16 weight (fast where the CPU has bf16 instructions: AMX) or on the weight
+        # widened to fp32 (where bf16 is emulated), may serve more rows faster (measured).
+        few = dpbf16.Dpbf16Linear if dpbf16.supported() else gemm.Bf16Linear if gemm.load_library() else None
+        many = [make for make, ok in ((PackedLinear, packing_supported(self.device, self.dtype)),
+                                      (WideLinear, widening_supported(self.device, self.dtype))) if ok]
+        if few is None:
+            return super().linear_factory()
+        return linear_choice.choose(few, many).make() if many else few

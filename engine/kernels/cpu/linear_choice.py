@@ -1,31 +1,35 @@
 """Which bf16 linear serves how many rows on this CPU: measured once per process.
 
-On a CPU with AVX512-BF16 two kernels can serve a linear layer: the C kernel
-(dpbf16.c), which streams the few rows of a small decode step faster than anything else,
-and oneDNN's packed bf16 matmul (engine/kernels/torch/linear.py). Which one wins depends
+A few kernels can serve a bf16 linear layer: the C kernel (dpbf16.c with AVX512-BF16,
+else gemm.c), which streams the few rows of a small decode step faster than anything
+else, and oneDNN, either on the packed bf16 weight (engine/kernels/torch/linear.py
+`PackedLinear`) or on the weight widened to fp32 (`WideLinear`). Which one wins depends
 on the CPU, not on the instruction flags alone: on an EPYC oneDNN never clearly beats the
-C kernel, while on a Xeon with AMX its tile instructions ran 5-10x the C kernel's
-GFLOP/s from 16 rows up (and the C kernel still streamed 1-4 rows 1.5-2.3x faster). A
-decode step of 64 rows then spent 55% of its time in projections at a tenth of what the
-CPU could do. So the choice is measured: both kernels on a mid-size projection at a few
-row counts, once per process and thread count, and a layer whose batch crosses the
-measured row count switches to oneDNN (holding both packed copies of its weight).
+C kernel; on a Xeon with AMX its bf16 tile instructions ran 5-10x the C kernel's GFLOP/s
+from 16 rows up (a decode step of 64 rows had spent 55% of its time in projections at a
+tenth of what the CPU could do); on a Xeon with AVX-512 but no bf16 instructions oneDNN's
+bf16 matmul is emulated (~60 GFLOP/s) while its fp32 matmul on the widened weight ran
+1.5-2.3x the C kernel from 32 rows up. Everywhere the C kernel still streamed 1-8 rows
+fastest. So the choice is measured, once per process and thread count: the fastest of
+the oneDNN kernels at the most rows measured, then it against the C kernel on a mid-size
+projection at a few row counts; a layer whose batch crosses the measured row count
+switches to it (holding both kernels' copies of its weight).
 """
 from __future__ import annotations
 
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import nn
 
-from ..torch.linear import PackedLinear
-from .dpbf16 import Dpbf16Linear
-
 log = logging.getLogger(__name__)
+
+Make = Callable[[torch.Tensor, "torch.Tensor | None"], nn.Module]  # make(weight, bias) -> linear layer
 
 SHAPE = (1536, 576)  # (out, in) of the measured projection: a small model's MLP
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -67,52 +71,80 @@ def _calls(layers: list[nn.Module], x: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def measure(rows: tuple[int, ...] = ROWS, reps: int = 3) -> dict[int, tuple[float, float]]:
-    """rows -> (C kernel seconds, oneDNN seconds) for COPIES calls on SHAPE."""
+def measure(few: Make, many: Make, rows: tuple[int, ...] = ROWS, reps: int = 3) -> dict[int, tuple[float, float]]:
+    """rows -> (`few` seconds, `many` seconds) for COPIES calls on SHAPE."""
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(*SHAPE, generator=gen).bfloat16() for _ in range(COPIES)]
-    c, onednn = [Dpbf16Linear(w, None) for w in weights], [PackedLinear(w, None) for w in weights]
+    a, b = [few(w, None) for w in weights], [many(w, None) for w in weights]
     with torch.inference_mode():
-        return {n: (best_time(_calls(c, x), reps), best_time(_calls(onednn, x), reps))
+        return {n: (best_time(_calls(a, x), reps), best_time(_calls(b, x), reps))
                 for n in rows for x in (torch.randn(n, SHAPE[1], generator=gen).bfloat16(),)}
 
 
+def fastest(candidates: Sequence[Make], rows: int = ROWS[-1], reps: int = 3) -> Make:
+    """The candidate taking the least time for COPIES calls of `rows` rows on SHAPE."""
+    if len(candidates) == 1:
+        return candidates[0]
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(*SHAPE, generator=gen).bfloat16() for _ in range(COPIES)]
+    x = torch.randn(rows, SHAPE[1], generator=gen).bfloat16()
+    with torch.inference_mode():
+        times = {make: best_time(_calls([make(w, None) for w in weights], x), reps) for make in candidates}
+    return min(times, key=times.__getitem__)
+
+
+@dataclass(frozen=True)
+class LinearChoice:
+    """`few` serves fewer than `from_rows` rows, `many` from there (None: `few` always)."""
+
+    few: Make
+    many: Make
+    from_rows: int | None
+
+    def make(self) -> Make:
+        """make(weight, bias) for the bf16 linears."""
+        if self.from_rows is None:
+            return self.few
+        if self.from_rows <= 1:
+            return self.many
+        return partial(SplitLinear, few=self.few, many=self.many, from_rows=self.from_rows)
+
+
 @functools.cache
-def _onednn_from_rows(threads: int) -> int | None:
-    times = measure()
+def _choose(threads: int, few: Make, many: tuple[Make, ...]) -> LinearChoice:
+    best = fastest(many)
+    times = measure(few, best)
     start = crossover(times)
-    log.info("bf16 linears with %d threads: %s (C / oneDNN ms by rows: %s)", threads,
-             "the C kernel" if start is None else f"oneDNN from {start} rows, the C kernel below",
-             ", ".join(f"{n}: {1e3 * c:.2f}/{1e3 * d:.2f}" for n, (c, d) in times.items()))
-    return start
+    log.info("bf16 linears with %d threads: %s (%s / %s ms by rows: %s)", threads,
+             _name(few) if start is None else f"{_name(best)} from {start} rows, {_name(few)} below",
+             _name(few), _name(best), ", ".join(f"{n}: {1e3 * c:.2f}/{1e3 * d:.2f}" for n, (c, d) in times.items()))
+    return LinearChoice(few, best, start)
 
 
-def onednn_from_rows() -> int | None:
-    """The row count from which oneDNN serves the bf16 linears here (None: never), for
-    torch's current thread count. Call only where both kernels exist (dpbf16.supported()
-    and torch.linear.packing_supported)."""
-    return _onednn_from_rows(torch.get_num_threads())
+def _name(make: Make) -> str:
+    return getattr(make, "__name__", repr(make))
+
+
+def choose(few: Make, many: Sequence[Make]) -> LinearChoice:
+    """Which of the C kernel `few` and the oneDNN kernels `many` serves each row count
+    here, for torch's current thread count (measured once per process and thread count;
+    ~0.5 s on 2 cores). Pass only kernels this CPU can run."""
+    assert many, "no oneDNN kernel to choose from: use `few`"
+    return _choose(torch.get_num_threads(), few, tuple(many))
 
 
 class SplitLinear(nn.Module):
-    """`y = x W^T + b` in bf16: the C kernel below `from_rows` rows, oneDNN's packed
-    weight from there (inference only; two packed copies of W)."""
+    """`y = x W^T + b` in bf16: `few(W, b)` below `from_rows` rows, `many(W, b)` from
+    there (inference only; both kernels' copies of W)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, from_rows: int) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, few: Make, many: Make,
+                 from_rows: int) -> None:
         super().__init__()
         assert from_rows > 1, from_rows
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.from_rows = from_rows
-        self.few, self.many = Dpbf16Linear(weight, bias), PackedLinear(weight, bias)
+        self.few, self.many = few(weight, bias), many(weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         return (self.many if rows >= self.from_rows else self.few)(x)
-
-
-def linear_for_this_cpu() -> type[nn.Module] | partial:
-    """make(weight, bias) for the bf16 linears, by `onednn_from_rows`."""
-    start = onednn_from_rows()
-    if start is None:
-        return Dpbf16Linear
-    return PackedLinear if start <= 1 else partial(SplitLinear, from_rows=start)

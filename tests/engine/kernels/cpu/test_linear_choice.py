@@ -1,15 +1,20 @@
 """The bf16 linear each row count gets on this CPU: the measured crossover between the C
-kernel and oneDNN, and the split layer that follows it."""
+kernel and the fastest oneDNN kernel, and the split layer that follows it."""
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
-from loraplex.engine.kernels.cpu import dpbf16, linear_choice as lc
-from loraplex.engine.kernels.torch.linear import PackedLinear, packing_supported
+from loraplex.engine.kernels.cpu import dpbf16, gemm, linear_choice as lc
+from loraplex.engine.kernels.torch.linear import PackedLinear, WideLinear, packing_supported, widening_supported
 
-both = pytest.mark.skipif(not (dpbf16.supported() and packing_supported(torch.device("cpu"), torch.bfloat16)),
-                          reason="needs the AVX512-BF16 C kernel and oneDNN's bf16 packing")
+CPU = torch.device("cpu")
+FEW = dpbf16.Dpbf16Linear if dpbf16.supported() else gemm.Bf16Linear
+MANY = [m for m, ok in ((PackedLinear, packing_supported(CPU, torch.bfloat16)),
+                        (WideLinear, widening_supported(CPU, torch.bfloat16))) if ok]
+both = pytest.mark.skipif(not (gemm.load_library() and MANY), reason="needs a C bf16 kernel and a oneDNN one")
 
 
 def test_onednn_takes_over_only_where_it_is_clearly_faster_from_there_on():
@@ -22,29 +27,62 @@ def test_onednn_takes_over_only_where_it_is_clearly_faster_from_there_on():
     assert lc.crossover({1: (2.0, 1.0), 64: (9.0, 1.0)}) == 1  # oneDNN everywhere
 
 
+def test_a_choice_makes_the_kernel_for_each_side_of_its_crossover():
+    w = torch.randn(40, 24).bfloat16()
+    assert lc.LinearChoice(gemm.Bf16Linear, WideLinear, None).make() is gemm.Bf16Linear
+    if MANY:
+        many = MANY[-1]
+        assert lc.LinearChoice(gemm.Bf16Linear, many, 1).make() is many
+        split = lc.LinearChoice(gemm.Bf16Linear, many, 16).make()(w, None)
+        assert type(split) is lc.SplitLinear and split.from_rows == 16
+        assert type(split.few) is gemm.Bf16Linear and type(split.many) is many
+
+
+@both
+def test_the_fastest_candidate_is_the_one_that_took_least_time():
+    class Slow(torch.nn.Module):
+        """FEW, then a sleep: clearly the slower of two kernels computing the same thing."""
+
+        def __init__(self, weight, bias):
+            super().__init__()
+            self.inner = FEW(weight, bias)
+
+        def forward(self, x):
+            y = self.inner(x)
+            deadline = time.perf_counter() + 0.002
+            while time.perf_counter() < deadline:
+                pass
+            return y
+
+    assert lc.fastest([Slow, FEW], rows=4, reps=1) is FEW
+    assert lc.fastest([FEW, Slow], rows=4, reps=1) is FEW
+    assert lc.fastest([Slow]) is Slow  # one candidate: nothing to measure
+
+
 @both
 def test_the_measured_choice_is_a_measured_row_count_and_kept_per_thread_count():
-    start = lc.onednn_from_rows()
-    assert start is None or start in lc.ROWS
-    assert lc.onednn_from_rows() == start  # measured once
-    make = lc.linear_for_this_cpu()
-    layer = make(torch.randn(40, 24).bfloat16(), None)
-    expected = {None: dpbf16.Dpbf16Linear, 1: PackedLinear}.get(start, lc.SplitLinear)
+    choice = lc.choose(FEW, MANY)
+    assert choice.few is FEW and choice.many in MANY
+    assert choice.from_rows is None or choice.from_rows in lc.ROWS
+    assert lc.choose(FEW, MANY) is choice  # measured once
+    layer = choice.make()(torch.randn(40, 24).bfloat16(), None)
+    expected = {None: FEW, 1: choice.many}.get(choice.from_rows, lc.SplitLinear)
     assert type(layer) is expected
 
 
 @both
+@pytest.mark.parametrize("many", MANY)
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_split_layer_is_each_kernel_on_its_side_of_the_crossover(bias):
+def test_the_split_layer_is_each_kernel_on_its_side_of_the_crossover(bias, many):
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(72, 40, generator=gen).bfloat16()
     b = torch.randn(72, generator=gen).bfloat16() if bias else None
-    split = lc.SplitLinear(w, b, from_rows=8)
-    few, many = dpbf16.Dpbf16Linear(w, b), PackedLinear(w, b)
+    split = lc.SplitLinear(w, b, FEW, many, from_rows=8)
+    few_layer, many_layer = FEW(w, b), many(w, b)
     for rows in (1, 7, 8, 33):
         x = torch.randn(rows, 40, generator=gen).bfloat16()
-        want = (many if rows >= 8 else few)(x)
+        want = (many_layer if rows >= 8 else few_layer)(x)
         torch.testing.assert_close(split(x), want, atol=0, rtol=0)
     x3 = torch.randn(2, 5, 40, generator=gen).bfloat16()  # leading dims: 10 rows
-    torch.testing.assert_close(split(x3), many(x3), atol=0, rtol=0)
+    torch.testing.assert_close(split(x3), many_layer(x3), atol=0, rtol=0)
     assert split(x3).shape == (2, 5, 72)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.engine.kernels.torch.linear import PackedLinear, pack_linears, packing_supported
+from loraplex.engine.kernels.torch.linear import PackedLinear, WideLinear, pack_linears, packing_supported, widening_supported
 
 needs_packing = pytest.mark.skipif(not packing_supported(torch.device("cpu"), torch.bfloat16),
                                    reason="oneDNN cannot pack bf16 weights on this CPU (no AVX-512)")
@@ -49,3 +49,34 @@ def test_pack_linears_replaces_nested_layers():
     assert pack_linears(model) == 2
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     torch.testing.assert_close(model(x), want, atol=0, rtol=0)
+
+
+needs_widening = pytest.mark.skipif(not widening_supported(torch.device("cpu"), torch.bfloat16),
+                                    reason="oneDNN cannot pack fp32 weights here")
+
+
+@needs_widening
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_widened_is_the_fp32_product_of_the_same_values_rounded_once(rows, bias, dtype):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 48, generator=gen).to(dtype)
+    b = torch.randn(96, generator=gen).to(dtype) if bias else None
+    x = torch.randn(rows, 48, generator=gen).to(dtype)
+    y = WideLinear(w, b)(x)
+    assert y.dtype == dtype and y.shape == (rows, 96)
+    # The reference: every product exact in fp32, fp32 sums, one rounding. Only the order
+    # of the sums may differ, so at most one unit in the last place of the result's dtype.
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(y.float(), want.to(dtype).float(), atol=1e-6, rtol=2 * torch.finfo(dtype).eps)
+
+
+@needs_widening
+def test_widened_keeps_leading_dims_and_matches_the_packed_bf16_matmul():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 32, generator=gen).bfloat16()
+    x = torch.randn(2, 3, 32, generator=gen).bfloat16()
+    y = WideLinear(w, None)(x)
+    assert y.shape == (2, 3, 64)
+    torch.testing.assert_close(y, F.linear(x, w), atol=1e-6, rtol=2 * torch.finfo(torch.bfloat16).eps)
