@@ -1,8 +1,9 @@
 """The C bf16 GEMMs (engine/kernels/cpu/gemm.c, dpbf16.c) against torch on SmolLM2's projection shapes.
 
 One run, same threads, same weights: for each row count (decode widths to prefill
-chunks) it times torch's bf16 `F.linear`, fp32 `F.linear` on the widened weight (what
-a bf16 model could fall back to), and the C kernel on the packed weight, over enough
+chunks) it times torch's bf16 `F.linear`, oneDNN's fp32 matmul on the weight widened once
+(`WideLinear`, what the engine measures against the C kernel where bf16 is emulated),
+and the C kernel on the packed weight, over enough
 distinct weights that they stream from memory as in a real step. Prints each
 GFLOP/s and the C kernel's ratio to each.
 
@@ -20,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from loraplex.engine.kernels.torch.linear import PackedLinear, packing_supported
+from loraplex.engine.kernels.torch.linear import PackedLinear, WideLinear, packing_supported, widening_supported
 from loraplex.engine.kernels.cpu import dpbf16 as cpu_dpbf16, gemm as cpu_gemm
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -50,6 +51,7 @@ def main() -> None:
         ws = [torch.randn(n, k).bfloat16() for _ in range(30)]
         packed = [cpu_gemm.pack_weight(w) for w in ws]
         dp = onednn = None
+        wide = [WideLinear(w, None) for w in ws] if widening_supported(torch.device("cpu"), torch.bfloat16) else None
         if cpu_dpbf16.supported() and packing_supported(torch.device("cpu"), torch.bfloat16):
             dp, onednn = [cpu_dpbf16.pack_weight(w) for w in ws], [PackedLinear(w, None) for w in ws]
         for rows in map(int, args.rows.split(",")):
@@ -57,9 +59,10 @@ def main() -> None:
             flop = 2 * rows * n * k
             t_c = _time(lambda i: cpu_gemm.cpu_gemm_bf16(x, packed[i], n), len(ws), args.reps)
             t_bf16 = _time(lambda i: F.linear(x, ws[i]), len(ws), 1 if rows > 64 else args.reps)
-            t_f32 = _time(lambda i: F.linear(x.float(), ws[i].float()).bfloat16(), len(ws), args.reps)
+            t_f32 = _time((lambda i: wide[i](x)) if wide else (lambda i: F.linear(x.float(), ws[i].float()).bfloat16()),
+                          len(ws), args.reps)
             print(f"{name:>8} {n:>5}x{k:<5} rows {rows:>5}: C {flop / t_c / 1e9:6.1f} GFLOP/s | torch bf16 "
-                  f"{flop / t_bf16 / 1e9:6.1f} ({t_bf16 / t_c:5.2f}x) | torch fp32 widened {flop / t_f32 / 1e9:6.1f} "
+                  f"{flop / t_bf16 / 1e9:6.1f} ({t_bf16 / t_c:5.2f}x) | fp32 widened {flop / t_f32 / 1e9:6.1f} "
                   f"({t_f32 / t_c:5.2f}x)", flush=True)
             if dp is not None:
                 t_dp = _time(lambda i: cpu_dpbf16.dpbf16_linear(x, dp[i], n), len(ws), args.reps)
