@@ -71,17 +71,34 @@ def _calls(layers: list[nn.Module], x: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def measure(few: Make, many: Make, rows: tuple[int, ...] = ROWS, reps: int = 3) -> dict[int, tuple[float, float]]:
+def interleaved_best(runs: dict, reps: int) -> dict:
+    """key -> the fastest of `reps` timed calls of runs[key](), after one untimed call
+    each. Each round times every run in turn, so a burst of other work on the machine
+    slows one sample of many runs rather than every sample of one (which would move a
+    crossover)."""
+    for run in runs.values():
+        run()
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(reps):
+        for key, run in runs.items():
+            start = time.perf_counter()
+            run()
+            best[key] = min(best[key], time.perf_counter() - start)
+    return best
+
+
+def measure(few: Make, many: Make, rows: tuple[int, ...] = ROWS, reps: int = 4) -> dict[int, tuple[float, float]]:
     """rows -> (`few` seconds, `many` seconds) for COPIES calls on SHAPE."""
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(*SHAPE, generator=gen).bfloat16() for _ in range(COPIES)]
-    a, b = [few(w, None) for w in weights], [many(w, None) for w in weights]
+    layers = [[few(w, None) for w in weights], [many(w, None) for w in weights]]
+    xs = {n: torch.randn(n, SHAPE[1], generator=gen).bfloat16() for n in rows}
     with torch.inference_mode():
-        return {n: (best_time(_calls(a, x), reps), best_time(_calls(b, x), reps))
-                for n in rows for x in (torch.randn(n, SHAPE[1], generator=gen).bfloat16(),)}
+        best = interleaved_best({(n, i): _calls(layers[i], x) for n, x in xs.items() for i in (0, 1)}, reps)
+    return {n: (best[n, 0], best[n, 1]) for n in rows}
 
 
-def fastest(candidates: Sequence[Make], rows: int = ROWS[-1], reps: int = 3) -> Make:
+def fastest(candidates: Sequence[Make], rows: int = ROWS[-1], reps: int = 4) -> Make:
     """The candidate taking the least time for COPIES calls of `rows` rows on SHAPE."""
     if len(candidates) == 1:
         return candidates[0]
@@ -89,7 +106,7 @@ def fastest(candidates: Sequence[Make], rows: int = ROWS[-1], reps: int = 3) -> 
     weights = [torch.randn(*SHAPE, generator=gen).bfloat16() for _ in range(COPIES)]
     x = torch.randn(rows, SHAPE[1], generator=gen).bfloat16()
     with torch.inference_mode():
-        times = {make: best_time(_calls([make(w, None) for w in weights], x), reps) for make in candidates}
+        times = interleaved_best({make: _calls([make(w, None) for w in weights], x) for make in candidates}, reps)
     return min(times, key=times.__getitem__)
 
 

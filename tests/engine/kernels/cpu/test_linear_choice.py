@@ -86,3 +86,19 @@ def test_the_split_layer_is_each_kernel_on_its_side_of_the_crossover(bias, many)
     x3 = torch.randn(2, 5, 40, generator=gen).bfloat16()  # leading dims: 10 rows
     torch.testing.assert_close(split(x3), many_layer(x3), atol=0, rtol=0)
     assert split(x3).shape == (2, 5, 72)
+
+
+def test_interleaved_samples_take_each_runs_best_and_spread_a_burst_over_all_runs(monkeypatch):
+    now, calls = [0.0], []
+
+    def run_for(key, cost):
+        def run():
+            calls.append(key)
+            # the machine is busy during the second timed round: 10x slower for every run
+            now[0] += cost * (10 if len(calls) in (5, 6) else 1)
+        return run
+
+    monkeypatch.setattr(lc.time, "perf_counter", lambda: now[0])
+    best = lc.interleaved_best({"a": run_for("a", 1.0), "b": run_for("b", 2.0)}, reps=3)
+    assert calls == ["a", "b"] + ["a", "b"] * 3  # one untimed call each, then rounds in turn
+    assert best == {"a": 1.0, "b": 2.0}
