@@ -188,6 +188,9 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
         choice = linear_choice.choose(few, many) if many else linear_choice.LinearChoice(few, few, None)
         want = {None: few, 1: choice.many}.get(choice.from_rows, linear_choice.SplitLinear)
         assert proj is want and type(engine.runner.model.packed_head) is want
+        if want is linear_choice.SplitLinear:  # the measured kernels on each side, from the measured rows
+            layer = engine.runner.model.layers[0].qkv_proj
+            assert (type(layer.few), type(layer.many), layer.from_rows) == (few, choice.many, choice.from_rows)
     elif packing_supported(cpu, torch.bfloat16):
         assert proj is PackedLinear
     else:

@@ -10,9 +10,9 @@ from 16 rows up (a decode step of 64 rows had spent 55% of its time in projectio
 tenth of what the CPU could do); on a Xeon with AVX-512 but no bf16 instructions oneDNN's
 bf16 matmul is emulated (~60 GFLOP/s) while its fp32 matmul on the widened weight ran
 1.5-2.3x the C kernel from 32 rows up. Everywhere the C kernel still streamed 1-8 rows
-fastest. So the choice is measured, once per process and thread count: the fastest of
-the oneDNN kernels at the most rows measured, then it against the C kernel on a mid-size
-projection at a few row counts; a layer whose batch crosses the measured row count
+fastest. So the choice is measured, once per process and thread count: every kernel on a
+mid-size projection at a few row counts, the fastest oneDNN kernel at the most rows
+against the C kernel; a layer whose batch crosses the measured row count
 switches to it (holding both kernels' copies of its weight).
 """
 from __future__ import annotations
@@ -52,18 +52,6 @@ def crossover(times: dict[int, tuple[float, float]], margin: float = MARGIN) -> 
     return start
 
 
-def best_time(run: Callable[[], None], reps: int) -> float:
-    """The fastest of `reps` timed calls of `run`, after one untimed call (oneDNN builds
-    its primitive for a shape on first use)."""
-    run()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def _calls(layers: list[nn.Module], x: torch.Tensor) -> Callable[[], None]:
     def run() -> None:
         for layer in layers:
@@ -87,27 +75,15 @@ def interleaved_best(runs: dict, reps: int) -> dict:
     return best
 
 
-def measure(few: Make, many: Make, rows: tuple[int, ...] = ROWS, reps: int = 4) -> dict[int, tuple[float, float]]:
-    """rows -> (`few` seconds, `many` seconds) for COPIES calls on SHAPE."""
+def measure(kernels: Sequence[Make], rows: tuple[int, ...] = ROWS, reps: int = 4) -> dict[int, tuple[float, ...]]:
+    """rows -> each kernel's seconds (in `kernels`' order) for COPIES calls on SHAPE."""
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(*SHAPE, generator=gen).bfloat16() for _ in range(COPIES)]
-    layers = [[few(w, None) for w in weights], [many(w, None) for w in weights]]
+    layers = [[make(w, None) for w in weights] for make in kernels]
     xs = {n: torch.randn(n, SHAPE[1], generator=gen).bfloat16() for n in rows}
     with torch.inference_mode():
-        best = interleaved_best({(n, i): _calls(layers[i], x) for n, x in xs.items() for i in (0, 1)}, reps)
-    return {n: (best[n, 0], best[n, 1]) for n in rows}
-
-
-def fastest(candidates: Sequence[Make], rows: int = ROWS[-1], reps: int = 4) -> Make:
-    """The candidate taking the least time for COPIES calls of `rows` rows on SHAPE."""
-    if len(candidates) == 1:
-        return candidates[0]
-    gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(*SHAPE, generator=gen).bfloat16() for _ in range(COPIES)]
-    x = torch.randn(rows, SHAPE[1], generator=gen).bfloat16()
-    with torch.inference_mode():
-        times = interleaved_best({make: _calls([make(w, None) for w in weights], x) for make in candidates}, reps)
-    return min(times, key=times.__getitem__)
+        best = interleaved_best({(n, i): _calls(ls, x) for n, x in xs.items() for i, ls in enumerate(layers)}, reps)
+    return {n: tuple(best[n, i] for i in range(len(kernels))) for n in rows}
 
 
 @dataclass(frozen=True)
@@ -127,15 +103,24 @@ class LinearChoice:
         return partial(SplitLinear, few=self.few, many=self.many, from_rows=self.from_rows)
 
 
+def decide(few: Make, many: Sequence[Make], times: dict[int, tuple[float, ...]]) -> LinearChoice:
+    """From `measure([few, *many])`: the fastest of `many` at the most rows measured,
+    serving from its `crossover` with `few`."""
+    top = times[max(times)][1:]
+    best = min(range(len(many)), key=top.__getitem__)
+    return LinearChoice(few, many[best], crossover({n: (t[0], t[1 + best]) for n, t in times.items()}))
+
+
 @functools.cache
 def _choose(threads: int, few: Make, many: tuple[Make, ...]) -> LinearChoice:
-    best = fastest(many)
-    times = measure(few, best)
-    start = crossover(times)
-    log.info("bf16 linears with %d threads: %s (%s / %s ms by rows: %s)", threads,
-             _name(few) if start is None else f"{_name(best)} from {start} rows, {_name(few)} below",
-             _name(few), _name(best), ", ".join(f"{n}: {1e3 * c:.2f}/{1e3 * d:.2f}" for n, (c, d) in times.items()))
-    return LinearChoice(few, best, start)
+    times = measure((few, *many))
+    choice = decide(few, many, times)
+    log.info("bf16 linears with %d threads: %s (%s ms by rows: %s)", threads,
+             _name(few) if choice.from_rows is None else
+             f"{_name(choice.many)} from {choice.from_rows} rows, {_name(few)} below",
+             " / ".join(map(_name, (few, *many))),
+             ", ".join(f"{n}: " + "/".join(f"{1e3 * x:.2f}" for x in t) for n, t in times.items()))
+    return choice
 
 
 def _name(make: Make) -> str:
@@ -145,7 +130,7 @@ def _name(make: Make) -> str:
 def choose(few: Make, many: Sequence[Make]) -> LinearChoice:
     """Which of the C kernel `few` and the oneDNN kernels `many` serves each row count
     here, for torch's current thread count (measured once per process and thread count;
-    ~0.5 s on 2 cores). Pass only kernels this CPU can run."""
+    0.5-3 s on 2 cores, the most where bf16 is emulated). Pass only kernels this CPU can run."""
     assert many, "no oneDNN kernel to choose from: use `few`"
     return _choose(torch.get_num_threads(), few, tuple(many))
 

@@ -27,7 +27,7 @@ from ...lora.packing import GROUPS, pack_adapter
 from ...lora.stacks import SlotStacks
 from ...lora.torch_backend import LoRABatch
 from ..torch.linear import packing_supported
-from .linear_choice import best_time, crossover
+from .linear_choice import crossover, interleaved_best
 from .lora import BUCKET, CLoRABatch
 
 log = logging.getLogger(__name__)
@@ -75,15 +75,16 @@ def measure(rank: int, rows: tuple[int, ...] = ROWS, reps: int = 3) -> dict[int,
     assert all(n % BUCKET == 0 for n in rows), rows
     stacks, packed = _adapter(rank)
     gen = torch.Generator().manual_seed(1)
-    times = {}
+    runs = {}
     with torch.inference_mode():
         for n in rows:
             x = {g: torch.randn(n, k, generator=gen).bfloat16() for g, k in GROUP_IN.items()}
             out = {g: torch.zeros(n, sum(OUT[m] for m in mods), dtype=torch.bfloat16) for g, mods in GROUPS.items()}
             segments = [(0, n, 0)]
-            times[n] = (best_time(_step(CLoRABatch(stacks, segments), x, out), reps),
-                        best_time(_step(LoRABatch(packed, segments), x, out), reps))
-    return times
+            runs[n, 0] = _step(CLoRABatch(stacks, segments), x, out)
+            runs[n, 1] = _step(LoRABatch(packed, segments), x, out)
+        best = interleaved_best(runs, reps)
+    return {n: (best[n, 0], best[n, 1]) for n in rows}
 
 
 class Crossovers(dict):

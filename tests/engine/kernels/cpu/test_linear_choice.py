@@ -2,8 +2,6 @@
 kernel and the fastest oneDNN kernel, and the split layer that follows it."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -38,25 +36,23 @@ def test_a_choice_makes_the_kernel_for_each_side_of_its_crossover():
         assert type(split.few) is gemm.Bf16Linear and type(split.many) is many
 
 
+def test_the_fastest_onednn_kernel_at_the_most_rows_serves_from_its_crossover_with_the_c_kernel():
+    few, packed, wide = "C", "packed", "wide"  # decide() only passes them through
+    # rows -> (C, packed bf16, widened fp32) seconds: emulated bf16, as on a Xeon without bf16
+    emulated = {1: (1.0, 1.2, 1.6), 16: (3.0, 5.9, 3.0), 64: (10.0, 17.0, 6.3), 128: (19.0, 32.0, 10.7)}
+    assert lc.decide(few, [packed, wide], emulated) == lc.LinearChoice(few, wide, 64)
+    # AMX: packed bf16 wins at the most rows, from 16 on
+    amx = {1: (1.0, 1.5, 1.6), 16: (4.0, 1.0, 2.0), 128: (30.0, 3.0, 12.0)}
+    assert lc.decide(few, [packed, wide], amx) == lc.LinearChoice(few, packed, 16)
+    # the fastest oneDNN kernel not clearly faster than C: C everywhere
+    assert lc.decide(few, [wide], {1: (1.0, 2.0), 128: (10.0, 9.0)}).from_rows is None
+
+
 @both
-def test_the_fastest_candidate_is_the_one_that_took_least_time():
-    class Slow(torch.nn.Module):
-        """FEW, then a sleep: clearly the slower of two kernels computing the same thing."""
-
-        def __init__(self, weight, bias):
-            super().__init__()
-            self.inner = FEW(weight, bias)
-
-        def forward(self, x):
-            y = self.inner(x)
-            deadline = time.perf_counter() + 0.002
-            while time.perf_counter() < deadline:
-                pass
-            return y
-
-    assert lc.fastest([Slow, FEW], rows=4, reps=1) is FEW
-    assert lc.fastest([FEW, Slow], rows=4, reps=1) is FEW
-    assert lc.fastest([Slow]) is Slow  # one candidate: nothing to measure
+def test_measure_times_every_kernel_at_every_row_count():
+    times = lc.measure([FEW, *MANY], rows=(1, 4), reps=1)
+    assert sorted(times) == [1, 4]
+    assert all(len(t) == 1 + len(MANY) and all(x > 0 for x in t) for t in times.values())
 
 
 @both
