@@ -45,8 +45,10 @@ class KernelBackend(ABC):
       layer calls them with no bound-method hop.
     - `layer_ops()`: an object with the methods and results of
       kernels/torch/layer_ops.py's `TorchLayerOps`.
-    - `linear_factory()`: make(weight, bias) -> module computing `F.linear`, to replace
-      every projection and the LM head with, or None to keep `nn.Linear`.
+    - `linear_factory(weight_bytes, spare_bytes)`: make(weight, bias) -> module computing
+      `F.linear`, to replace every projection and the LM head with, or None to keep
+      `nn.Linear`. The layers it makes hold at most `spare_bytes` (None: no bound) beyond
+      the `weight_bytes` of the weights they are made from.
     - `lora_backend`: the `LoRABackend` class the LoRA manager binds to.
     Results equal the torch backend's within the dtype's rounding.
     """
@@ -66,7 +68,8 @@ class KernelBackend(ABC):
     def layer_ops(self): ...
 
     @abstractmethod
-    def linear_factory(self) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module] | None: ...
+    def linear_factory(self, weight_bytes: int = 0, spare_bytes: int | None = None
+                       ) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module] | None: ...
 
 
 def create_backend(name: str, device: torch.device, dtype: torch.dtype) -> KernelBackend:

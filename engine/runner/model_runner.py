@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from ..checkpoint import ModelArch, load_state_dict
 from ..config import CPU_KV_CACHE_MEMORY, EngineConfig
@@ -17,6 +18,7 @@ from ..request import Request
 from ..sampler import Logprobs, Sampler, SampleRow, top_logprobs
 from ..sched.step_plan import ScheduledSeq, SchedulerOutput
 from .cpu_tuning import keep_freed_memory_in_heap
+from .host_memory import spare_for_weights
 from .cuda_graphs import CUDAGraphRunner, DecodeInputs, GraphPolicy, LlamaDecodeForward
 from .memory_budget import (DeviceMemory, MemoryPlanConfig, ModelShape, default_adapter_rows, device_memory,
                             kv_bytes_per_block, plan_fixed_kv, plan_on_device)
@@ -71,7 +73,7 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(load_state_dict(model_dir, self.dtype))
         self.model = model.eval()
-        make_linear = self.backend.linear_factory()
+        make_linear = self.backend.linear_factory(*self._linear_memory())
         if make_linear is not None:
             self.model.pack_weights(make_linear)
         self.model.set_attention_ops(self.backend.write_kv, self.backend.paged_attention)
@@ -89,6 +91,20 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; %s kernels", self.num_blocks, self.block_size,
                  self.num_blocks * self.block_bytes / 2**20, self.device, self.backend.name)
         self.graphs = self._capture_graphs()
+
+    def _linear_memory(self) -> tuple[int, int | None]:
+        """(bytes of the weights the linear layers are made from, host memory they may take
+        beyond those): on a CPU, what the host has once the KV pool is set aside."""
+        model = self.model
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        weights = [m.weight for m in model.layers.modules() if isinstance(m, nn.Linear)] + [head]
+        weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+        if self.device.type != "cpu":
+            return weight_bytes, None
+        c = self.config.cache
+        per_block = kv_bytes_per_block(ModelShape.from_arch(self.arch), c.block_size, self.dtype.itemsize)
+        kv = c.num_blocks * per_block if c.num_blocks is not None else c.kv_cache_memory_bytes or CPU_KV_CACHE_MEMORY
+        return weight_bytes, spare_for_weights(kv)
 
     def _fixed_adapter_rows(self, at_start: DeviceMemory | None) -> int:
         """Rows for a LoRA backend that allocates them once (CUDA graphs read them by

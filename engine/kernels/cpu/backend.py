@@ -3,6 +3,7 @@ fused layer steps, multi-LoRA and the bf16 linears for the row counts where oneD
 faster path (linear_choice.py)."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -15,6 +16,8 @@ from .decode import cpu_paged_attention
 from .fused import CLayerOps, cpu_write_kv
 from .lora_backend import CLoRABackend
 from .metadata import CpuAttentionMetadata, build_cpu_metadata
+
+log = logging.getLogger(__name__)
 
 
 class CpuBackend(TorchBackend):
@@ -29,15 +32,27 @@ class CpuBackend(TorchBackend):
     def layer_ops(self) -> CLayerOps:
         return CLayerOps(self.dtype)
 
-    def linear_factory(self) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module] | None:
+    def linear_factory(self, weight_bytes: int = 0, spare_bytes: int | None = None
+                       ) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module] | None:
         if self.dtype != torch.bfloat16:
-            return super().linear_factory()
+            return super().linear_factory(weight_bytes, spare_bytes)
         # The C kernel streams a small decode step's rows fastest; oneDNN, on the packed
         # bf16 weight (fast where the CPU has bf16 instructions: AMX) or on the weight
         # widened to fp32 (where bf16 is emulated), may serve more rows faster (measured).
         few = dpbf16.Dpbf16Linear if dpbf16.supported() else gemm.Bf16Linear if gemm.load_library() else None
+        if few is None:
+            return super().linear_factory(weight_bytes, spare_bytes)
         many = [make for make, ok in ((PackedLinear, packing_supported(self.device, self.dtype)),
                                       (WideLinear, widening_supported(self.device, self.dtype))) if ok]
-        if few is None:
-            return super().linear_factory()
+        many = [make for make in many if _fits(linear_choice.split_extra_bytes(few, make, weight_bytes), spare_bytes,
+                                              make)]
         return linear_choice.choose(few, many).make() if many else few
+
+
+def _fits(extra: int, spare: int | None, make) -> bool:
+    """Whether a second copy of the weights for `make` (`extra` bytes) fits in `spare`."""
+    if spare is None or extra <= spare:
+        return True
+    log.warning("bf16 linears: %s would hold %.2f GiB beyond the weights, more than the host's %.2f GiB to "
+                "spare; not used", getattr(make, "__name__", make), extra / 2**30, spare / 2**30)
+    return False

@@ -59,6 +59,7 @@ class Bf16Linear(nn.Module):
     # The weight layout and the kernel (kernels/cpu/dpbf16.py `Dpbf16Linear` swaps both).
     pack = staticmethod(pack_weight)
     linear = staticmethod(cpu_gemm_bf16)
+    weight_bytes_held = 1  # bytes held per byte of the weight it was made from
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()

@@ -135,6 +135,13 @@ def choose(few: Make, many: Sequence[Make]) -> LinearChoice:
     return _choose(torch.get_num_threads(), few, tuple(many))
 
 
+def split_extra_bytes(few: Make, many: Make, weight_bytes: int) -> int:
+    """Bytes a `SplitLinear` of `few` and `many` over weights of `weight_bytes` holds
+    beyond one copy of them (each kernel's `weight_bytes_held` copy)."""
+    held = getattr(few, "weight_bytes_held", 1) + getattr(many, "weight_bytes_held", 1)
+    return int((held - 1) * weight_bytes)
+
+
 class SplitLinear(nn.Module):
     """`y = x W^T + b` in bf16: `few(W, b)` below `from_rows` rows, `many(W, b)` from
     there (inference only; both kernels' copies of W)."""

@@ -29,5 +29,6 @@ class TorchBackend(KernelBackend):
     def layer_ops(self) -> type[TorchLayerOps]:
         return TorchLayerOps
 
-    def linear_factory(self) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module] | None:
+    def linear_factory(self, weight_bytes: int = 0, spare_bytes: int | None = None
+                       ) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module] | None:
         return PackedLinear if packing_supported(self.device, self.dtype) else None

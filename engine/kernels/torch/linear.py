@@ -42,6 +42,8 @@ def _cpu_can_pack(dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """`y = x W^T + b` with W held in oneDNN's blocked layout (inference only)."""
 
+    weight_bytes_held = 1  # bytes held per byte of the weight it was made from
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
@@ -71,6 +73,8 @@ class WideLinear(nn.Module):
     product of two bf16 values is exact in fp32, the sums accumulate in fp32 as the
     bf16 matmul's do, and the result is rounded once; only the order of the sums differs.
     """
+
+    weight_bytes_held = 2  # bytes held per byte of the weight it was made from
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()

@@ -132,3 +132,16 @@ def test_the_runner_reserves_staged_copies_only_where_the_manager_stages(tiny_ll
     assert (cpu.adapter_rows, cpu.staged_loras, cpu.max_model_len, cpu.dtype_bytes) == (3, 0, 2048, 4)
     staged = plan(LoRAManager(None, LoRAConfig(max_loras=3), stager=GatedStager()))
     assert (staged.adapter_rows, staged.staged_loras) == (3, 3)
+
+
+def test_bf16_linears_hold_one_copy_where_the_host_cannot_spare_more(tiny_llama_dir, monkeypatch):
+    # The host's memory is read at load: with none to spare beyond the KV pool every
+    # projection and the LM head are the C kernel alone, whatever the measured choice.
+    from loraplex.engine.kernels.cpu import dpbf16, gemm
+    from loraplex.engine.runner import host_memory
+    if not gemm.load_library():
+        pytest.skip("needs the C bf16 kernel")
+    monkeypatch.setattr(host_memory, "host_memory_available", lambda: CPU_KV_CACHE_MEMORY + GIB)
+    runner = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir)), kernels="cpu")).runner
+    few = dpbf16.Dpbf16Linear if dpbf16.supported() else gemm.Bf16Linear
+    assert type(runner.model.layers[0].qkv_proj) is few and type(runner.model.packed_head) is few

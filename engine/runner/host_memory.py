@@ -1,0 +1,74 @@
+"""How much host memory this process may still take: what a CPU's kernels may spend on a
+second copy of the weights.
+
+On a CPU nothing sizes the model against the host the way memory_budget.py does against
+a GPU, and the fastest linear layers may hold more than the checkpoint's bytes (a layer
+split by row count keeps two kernels' copies, one of them widened to fp32: three times
+a bf16 weight's bytes). The Linux kernel's own estimate (`MemAvailable`) and, in a
+container, the cgroup's limit less its working set (as the kubelet counts it: usage less
+reclaimable file pages) bound what may be taken before the OOM killer acts.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+GIB = 1 << 30
+# Left free beyond the KV pool: one chunk's activations, adapters in the CPU tier, the
+# tokenizer and Python's own heap.
+HOST_HEADROOM = GIB
+_UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a page-rounded 2**63 - 1
+
+
+def host_memory_available(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")
+                          ) -> int | None:
+    """Bytes this process may still allocate: the least of MemAvailable and the cgroup's
+    (v2 or v1) limit less its working set; None where neither can be read (not Linux)."""
+    found = [n for n in (_meminfo_available(meminfo), _cgroup_v2_available(cgroup), _cgroup_v1_available(cgroup))
+             if n is not None]
+    return max(0, min(found)) if found else None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _meminfo_available(path: Path) -> int | None:
+    for line in (_read(path) or "").splitlines():
+        name, _, value = line.partition(":")
+        if name == "MemAvailable":
+            return int(value.split()[0]) * 1024  # kB
+    return None
+
+
+def _stat(text: str | None, key: str) -> int:
+    for line in (text or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return int(value)
+    return 0
+
+
+def _cgroup_v2_available(root: Path) -> int | None:
+    limit, current = _read(root / "memory.max"), _read(root / "memory.current")
+    if limit is None or current is None or limit.strip() == "max":
+        return None
+    working_set = int(current) - _stat(_read(root / "memory.stat"), "inactive_file")
+    return int(limit) - max(working_set, 0)
+
+
+def _cgroup_v1_available(root: Path) -> int | None:
+    limit, usage = _read(root / "memory" / "memory.limit_in_bytes"), _read(root / "memory" / "memory.usage_in_bytes")
+    if limit is None or usage is None or int(limit) >= _UNLIMITED:
+        return None
+    working_set = int(usage) - _stat(_read(root / "memory" / "memory.stat"), "total_inactive_file")
+    return int(limit) - max(working_set, 0)
+
+
+def spare_for_weights(reserved: int, available: int | None = None) -> int | None:
+    """Host bytes extra weight copies may take once `reserved` bytes (the KV pool, yet to
+    be allocated) and HOST_HEADROOM are set aside; None where the host's memory is unknown."""
+    available = host_memory_available() if available is None else available
+    return None if available is None else max(0, available - reserved - HOST_HEADROOM)

@@ -1,0 +1,54 @@
+"""What a CPU's kernels may spend on extra weight copies: the host's available memory,
+bounded by a container's cgroup limit, read from the files Linux writes."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from loraplex.engine.runner.host_memory import HOST_HEADROOM, host_memory_available, spare_for_weights
+
+GIB = 1 << 30
+MEMINFO = "MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20000000 kB\n"
+
+
+def _files(tmp_path: Path, files: dict[str, str]) -> tuple[Path, Path]:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return tmp_path / "meminfo", tmp_path / "cgroup"
+
+
+def test_the_kernels_estimate_where_no_cgroup_limits_the_process(tmp_path):
+    meminfo, cgroup = _files(tmp_path, {"meminfo": MEMINFO, "cgroup/memory.max": "max\n",
+                                        "cgroup/memory.current": "123\n"})
+    assert host_memory_available(meminfo, cgroup) == 20000000 * 1024
+
+
+def test_a_cgroup_v2_limit_less_its_working_set_bounds_it(tmp_path):
+    # 8 GiB limit, 5 GiB charged of which 2 GiB are reclaimable file pages (the
+    # checkpoint just read): 5 GiB left, though the host has ~19 GiB.
+    meminfo, cgroup = _files(tmp_path, {"meminfo": MEMINFO, "cgroup/memory.max": f"{8 * GIB}\n",
+                                        "cgroup/memory.current": f"{5 * GIB}\n",
+                                        "cgroup/memory.stat": f"anon {3 * GIB}\ninactive_file {2 * GIB}\n"})
+    assert host_memory_available(meminfo, cgroup) == 5 * GIB
+
+
+def test_a_cgroup_v1_limit_bounds_it_and_its_unlimited_value_does_not(tmp_path):
+    files = {"meminfo": MEMINFO, "cgroup/memory/memory.limit_in_bytes": f"{4 * GIB}\n",
+             "cgroup/memory/memory.usage_in_bytes": f"{3 * GIB}\n",
+             "cgroup/memory/memory.stat": f"cache 10\ntotal_inactive_file {GIB}\n"}
+    assert host_memory_available(*_files(tmp_path, files)) == 2 * GIB
+    files["cgroup/memory/memory.limit_in_bytes"] = "9223372036854771712\n"
+    assert host_memory_available(*_files(tmp_path, files)) == 20000000 * 1024
+
+
+def test_unknown_without_the_files_and_never_negative(tmp_path):
+    assert host_memory_available(tmp_path / "none", tmp_path / "none") is None
+    meminfo, cgroup = _files(tmp_path, {"meminfo": MEMINFO, "cgroup/memory.max": f"{GIB}\n",
+                                        "cgroup/memory.current": f"{2 * GIB}\n"})
+    assert host_memory_available(meminfo, cgroup) == 0
+
+
+def test_the_spare_is_what_is_left_after_the_kv_pool_and_the_headroom():
+    assert spare_for_weights(2 * GIB, available=10 * GIB) == 8 * GIB - HOST_HEADROOM
+    assert spare_for_weights(2 * GIB, available=GIB) == 0
+    assert spare_for_weights(2 * GIB, available=host_memory_available()) is not None  # Linux
