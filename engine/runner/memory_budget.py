@@ -220,9 +220,15 @@ def _one_sequence(config: MemoryPlanConfig, per_block: int) -> str:
     return f"one {config.max_model_len}-token sequence needs {n} KV blocks of {per_block} bytes ({_gib(n * per_block)})"
 
 
-def plan_fixed_kv(shape: ModelShape, config: MemoryPlanConfig, kv_bytes: int) -> KVPlan:
+def plan_fixed_kv(shape: ModelShape, config: MemoryPlanConfig, kv_bytes: int, available: int | None = None
+                  ) -> KVPlan:
     """A pool of `kv_bytes` (a CPU's KV cache: no device figures to read), or
-    `DeviceMemoryError` when it cannot hold one `max_model_len` sequence."""
+    `DeviceMemoryError` when it cannot hold one `max_model_len` sequence or exceeds the
+    `available` bytes (the host's, where known: its pages are taken as it fills, so a
+    pool the host cannot hold would fail only under load)."""
+    if available is not None and kv_bytes > available:
+        raise DeviceMemoryError(f"kv_cache_memory {_gib(kv_bytes)} exceeds the {_gib(available)} of memory this "
+                                f"host has available; lower kv_cache_memory")
     per_block = kv_bytes_per_block(shape, config.block_size, config.dtype_bytes)
     min_blocks = -(-config.max_model_len // config.block_size)
     num_blocks = kv_bytes // per_block

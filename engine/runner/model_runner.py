@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ from ..request import Request
 from ..sampler import Logprobs, Sampler, SampleRow, top_logprobs
 from ..sched.step_plan import ScheduledSeq, SchedulerOutput
 from .cpu_tuning import keep_freed_memory_in_heap
-from .host_memory import spare_for_weights
+from .host_memory import host_memory_available, lazy_zeros, spare_for_weights
 from .cuda_graphs import CUDAGraphRunner, DecodeInputs, GraphPolicy, LlamaDecodeForward
 from .memory_budget import (DeviceMemory, MemoryPlanConfig, ModelShape, default_adapter_rows, device_memory,
                             kv_bytes_per_block, plan_fixed_kv, plan_on_device)
@@ -70,7 +71,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         with torch.device("meta"):
             model = LlamaModel(arch)
-        model = model.to_empty(device=self.device).to(self.dtype)
+        model = model.to(self.dtype).to_empty(device=self.device)  # allocated once, in its dtype
         model.load_weights(load_state_dict(model_dir, self.dtype))
         self.model = model.eval()
         make_linear = self.backend.linear_factory(*self._linear_memory())
@@ -118,9 +119,15 @@ class ModelRunner:
                                     self.dtype.itemsize, left, s.max_num_seqs)
 
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed K and V caches per layer; on a CPU views of one mapping that takes host
+        memory as blocks are first written."""
         a, slots = self.arch, num_blocks * self.block_size
-        return [tuple(torch.zeros(a.num_kv_heads, slots, a.head_dim, dtype=self.dtype, device=self.device)
-                      for _ in range(2)) for _ in range(a.num_layers)]
+        shape = (a.num_kv_heads, slots, a.head_dim)
+        if self.device.type != "cpu":
+            return [tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+                    for _ in range(a.num_layers)]
+        pool = lazy_zeros(2 * a.num_layers * math.prod(shape), self.dtype).view(a.num_layers, 2, *shape)
+        return [(layer[0], layer[1]) for layer in pool]
 
     # -- the KV cache's size ---------------------------------------------------------
     def memory_plan_config(self) -> MemoryPlanConfig:
@@ -140,7 +147,8 @@ class ModelRunner:
         if c.num_blocks is not None:
             return c.num_blocks
         if at_start is None:
-            return plan_fixed_kv(shape, cfg, c.kv_cache_memory_bytes or CPU_KV_CACHE_MEMORY).num_blocks
+            return plan_fixed_kv(shape, cfg, c.kv_cache_memory_bytes or CPU_KV_CACHE_MEMORY,
+                                 host_memory_available()).num_blocks
         plan = plan_on_device(shape, cfg, self.device, at_start, itertools.chain(self.model.parameters(),
                                                                                  self.model.buffers()),
                               self._profile_forward())

@@ -52,3 +52,26 @@ def test_the_spare_is_what_is_left_after_the_kv_pool_and_the_headroom():
     assert spare_for_weights(2 * GIB, available=10 * GIB) == 8 * GIB - HOST_HEADROOM
     assert spare_for_weights(2 * GIB, available=GIB) == 0
     assert spare_for_weights(2 * GIB, available=host_memory_available()) is not None  # Linux
+
+
+def _resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+
+def test_lazy_zeros_are_zeros_that_take_memory_only_when_written():
+    import torch
+
+    from loraplex.engine.runner.host_memory import lazy_zeros
+
+    n = 128 << 20  # 256 MiB of bf16
+    before = _resident_bytes()
+    t = lazy_zeros(n, torch.bfloat16)
+    assert t.shape == (n,) and t.dtype is torch.bfloat16
+    assert _resident_bytes() - before < (32 << 20), "the pages are not taken at allocation"
+    assert not t[:: 1 << 16].any()  # zeros where read (reading maps the shared zero page)
+    t[7] = 3.0
+    t.view(1024, -1)[-1].fill_(1.0)
+    assert t[7].item() == 3.0 and int((t != 0).sum()) == 1 + n // 1024
+    t.fill_(2.0)
+    assert _resident_bytes() - before >= (200 << 20), "writing every page takes them"
+    assert lazy_zeros(0, torch.float32).shape == (0,)

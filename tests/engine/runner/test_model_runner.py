@@ -11,7 +11,7 @@ from loraplex.engine.config import CPU_KV_CACHE_MEMORY, CacheConfig, EngineConfi
 from loraplex.engine.runner.cuda_graphs import GraphPolicy
 from loraplex.engine.engine import LLMEngine
 from loraplex.engine.runner.memory_budget import (GIB, DeviceMemory, DeviceMemoryError, Measured, MemoryPlanConfig,
-                                           ModelShape, kv_bytes_per_block, plan_kv_cache)
+                                           ModelShape, kv_bytes_per_block, plan_fixed_kv, plan_kv_cache)
 from loraplex.engine.request import Request, SamplingParams
 from loraplex.engine.sched.scheduler import Scheduler
 
@@ -29,6 +29,25 @@ def test_the_cpu_pool_is_one_gib_by_default(tiny_llama_dir):
     assert runner.num_blocks == CPU_KV_CACHE_MEMORY // TINY_BLOCK
     assert runner.kv_caches[0][0].shape == (2, runner.num_blocks * 16, 16)
     assert runner.graphs is None  # a CPU device: every step eager
+
+
+def test_the_cpu_pool_is_zeroed_views_of_one_mapping(tiny_llama_dir):
+    caches = _engine(tiny_llama_dir).runner.kv_caches
+    base = caches[0][0].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == base and t.is_contiguous() for kv in caches for t in kv)
+    assert not any(t[:, :: 4096].any() for kv in caches for t in kv)
+    starts = sorted(t.data_ptr() for kv in caches for t in kv)
+    assert [b - a for a, b in zip(starts, starts[1:])] == [caches[0][0].nbytes] * 3  # K, V per layer, no overlap
+
+
+def test_a_pool_the_host_cannot_hold_is_refused_at_start(tiny_llama_dir):
+    cfg = MemoryPlanConfig(block_size=16, max_model_len=2048, dtype_bytes=4)
+    shape = ModelShape(32, 64, 2, 2, 2, 16)
+    with pytest.raises(DeviceMemoryError) as e:
+        plan_fixed_kv(shape, cfg, GIB, available=GIB // 2)
+    assert str(e.value) == ("kv_cache_memory 1.00 GiB exceeds the 0.50 GiB of memory this host has available; "
+                            "lower kv_cache_memory")
+    assert plan_fixed_kv(shape, cfg, GIB, available=GIB).num_blocks == GIB // TINY_BLOCK
 
 
 def test_a_pool_below_one_max_length_sequence_is_refused_with_its_figures(tiny_llama_dir):
