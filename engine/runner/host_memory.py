@@ -23,13 +23,37 @@ HOST_HEADROOM = GIB
 _UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a page-rounded 2**63 - 1
 
 
-def host_memory_available(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")
-                          ) -> int | None:
-    """Bytes this process may still allocate: the least of MemAvailable and the cgroup's
-    (v2 or v1) limit less its working set; None where neither can be read (not Linux)."""
-    found = [n for n in (_meminfo_available(meminfo), _cgroup_v2_available(cgroup), _cgroup_v1_available(cgroup))
-             if n is not None]
+def host_memory_available(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup"),
+                          own_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+    """Bytes this process may still allocate: the least of MemAvailable and, for its
+    cgroup and each one above it (v2, or v1's memory controller), the limit less the
+    working set; None where none can be read (not Linux)."""
+    v2_path, v1_path = _own_cgroups(own_cgroup)
+    found = [_meminfo_available(meminfo)]
+    found += [_cgroup_available(d, "memory.max", "memory.current", "inactive_file") for d in _up(cgroup, v2_path)]
+    found += [_cgroup_available(d, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+              for d in _up(cgroup / "memory", v1_path)]
+    found = [n for n in found if n is not None]
     return max(0, min(found)) if found else None
+
+
+def _own_cgroups(own_cgroup: Path) -> tuple[str, str]:
+    """This process's (v2, v1 memory controller) cgroup paths; "/" where not listed (in a
+    container with its own cgroup namespace the path is "/": the root is its cgroup)."""
+    v2 = v1 = "/"
+    for line in (_read(own_cgroup) or "").splitlines():
+        number, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if number == "0" and not controllers:
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return v2, v1
+
+
+def _up(root: Path, path: str) -> list[Path]:
+    """The folder of cgroup `path` under `root` and each one above it, up to `root`."""
+    parts = [p for p in path.strip().split("/") if p]
+    return [root.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
 
 
 def _read(path: Path) -> str | None:
@@ -55,19 +79,13 @@ def _stat(text: str | None, key: str) -> int:
     return 0
 
 
-def _cgroup_v2_available(root: Path) -> int | None:
-    limit, current = _read(root / "memory.max"), _read(root / "memory.current")
-    if limit is None or current is None or limit.strip() == "max":
+def _cgroup_available(folder: Path, limit_file: str, usage_file: str, reclaimable: str) -> int | None:
+    """A cgroup's limit less its working set (usage less reclaimable file pages, as the
+    kubelet counts it); None without a limit ("max" in v2, ~2**63 in v1) or its files."""
+    limit, usage = _read(folder / limit_file), _read(folder / usage_file)
+    if limit is None or usage is None or limit.strip() == "max" or int(limit) >= _UNLIMITED:
         return None
-    working_set = int(current) - _stat(_read(root / "memory.stat"), "inactive_file")
-    return int(limit) - max(working_set, 0)
-
-
-def _cgroup_v1_available(root: Path) -> int | None:
-    limit, usage = _read(root / "memory" / "memory.limit_in_bytes"), _read(root / "memory" / "memory.usage_in_bytes")
-    if limit is None or usage is None or int(limit) >= _UNLIMITED:
-        return None
-    working_set = int(usage) - _stat(_read(root / "memory" / "memory.stat"), "total_inactive_file")
+    working_set = int(usage) - _stat(_read(folder / "memory.stat"), reclaimable)
     return int(limit) - max(working_set, 0)
 
 
