@@ -155,11 +155,15 @@ def test_the_runner_reserves_staged_copies_only_where_the_manager_stages(tiny_ll
 
 def test_bf16_linears_hold_one_copy_where_the_host_cannot_spare_more(tiny_llama_dir, monkeypatch):
     # The host's memory is read at load: with none to spare beyond the KV pool every
-    # projection and the LM head are the C kernel alone, whatever the measured choice.
-    from loraplex.engine.kernels.cpu import dpbf16, gemm
+    # projection and the LM head are the C kernel alone, even where the measured choice
+    # (here: made to split at 16 rows, whatever this machine measures) wants a second copy.
+    from loraplex.engine.kernels.cpu import dpbf16, gemm, linear_choice
     from loraplex.engine.runner import host_memory
     if not gemm.load_library():
         pytest.skip("needs the C bf16 kernel")
+    monkeypatch.setattr(linear_choice, "choose", lambda few, many: linear_choice.LinearChoice(few, many[0], 16))
+    runner = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir)), kernels="cpu")).runner
+    assert type(runner.model.layers[0].qkv_proj) is linear_choice.SplitLinear  # memory to spare: the split
     monkeypatch.setattr(host_memory, "host_memory_available", lambda: CPU_KV_CACHE_MEMORY + GIB)
     runner = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir)), kernels="cpu")).runner
     few = dpbf16.Dpbf16Linear if dpbf16.supported() else gemm.Bf16Linear
