@@ -50,6 +50,14 @@ def test_a_pool_the_host_cannot_hold_is_refused_at_start(tiny_llama_dir):
     assert plan_fixed_kv(shape, cfg, GIB, available=GIB).num_blocks == GIB // TINY_BLOCK
 
 
+def test_an_engine_whose_host_cannot_hold_its_pool_refuses_to_start(tiny_llama_dir, monkeypatch):
+    # The runner hands the host's available memory to the plan (what the test above checks).
+    from loraplex.engine.runner import model_runner
+    monkeypatch.setattr(model_runner, "host_memory_available", lambda: GIB // 2)
+    with pytest.raises(DeviceMemoryError, match="exceeds the 0.50 GiB of memory this host has available"):
+        _engine(tiny_llama_dir)
+
+
 def test_a_pool_below_one_max_length_sequence_is_refused_with_its_figures(tiny_llama_dir):
     with pytest.raises(DeviceMemoryError) as e:
         _engine(tiny_llama_dir, kv_cache_memory_bytes=256 << 10)
