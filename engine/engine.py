@@ -197,8 +197,9 @@ class LLMEngine:
             self.proposer.forget(req.request_id)
 
     def warm_up(self) -> float:
-        """Meet every decode width and the full chunk size once before serving (a few
-        seconds); returns the seconds it took. Steps that meet a new shape are slower."""
+        """Meet every decode width and the full chunk size once before serving (seconds
+        where a kernel builds state per shape, nothing where none does); returns the
+        seconds it took. Steps that meet a new shape are slower."""
         start = time.perf_counter()
         s = self.config.scheduler
         self.runner.warm_up(sorted(set(range(1, s.max_num_seqs + 1)) | {s.max_num_batched_tokens}))

@@ -18,5 +18,7 @@ tensors, which is how the tests prove them on machines without a GPU.
 """
 from .backend import REGISTRY, KernelBackend, create_backend
 from .select import select_backend, triton_available
+from .torch.linear import builds_state_per_shape
 
-__all__ = ["REGISTRY", "KernelBackend", "create_backend", "select_backend", "triton_available"]
+__all__ = ["REGISTRY", "KernelBackend", "builds_state_per_shape", "create_backend", "select_backend",
+           "triton_available"]

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..checkpoint import ModelArch, load_state_dict
 from ..config import CPU_KV_CACHE_MEMORY, EngineConfig
-from ..kernels import create_backend, select_backend
+from ..kernels import builds_state_per_shape, create_backend, select_backend
 from ..lora.epilogue import CheckpointWeights
 from ..models.llama import LlamaModel
 from ..request import Request
@@ -202,15 +202,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, row_counts: list[int]) -> None:
-        """Run every projection and the LM head once per row count, so oneDNN creates its
-        per-shape primitives now rather than in the first steps that meet each shape."""
-        # Primitives are per shape: one projection of each weight shape is enough.
-        linears = {(m.in_features, m.out_features): m for m in self.model.modules() if hasattr(m, "in_features")}
-        head = self.model.packed_head
+        """Run every projection and the LM head whose kernel builds state per shape (oneDNN's
+        primitives) once per row count, so that it is built now rather than in the first
+        steps that meet each shape. Kernels without such state are not run: for them the
+        warm-up would cost seconds at every start and spare no step anything."""
+        # State is per weight shape: one projection of each shape is enough. modules()
+        # yields a layer before its parts, and the layer routes rows as serving does.
+        linears: dict[tuple[int, int], nn.Module] = {}
+        for m in self.model.modules():
+            if hasattr(m, "in_features") and builds_state_per_shape(m):
+                linears.setdefault((m.in_features, m.out_features), m)
+        head = self.model.packed_head is None and builds_state_per_shape(self.model.lm_head or self.model.embed_tokens)
         for n in row_counts:
             for m in linears.values():
                 m(torch.zeros(n, m.in_features, dtype=self.dtype, device=self.device))
-            if head is None:
+            if head:
                 self.model.compute_logits(torch.zeros(n, self.arch.hidden_size, dtype=self.dtype, device=self.device))
 
     @torch.inference_mode()

@@ -151,12 +151,17 @@ def test_smollm2_matches_transformers(smollm2_dir):
 
 
 def test_warm_up_changes_no_output_and_no_state(tiny_llama_dir):
-    engine = _engine(tiny_llama_dir, max_num_seqs=4)
+    # bf16 on torch's layers: the warm-up runs them (fp32 would warm nothing).
+    def engine_() -> LLMEngine:
+        return LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir), dtype="bfloat16"),
+                                      cache=CacheConfig(num_blocks=256), scheduler=SchedulerConfig(max_num_seqs=4),
+                                      kernels="torch"))
+
+    engine = engine_()
     free = engine.kv.pool.num_free_blocks
     assert engine.warm_up() >= 0
     assert engine.kv.pool.num_free_blocks == free and not engine.has_unfinished_requests()
-    fresh = _engine(tiny_llama_dir, max_num_seqs=4)
-    assert _run(engine, _prompts(), MAX_TOKENS) == _run(fresh, _prompts(), MAX_TOKENS)
+    assert _run(engine, _prompts(), MAX_TOKENS) == _run(engine_(), _prompts(), MAX_TOKENS)
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])

@@ -60,6 +60,7 @@ class Bf16Linear(nn.Module):
     pack = staticmethod(pack_weight)
     linear = staticmethod(cpu_gemm_bf16)
     weight_bytes_held = 1  # bytes held per byte of the weight it was made from
+    per_shape_state = False  # the same C loop for every row count
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()

@@ -27,6 +27,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from ..torch.linear import builds_state_per_shape
+
 log = logging.getLogger(__name__)
 
 Make = Callable[[torch.Tensor, "torch.Tensor | None"], nn.Module]  # make(weight, bias) -> linear layer
@@ -153,6 +155,10 @@ class SplitLinear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.from_rows = from_rows
         self.few, self.many = few(weight, bias), many(weight, bias)
+
+    @property
+    def per_shape_state(self) -> bool:
+        return builds_state_per_shape(self.few) or builds_state_per_shape(self.many)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features

@@ -39,10 +39,25 @@ def _cpu_can_pack(dtype: torch.dtype) -> bool:
     return True
 
 
+def builds_state_per_shape(module: nn.Module) -> bool:
+    """Whether `module`'s first call at a row count builds state that later calls at that
+    row count reuse (oneDNN's primitive for the shape; cuBLAS's choices on a GPU), a cost
+    `ModelRunner.warm_up` moves before serving. A kernel class says so in
+    `per_shape_state`; for a plain layer (an `nn.Linear`, or `F.linear` on an embedding's
+    weight) it holds on a GPU and for bf16/fp16 on a CPU (torch hands those to oneDNN),
+    not for fp32 on a CPU (BLAS sgemm: a first call measured as fast as the next)."""
+    declared = getattr(module, "per_shape_state", None)
+    if declared is not None:
+        return bool(declared)
+    weight = module.weight
+    return weight.device.type != "cpu" or weight.dtype != torch.float32
+
+
 class PackedLinear(nn.Module):
     """`y = x W^T + b` with W held in oneDNN's blocked layout (inference only)."""
 
     weight_bytes_held = 1  # bytes held per byte of the weight it was made from
+    per_shape_state = True  # oneDNN's primitive per row count
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -75,6 +90,7 @@ class WideLinear(nn.Module):
     """
 
     weight_bytes_held = 2  # bytes held per byte of the weight it was made from
+    per_shape_state = True  # oneDNN's primitive per row count
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()

@@ -176,3 +176,38 @@ def test_bf16_linears_hold_one_copy_where_the_host_cannot_spare_more(tiny_llama_
     runner = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir)), kernels="cpu")).runner
     few = dpbf16.Dpbf16Linear if dpbf16.supported() else gemm.Bf16Linear
     assert type(runner.model.layers[0].qkv_proj) is few and type(runner.model.packed_head) is few
+
+
+def _warm_up_calls(runner, row_counts: list[int]) -> tuple[list[tuple[str, int]], list[int]]:
+    """(layer name, rows) for every layer forward and the rows of every LM head call that
+    `runner.warm_up(row_counts)` made."""
+    layers, heads = [], []
+    hooks = [m.register_forward_hook(lambda mod, args, out, name=name: layers.append((name, args[0].shape[0])))
+             for name, m in runner.model.named_modules() if hasattr(m, "in_features")]
+    real = runner.model.compute_logits
+    runner.model.compute_logits = lambda hidden, *a, **k: heads.append(hidden.shape[0]) or real(hidden, *a, **k)
+    try:
+        runner.warm_up(row_counts)
+    finally:
+        del runner.model.compute_logits
+        for h in hooks:
+            h.remove()
+    return layers, heads
+
+
+def test_warm_up_runs_every_weight_shape_at_every_row_count_where_the_kernel_builds_state(tiny_llama_dir):
+    # torch's bf16 layers hand their shapes to oneDNN, which builds a primitive per shape.
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir), dtype="bfloat16"),
+                                    cache=CacheConfig(num_blocks=64), kernels="torch"))
+    runner = engine.runner
+    shapes = {(m.in_features, m.out_features) for m in runner.model.modules() if hasattr(m, "in_features")}
+    layers, heads = _warm_up_calls(runner, [1, 3, 64])
+    assert len(layers) == 3 * len(shapes) and sorted({n for _, n in layers}) == [1, 3, 64]
+    # Where oneDNN packs bf16 the LM head is a packed layer among the others.
+    assert heads == ([1, 3, 64] if runner.model.packed_head is None else [])
+
+
+def test_warm_up_runs_nothing_where_no_kernel_builds_state_per_shape(tiny_llama_dir):
+    # fp32 on a CPU is BLAS sgemm: warming it would cost seconds at every start for nothing.
+    runner = _engine(tiny_llama_dir, num_blocks=64).runner
+    assert _warm_up_calls(runner, [1, 3, 64]) == ([], [])

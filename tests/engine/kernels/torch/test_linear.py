@@ -80,3 +80,21 @@ def test_widened_keeps_leading_dims_and_matches_the_packed_bf16_matmul():
     y = WideLinear(w, None)(x)
     assert y.shape == (2, 3, 64)
     torch.testing.assert_close(y, F.linear(x, w), atol=1e-6, rtol=2 * torch.finfo(torch.bfloat16).eps)
+
+
+def test_which_layers_build_state_per_shape():
+    # oneDNN builds a primitive per shape (the packed kernels; a plain layer in bf16/fp16 on
+    # a CPU); BLAS sgemm (fp32 on a CPU) and the C kernels build nothing.
+    from loraplex.engine.kernels import builds_state_per_shape
+    from loraplex.engine.kernels.cpu import gemm
+    from loraplex.engine.kernels.cpu.linear_choice import SplitLinear
+
+    assert not builds_state_per_shape(nn.Linear(16, 32))
+    assert not builds_state_per_shape(nn.Embedding(32, 16))
+    assert builds_state_per_shape(nn.Linear(16, 32).bfloat16())
+    assert builds_state_per_shape(nn.Embedding(32, 16).half())
+    assert PackedLinear.per_shape_state and WideLinear.per_shape_state and not gemm.Bf16Linear.per_shape_state
+    if gemm.load_library() and widening_supported(torch.device("cpu"), torch.bfloat16):
+        w = torch.randn(32, 16).bfloat16()
+        assert builds_state_per_shape(SplitLinear(w, None, gemm.Bf16Linear, WideLinear, 8))
+        assert not builds_state_per_shape(SplitLinear(w, None, gemm.Bf16Linear, gemm.Bf16Linear, 8))
