@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,29 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from loraplex.engine.checkpoint import resolve_model_dir
+from tests.helpers import demo_training
 from tests.helpers.tiny_models import build_tiny_model_dir
 
 # A busy 2-core machine is many times slower with torch's default thread count.
 torch.set_num_threads(2)
+
+_DEMO_TRAINING = pytest.StashKey["subprocess.Popen"]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Once per run (the controller, not each xdist worker): see tests/helpers/demo_training.py.
+    config = session.config
+    if hasattr(config, "workerinput") or config.option.collectonly:
+        return
+    if demo_training.selected(config.args, Path(_ROOT)):
+        log = Path(tempfile.gettempdir()) / "loraplex-demo-training.log"
+        config.stash[_DEMO_TRAINING] = demo_training.start(log)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    proc = session.config.stash.get(_DEMO_TRAINING, None)
+    if proc is not None:
+        demo_training.stop(proc)
 
 
 @pytest.fixture(scope="session")
