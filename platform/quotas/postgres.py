@@ -9,6 +9,7 @@ import asyncio
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
+from loraplex.platform.db.database import PG_CONNECT_TIMEOUT
 from loraplex.platform.errors import RateLimitedError
 from loraplex.platform.quotas.admission import Check, Reservation, full_rejection, settle_moves
 from loraplex.platform.quotas.store import QuotaStore, is_disconnect
@@ -145,8 +146,13 @@ class PostgresQuotaStore(QuotaStore):
         connection when it broke (a database restart leaves every pooled one stale)."""
         if self._apool is None:
             conninfo = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+            # A request waits at most PG_CONNECT_TIMEOUT for a connection (the pool's default
+            # is 30 s): while the database is unreachable its 503 comes in seconds, not half
+            # a minute of holding its client and its concurrency slot.
             self._apool = AsyncConnectionPool(conninfo, min_size=1, max_size=self.threads, open=False,
-                                              kwargs={"autocommit": True, "application_name": self.application_name},
+                                              timeout=PG_CONNECT_TIMEOUT,
+                                              kwargs={"autocommit": True, "application_name": self.application_name,
+                                                      "connect_timeout": PG_CONNECT_TIMEOUT},
                                               configure=_configure)
             await self._apool.open()
         for attempt in (0, 1):
