@@ -83,7 +83,9 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # The checkpoint sets every weight: no random draw (normal_ on the meta device,
+        # where the runner builds the model, imports torch._dynamo: a second per start).
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(arch.vocab_size, arch.hidden_size), freeze=False)
         self.layers = nn.ModuleList(LlamaLayer(arch, i) for i in range(arch.num_layers))
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)

@@ -3,6 +3,9 @@ the figures it hands the GPU memory plan), which steps replay a CUDA graph and a
 width, as the scheduler produces them, and that a CPU engine captures nothing."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from loraplex.engine.sched.block_pool import KVCacheManager
@@ -211,3 +214,15 @@ def test_warm_up_runs_nothing_where_no_kernel_builds_state_per_shape(tiny_llama_
     # fp32 on a CPU is BLAS sgemm: warming it would cost seconds at every start for nothing.
     runner = _engine(tiny_llama_dir, num_blocks=64).runner
     assert _warm_up_calls(runner, [1, 3, 64]) == ([], [])
+
+
+def test_building_an_engine_does_not_import_torch_dynamo(tiny_llama_dir):
+    # torch._dynamo costs a second at every process start and nothing on the serving
+    # path needs it: a random weight init on the meta device was what imported it.
+    code = ("import sys; from loraplex.engine.config import EngineConfig, ModelConfig; "
+            "from loraplex.engine.engine import LLMEngine; "
+            f"LLMEngine(EngineConfig(model=ModelConfig(model={str(tiny_llama_dir)!r}, dtype='float32'))); "
+            "print('torch._dynamo' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "False"
