@@ -10,6 +10,12 @@
  * products each, summed in fp32). A micro-kernel per row count (1..MR), so a decode of
  * 3 rows does 3 rows of work. One rounding to bf16 at the end, after the bias, as a
  * bf16 torch matmul does. Work items: (group of NR panels, chunk of M_CHUNK rows).
+ *
+ * A decode step's 64 rows are 8 row blocks over each panel group: the first block pulls
+ * the group from memory, the others find it in L2. While a group's blocks compute, they
+ * ask for the next group's panels (the next in memory) into L2, a share per block, so
+ * the next group's first block does not wait on memory: 64-row projections went from
+ * ~375 to ~400 GFLOP/s on an AVX512-BF16 EPYC (2 cores; ~430 at 1024 rows).
  */
 #include <stdint.h>
 #include <string.h>
@@ -37,12 +43,14 @@ static inline uint32_t pair_at(const uint16_t *xr, int kk, int K) {
 
 static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64_t xs, const uint16_t *wp,
         int64_t pstride, const uint16_t *bias, uint16_t *y, int64_t ys, const int rows, const int np, int cols_last,
-        int K) {
+        int K, const char *ahead, int ahead_lines, int ahead_step) {
     const int K2 = (K + 1) / 2, full = K / 2;
     __m512 acc[MR][NR];
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < np; j++) acc[i][j] = _mm512_setzero_ps();
     for (int kk = 0; kk < K2; kk++) {
+        for (int l = kk * ahead_step; l < (kk + 1) * ahead_step && l < ahead_lines; l++)
+            _mm_prefetch(ahead + (int64_t)l * 64, _MM_HINT_T1);
         __m512bh b[NR];
         for (int j = 0; j < np; j++) b[j] = (__m512bh)_mm512_loadu_si512(wp + j * pstride + (int64_t)kk * 32);
         for (int i = 0; i < rows; i++) {
@@ -67,7 +75,7 @@ static inline __attribute__((always_inline)) void micro(const uint16_t *x, int64
     }
 }
 
-#define CASE(R, P) case R: micro(xm, xs, wp, pstride, bp, ym, ys, R, P, cols_last, K); break;
+#define CASE(R, P) case R: micro(xm, xs, wp, pstride, bp, ym, ys, R, P, cols_last, K, ahead, ahead_lines, ahead_step); break;
 #define ROWS(P) switch (rows) { CASE(1, P) CASE(2, P) CASE(3, P) CASE(4, P) CASE(5, P) CASE(6, P) CASE(7, P) CASE(8, P) }
 #endif
 
@@ -78,15 +86,26 @@ int gemm_dpbf16(const uint16_t *x, int64_t xs, const uint16_t *w, const uint16_t
 #ifdef __AVX512BF16__
     const int NP = (N + 15) / 16, groups = (NP + NR - 1) / NR;
     const int64_t pstride = (int64_t)((K + 1) / 2) * 32;
-    #pragma omp parallel for schedule(dynamic) if (end - begin >= 2)
+    #pragma omp parallel for schedule(static) if (end - begin >= 2)
     for (int item = begin; item < end; item++) {
         const int g = item % groups, c0 = item / groups * M_CHUNK;
         const int c1 = c0 + M_CHUNK < M ? c0 + M_CHUNK : M;
         const int p0 = g * NR, np = NP - p0 < NR ? NP - p0 : NR;
         const int cols_last = N - (p0 + np - 1) * 16 < 16 ? N - (p0 + np - 1) * 16 : 16;
         const uint16_t *wp = w + (int64_t)p0 * pstride, *bp = bias ? bias + p0 * 16 : NULL;
+        /* The next group's cache lines (none after the last group), shared out over this
+         * item's row blocks: block b asks for lines [b * share, (b + 1) * share). */
+        const int next_np = NP - p0 - np < NR ? NP - p0 - np : NR;
+        const int64_t next_lines = (int64_t)next_np * pstride * 2 / 64;
+        const int blocks = (c1 - c0 + MR - 1) / MR;
+        const int64_t share = (next_lines + blocks - 1) / blocks;
+        const char *next = (const char *)(wp + (int64_t)np * pstride);
         for (int m0 = c0; m0 < c1; m0 += MR) {
             const int rows = c1 - m0 < MR ? c1 - m0 : MR;
+            const int64_t first = (int64_t)((m0 - c0) / MR) * share;
+            const int ahead_lines = (int)(next_lines - first < share ? (next_lines > first ? next_lines - first : 0) : share);
+            const int ahead_step = (ahead_lines + (K + 1) / 2 - 1) / ((K + 1) / 2);
+            const char *ahead = next + first * 64;
             const uint16_t *xm = x + (int64_t)m0 * xs;
             uint16_t *ym = y + (int64_t)m0 * ys + p0 * 16;
             if (np == 3) { ROWS(3) } else if (np == 2) { ROWS(2) } else { ROWS(1) }
