@@ -93,7 +93,7 @@ def _non_stream_timeout(m, key: str) -> None:
 
 def _stream_timeout(m, key: str) -> None:
     """The client's read timeout fires mid-stream: the server gets slow after the first chunk."""
-    client = m.client(key, timeout=httpx.Timeout(5, read=0.3))
+    client = m.client(key, timeout=openai.Timeout(5, read=0.3))  # the client's own type, whatever its HTTP library
     with pytest.raises((openai.APITimeoutError, httpx.ReadTimeout)):
         for _ in client.completions.create(model=m.model, prompt="x", max_tokens=150, stream=True, **GREEDY):
             m.engine.delay = 0.5
