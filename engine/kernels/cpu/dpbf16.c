@@ -14,8 +14,10 @@
  * A decode step's 64 rows are 8 row blocks over each panel group: the first block pulls
  * the group from memory, the others find it in L2. While a group's blocks compute, they
  * ask for the next group's panels (the next in memory) into L2, a share per block, so
- * the next group's first block does not wait on memory: 64-row projections went from
- * ~375 to ~400 GFLOP/s on an AVX512-BF16 EPYC (2 cores; ~430 at 1024 rows).
+ * the next group's first block does not wait on memory (64-row projections on 2 cores
+ * of an AVX512-BF16 EPYC: ~390-400 GFLOP/s with it, ~375 without, ~430 at 1024 rows). The
+ * schedule is static so that the next group is, but at a thread's last item, the same
+ * core's: its L2 is the one that gains.
  */
 #include <stdint.h>
 #include <string.h>
@@ -35,6 +37,8 @@ int dpbf16_available(void) {
 }
 
 #ifdef __AVX512BF16__
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
 static inline uint32_t pair_at(const uint16_t *xr, int kk, int K) {
     uint32_t pair = xr[2 * kk];
     if (2 * kk + 1 < K) pair |= (uint32_t)xr[2 * kk + 1] << 16;  /* odd K: the last pair is (x, 0) */
@@ -102,9 +106,9 @@ int gemm_dpbf16(const uint16_t *x, int64_t xs, const uint16_t *w, const uint16_t
         const char *next = (const char *)(wp + (int64_t)np * pstride);
         for (int m0 = c0; m0 < c1; m0 += MR) {
             const int rows = c1 - m0 < MR ? c1 - m0 : MR;
-            const int64_t first = (int64_t)((m0 - c0) / MR) * share;
-            const int ahead_lines = (int)(next_lines - first < share ? (next_lines > first ? next_lines - first : 0) : share);
-            const int ahead_step = (ahead_lines + (K + 1) / 2 - 1) / ((K + 1) / 2);
+            const int64_t first = min64((int64_t)((m0 - c0) / MR) * share, next_lines);
+            const int ahead_lines = (int)min64(share, next_lines - first);
+            const int ahead_step = (ahead_lines + (K + 1) / 2 - 1) / ((K + 1) / 2);  /* lines per k pair */
             const char *ahead = next + first * 64;
             const uint16_t *xm = x + (int64_t)m0 * xs;
             uint16_t *ym = y + (int64_t)m0 * ys + p0 * 16;
