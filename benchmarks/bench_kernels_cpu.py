@@ -1,4 +1,4 @@
-"""The C bf16 GEMMs (engine/kernels/cpu/gemm.c, dpbf16.c) against torch on SmolLM2's projection shapes.
+"""The C bf16 GEMMs (engine/kernels/cpu/gemm.c, dpbf16.c, amx.c) against torch on SmolLM2's projection shapes.
 
 One run, same threads, same weights: for each row count (decode widths to prefill
 chunks) it times torch's bf16 `F.linear`, oneDNN's fp32 matmul on the weight widened once
@@ -8,7 +8,9 @@ distinct weights that they stream from memory as in a real step. Prints each
 GFLOP/s and the C kernel's ratio to each.
 
 On CPUs with AVX512-BF16 it also times the vdpbf16ps kernel (dpbf16.c, what the
-engine runs there) against oneDNN's pre-packed bf16 weights (engine/kernels/torch/linear.py).
+engine runs there) against oneDNN's pre-packed bf16 weights (engine/kernels/torch/linear.py);
+on CPUs with AMX also the tile kernel (amx.c, what the engine runs there from
+amx.FROM_ROWS rows) on the same packed weights, as a ratio to both.
 
     python benchmarks/bench_kernels_cpu.py               # 2 threads
     python benchmarks/bench_kernels_cpu.py --threads 1 --rows 1,16
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine.kernels.torch.linear import PackedLinear, WideLinear, packing_supported, widening_supported
-from loraplex.engine.kernels.cpu import dpbf16 as cpu_dpbf16, gemm as cpu_gemm
+from loraplex.engine.kernels.cpu import amx as cpu_amx, dpbf16 as cpu_dpbf16, gemm as cpu_gemm
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
@@ -70,6 +72,11 @@ def main() -> None:
                 print(f"{'':>8} {'':>11} {'':>10}  AVX512-BF16 C {flop / t_dp / 1e9:6.1f} GFLOP/s "
                       f"({n * k * 2 / t_dp / 1e9:5.1f} GB/s of weights) | "
                       f"oneDNN packed bf16 {flop / t_dnn / 1e9:6.1f} ({t_dnn / t_dp:5.2f}x)", flush=True)
+                if cpu_amx.supported() and k % cpu_amx.K_STEP == 0:
+                    t_amx = _time(lambda i: cpu_amx.amx_linear(x, dp[i], n), len(ws), args.reps)
+                    print(f"{'':>8} {'':>11} {'':>10}  AMX C {flop / t_amx / 1e9:6.1f} GFLOP/s "
+                          f"({n * k * 2 / t_amx / 1e9:5.1f} GB/s of weights) | {t_dp / t_amx:5.2f}x AVX512-BF16 C | "
+                          f"{t_dnn / t_amx:5.2f}x oneDNN packed bf16", flush=True)
 
 
 if __name__ == "__main__":

@@ -96,8 +96,9 @@ class LlamaModel(nn.Module):
 
     def pack_weights(self, make=PackedLinear) -> None:
         """Pre-pack every projection and the LM head: make(weight, bias) is PackedLinear
-        (oneDNN, engine/kernels/torch/linear.py), Dpbf16Linear (C with AVX512-BF16, kernels/cpu/dpbf16.py)
-        or Bf16Linear (C, AVX2, kernels/cpu/gemm.py)."""
+        (oneDNN, engine/kernels/torch/linear.py), AmxLinear (C with AMX, kernels/cpu/amx.py),
+        Dpbf16Linear (C with AVX512-BF16, kernels/cpu/dpbf16.py) or Bf16Linear (C, AVX2,
+        kernels/cpu/gemm.py)."""
         pack_linears(self.layers, make)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.packed_head = make(w, None)

@@ -170,15 +170,16 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
     # instruction set, and an unsupported one must fall back instead of failing at load.
     from loraplex.adapters import AdapterStore, BaseShapes
     from loraplex.engine.kernels.torch.linear import PackedLinear, WideLinear, packing_supported, widening_supported
-    from loraplex.engine.kernels.cpu import dpbf16 as cpu_dpbf16, gemm as cpu_gemm, linear_choice, lora_choice
+    from loraplex.engine.kernels.cpu import gemm as cpu_gemm, linear_choice, lora_choice
+    from loraplex.engine.kernels.cpu.backend import c_linear
     from loraplex.engine.kernels.cpu.lora_backend import CLoRABackend
     from loraplex.engine.lora import LoRAManager
 
     lora = LoRAManager(AdapterStore(tmp_path, BaseShapes.from_model_dir(tiny_llama_dir)))
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir)), kernels=kernels), lora)
     assert engine.runner.dtype is torch.bfloat16
-    # The fastest bf16 linear this CPU has: on the "cpu" backend the C kernel (AVX512-BF16
-    # where the CPU has it, else the AVX2 GEMM), with the fastest oneDNN kernel (packed
+    # The fastest bf16 linear this CPU has: on the "cpu" backend the C kernel (AMX or
+    # AVX512-BF16 where the CPU has them, else the AVX2 GEMM), with the fastest oneDNN kernel (packed
     # bf16, or widened to fp32 where bf16 is emulated) from the row count where it
     # measured faster; on the torch backend oneDNN's packed weights where it packs bf16;
     # adapters run on the C LoRA kernel wherever the "cpu" backend does (with oneDNN for
@@ -189,7 +190,7 @@ def test_default_dtype_serves_on_this_cpu(tiny_llama_dir, tmp_path, kernels):
     many = [m for m, ok in ((PackedLinear, packing_supported(cpu, torch.bfloat16)),
                             (WideLinear, widening_supported(cpu, torch.bfloat16))) if ok]
     if cpu_backend and cpu_gemm.load_library() is not None:
-        few = cpu_dpbf16.Dpbf16Linear if cpu_dpbf16.supported() else cpu_gemm.Bf16Linear
+        few = c_linear()
         choice = linear_choice.choose(few, many) if many else linear_choice.LinearChoice(few, few, None)
         want = {None: few, 1: choice.many}.get(choice.from_rows, linear_choice.SplitLinear)
         assert proj is want and type(engine.runner.model.packed_head) is want

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..torch.backend import TorchBackend
 from ..torch.linear import PackedLinear, WideLinear, packing_supported, widening_supported
-from . import dpbf16, gemm, linear_choice
+from . import amx, dpbf16, gemm, linear_choice
 from .decode import cpu_paged_attention
 from .fused import CLayerOps, cpu_write_kv
 from .lora_backend import CLoRABackend
@@ -37,9 +37,9 @@ class CpuBackend(TorchBackend):
         if self.dtype != torch.bfloat16:
             return super().linear_factory(weight_bytes, spare_bytes)
         # The C kernel streams a small decode step's rows fastest; oneDNN, on the packed
-        # bf16 weight (fast where the CPU has bf16 instructions: AMX) or on the weight
-        # widened to fp32 (where bf16 is emulated), may serve more rows faster (measured).
-        few = dpbf16.Dpbf16Linear if dpbf16.supported() else gemm.Bf16Linear if gemm.load_library() else None
+        # bf16 weight or on the weight widened to fp32 (where bf16 is emulated), may
+        # serve more rows faster (measured).
+        few = c_linear()
         if few is None:
             return super().linear_factory(weight_bytes, spare_bytes)
         many = [make for make, ok in ((PackedLinear, packing_supported(self.device, self.dtype)),
@@ -47,6 +47,17 @@ class CpuBackend(TorchBackend):
         many = [make for make in many if _fits(linear_choice.split_extra_bytes(few, make, weight_bytes), spare_bytes,
                                               make)]
         return linear_choice.choose(few, many).make() if many else few
+
+
+def c_linear() -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module] | None:
+    """The C bf16 linear for this CPU: AMX tiles (amx.py) where it has them, else
+    vdpbf16ps (dpbf16.py) with AVX512-BF16, else the widening GEMM (gemm.py); None where
+    no kernel builds (no C compiler)."""
+    if amx.supported():
+        return amx.AmxLinear
+    if dpbf16.supported():
+        return dpbf16.Dpbf16Linear
+    return gemm.Bf16Linear if gemm.load_library() else None
 
 
 def _fits(extra: int, spare: int | None, make) -> bool:

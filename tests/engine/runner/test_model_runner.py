@@ -168,7 +168,8 @@ def test_bf16_linears_hold_one_copy_where_the_host_cannot_spare_more(tiny_llama_
     # The host's memory is read at load: with none to spare beyond the KV pool every
     # projection and the LM head are the C kernel alone, even where the measured choice
     # (here: made to split at 16 rows, whatever this machine measures) wants a second copy.
-    from loraplex.engine.kernels.cpu import dpbf16, gemm, linear_choice
+    from loraplex.engine.kernels.cpu import gemm, linear_choice
+    from loraplex.engine.kernels.cpu.backend import c_linear
     from loraplex.engine.runner import host_memory
     if not gemm.load_library():
         pytest.skip("needs the C bf16 kernel")
@@ -177,7 +178,7 @@ def test_bf16_linears_hold_one_copy_where_the_host_cannot_spare_more(tiny_llama_
     assert type(runner.model.layers[0].qkv_proj) is linear_choice.SplitLinear  # memory to spare: the split
     monkeypatch.setattr(host_memory, "host_memory_available", lambda: CPU_KV_CACHE_MEMORY + GIB)
     runner = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir)), kernels="cpu")).runner
-    few = dpbf16.Dpbf16Linear if dpbf16.supported() else gemm.Bf16Linear
+    few = c_linear()
     assert type(runner.model.layers[0].qkv_proj) is few and type(runner.model.packed_head) is few
 
 

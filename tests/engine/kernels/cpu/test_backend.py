@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from loraplex.engine.kernels.cpu import dpbf16, gemm, linear_choice as lc
-from loraplex.engine.kernels.cpu.backend import CpuBackend
+from loraplex.engine.kernels.cpu.backend import CpuBackend, c_linear
 from loraplex.engine.kernels.torch.linear import PackedLinear, WideLinear, packing_supported, widening_supported
 
 CPU = torch.device("cpu")
 GIB = 1 << 30
-FEW = dpbf16.Dpbf16Linear if dpbf16.supported() else gemm.Bf16Linear
+FEW = c_linear()
 MANY = [m for m, ok in ((PackedLinear, packing_supported(CPU, torch.bfloat16)),
                         (WideLinear, widening_supported(CPU, torch.bfloat16))) if ok]
 needs_c = pytest.mark.skipif(not gemm.load_library(), reason="needs the C bf16 kernel")

@@ -1,5 +1,6 @@
 """The C bf16 GEMMs against their reference, F.linear in fp32 on the same bf16 values:
-gemm.c (AVX2 and generic: widened bf16, FMA) and dpbf16.c (AVX512-BF16).
+gemm.c (AVX2 and generic: widened bf16, FMA), dpbf16.c (AVX512-BF16) and amx.c (AMX
+tiles, from amx.FROM_ROWS rows of a K that is a multiple of 32; dpbf16.c below).
 
 Both accumulate in fp32 and round once to bf16; only the order of the sums differs, so
 results agree to a bf16 rounding step.
@@ -10,13 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loraplex.engine.kernels.cpu import dpbf16 as cpu_dpbf16, gemm as cpu_gemm
+from loraplex.engine.kernels.cpu import amx as cpu_amx, dpbf16 as cpu_dpbf16, gemm as cpu_gemm
 
 BF16_STEP = dict(rtol=2 ** -7, atol=1e-2)
 KERNELS = {
     "cpu_gemm": (cpu_gemm.pack_weight, cpu_gemm.cpu_gemm_bf16, cpu_gemm.Bf16Linear),
     "cpu_dpbf16": (cpu_dpbf16.pack_weight, cpu_dpbf16.dpbf16_linear, cpu_dpbf16.Dpbf16Linear),
+    "cpu_amx": (cpu_dpbf16.pack_weight, cpu_amx.tiled_linear, cpu_amx.AmxLinear),
 }
+needs_amx = pytest.mark.skipif(not cpu_amx.supported(), reason="this CPU has no AMX (or no C compiler)")
 
 
 @pytest.fixture(params=list(KERNELS))
@@ -26,6 +29,8 @@ def kernel(request):
         pytest.skip("no C compiler to build the CPU kernels")
     if request.param == "cpu_dpbf16" and not cpu_dpbf16.supported():
         pytest.skip("this CPU has no AVX512-BF16 (or no C compiler)")
+    if request.param == "cpu_amx" and not cpu_amx.supported():
+        pytest.skip("this CPU has no AMX (or no C compiler)")
     return KERNELS[request.param]
 
 
@@ -92,3 +97,49 @@ def test_launcher_refuses_what_the_kernel_cannot_read(kernel):
         linear(x, packed, 40)  # more columns than the panels hold
     with pytest.raises(AssertionError):
         linear(torch.randn(4, 9).bfloat16(), packed, 5)  # K mismatch
+
+
+# amx.c itself: one and two row tiles of a block (16, 17, 31, 32 rows), blocks padded
+# from x and read in place, two row chunks (300); pairs of panels, a last lone panel
+# (37, 80 columns) and partial columns; K of one tile step and of many.
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 31, 32, 33, 48, 64, 300])
+@pytest.mark.parametrize("n, k", [(96, 64), (37, 32), (16, 96), (80, 576), (130, 1536)])
+def test_amx_matches_f_linear(rows, n, k):
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    packed = cpu_dpbf16.pack_weight(w)
+    torch.testing.assert_close(cpu_amx.amx_linear(x, packed, n), _reference(x, w), **BF16_STEP)
+    torch.testing.assert_close(cpu_amx.amx_linear(x, packed, n, b), _reference(x, w, b), **BF16_STEP)
+
+
+@needs_amx
+def test_amx_rounds_once_from_the_fp32_result_on_strided_rows():
+    base = (torch.randn(64, 640) / 4).bfloat16()
+    x = base[:, 32:608]  # a column slice, as q/k/v and gate/up are: rows 640 apart
+    w = (torch.randn(960, 576) / 24).bfloat16()
+    exact = F.linear(x.float(), w.float())
+    err = (cpu_amx.amx_linear(x, cpu_dpbf16.pack_weight(w), 960).float() - exact).abs()
+    assert (err <= exact.abs() * 2 ** -8 + 1e-6).all()
+
+
+@needs_amx
+def test_amx_layer_takes_tiles_only_where_they_fill(monkeypatch):
+    # Below FROM_ROWS rows, and for a K no tile step divides, the layer runs vdpbf16ps;
+    # from FROM_ROWS rows of a tiled K, amx.c.
+    tiled = []
+    real = cpu_amx.amx_linear
+    monkeypatch.setattr(cpu_amx, "amx_linear", lambda x, *a: tiled.append(x.shape) or real(x, *a))
+    gen = torch.Generator().manual_seed(7)
+    for rows, k in ((cpu_amx.FROM_ROWS - 1, 64), (64, 72), (cpu_amx.FROM_ROWS, 64), (200, 576)):
+        x, w = torch.randn(rows, k, generator=gen).bfloat16(), torch.randn(40, k, generator=gen).bfloat16()
+        torch.testing.assert_close(cpu_amx.AmxLinear(w, None)(x), _reference(x, w), **BF16_STEP)
+    assert tiled == [(cpu_amx.FROM_ROWS, 64), (200, 576)]
+
+
+@needs_amx
+def test_amx_launcher_refuses_a_k_no_tile_step_divides():
+    with pytest.raises(AssertionError):
+        cpu_amx.amx_linear(torch.randn(32, 40).bfloat16(), cpu_dpbf16.pack_weight(torch.randn(8, 40).bfloat16()), 8)

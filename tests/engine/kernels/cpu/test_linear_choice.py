@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.kernels.cpu import dpbf16, gemm, linear_choice as lc
+from loraplex.engine.kernels.cpu import gemm, linear_choice as lc
+from loraplex.engine.kernels.cpu.backend import c_linear
 from loraplex.engine.kernels.torch.linear import PackedLinear, WideLinear, packing_supported, widening_supported
 
 CPU = torch.device("cpu")
-FEW = dpbf16.Dpbf16Linear if dpbf16.supported() else gemm.Bf16Linear
+FEW = c_linear()
 MANY = [m for m, ok in ((PackedLinear, packing_supported(CPU, torch.bfloat16)),
                         (WideLinear, widening_supported(CPU, torch.bfloat16))) if ok]
 both = pytest.mark.skipif(not (gemm.load_library() and MANY), reason="needs a C bf16 kernel and a oneDNN one")
