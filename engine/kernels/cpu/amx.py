@@ -19,7 +19,9 @@ _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _ARGTYPES = [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I, _I]
 M_CHUNK = 256  # rows per work item (amx.c M_CHUNK)
 K_STEP = 32  # values of k per tile
-FROM_ROWS = 16  # fewer rows fill a tile too sparsely to beat vdpbf16ps (bench_kernels_cpu.py)
+# One full A tile. A lone row streams no faster on tiles (0.86-0.99x vdpbf16ps,
+# bench_kernels_cpu.py); between 1 and 16 rows neither was measured the clear winner.
+FROM_ROWS = 16
 
 
 def load_library() -> ctypes.CDLL | None:
