@@ -2,9 +2,10 @@
 
 `AmxLinear` holds the weight packed once as dpbf16.c packs it (AMX's B tiles are that
 layout), and serves each call from the kernel that streams its row count fastest: AMX
-from `FROM_ROWS` rows, dpbf16.c's vdpbf16ps below (and for a K that is not a multiple of
-32, which AMX tiles cannot take). Its reference is `F.linear` on the same bf16 tensors,
-which the tests compare it with.
+from `FROM_ROWS` rows, dpbf16.c's vdpbf16ps below (a decode of a few rows streams the
+weights as fast there) and for a K that is not a multiple of 32, which AMX tiles cannot
+take. Its reference is `F.linear` on the same bf16 tensors, which the tests compare it
+with.
 """
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _ARGTYPES = [_P, _L, _P, _P, _P, _L, _I, _I, _I, _I, _I]
 M_CHUNK = 256  # rows per work item (amx.c M_CHUNK)
 K_STEP = 32  # values of k per tile
-# One full A tile. A lone row streams no faster on tiles (0.86-0.99x vdpbf16ps,
-# bench_kernels_cpu.py); between 1 and 16 rows neither was measured the clear winner.
-FROM_ROWS = 16
+# Against vdpbf16ps on SmolLM2's four projection shapes (bench_kernels_cpu.py, 2 threads of
+# an AMX Xeon): 1-2 rows 0.81-1.02x, 4 rows 0.86-1.20x, 8 rows 1.11-1.49x, 12 rows 1.55-1.89x.
+FROM_ROWS = 8
 
 
 def load_library() -> ctypes.CDLL | None:
