@@ -6,7 +6,9 @@ bf16, 2 threads. One engine per mode (greedy, temperature 1 unseeded and seeded,
 their steps interleaved one by one (benchmarks/lockstep.py: on these shared machines two
 runs one after the other differ by more than sampling costs). Prints each mode's output
 tok/s in its own time and its ratio to greedy, then the sampler alone on [64, vocab]
-logits: each kind of row against greedy (argmax) at the same shape.
+logits: each kind of row against greedy (argmax) at the same shape, top-p rows both
+through a sort and through the "cpu" backend's threshold (kernels/cpu/nucleus.c), which
+the engine's sampler uses on that backend.
 
     python benchmarks/bench_sampling.py                      # engine, then sampler alone
     python benchmarks/bench_sampling.py --skip-engine        # sampler alone (seconds)
@@ -27,6 +29,7 @@ from workload import random_lengths  # noqa: E402
 from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from loraplex.engine.engine import LLMEngine  # noqa: E402
 from loraplex.engine.request import SamplingParams  # noqa: E402
+from loraplex.engine.kernels.cpu import nucleus  # noqa: E402
 from loraplex.engine.sampler import Sampler, SampleRow  # noqa: E402
 
 
@@ -64,8 +67,8 @@ def run_engine(args: argparse.Namespace) -> dict[str, float]:
     return best
 
 
-def time_sampler(logits: torch.Tensor, rows: list[SampleRow], repeat: int) -> float:
-    sampler = Sampler(seed=0)
+def time_sampler(logits: torch.Tensor, rows: list[SampleRow], repeat: int, threshold: bool = False) -> float:
+    sampler = Sampler(seed=0, nucleus=nucleus.nucleus_threshold if threshold else None)
     sampler.sample(logits, rows)
     start = time.perf_counter()
     for _ in range(repeat):
@@ -88,9 +91,13 @@ def run_sampler(args: argparse.Namespace) -> None:
     base = None
     for name, kw in rows.items():
         batch = [SampleRow(SamplingParams(**kw), i) for i in range(args.batch)]
-        sec = time_sampler(logits, batch, args.repeat)
-        base = base or sec
-        print(f"  {name:<27} {sec * 1e3:8.2f} ms per step   {sec / base:6.2f}x greedy", flush=True)
+        ways = [(name, False)]
+        if "top_p" in kw and nucleus.load_library() is not None:
+            ways = [(f"{name} (sort)", False), (f"{name} (threshold)", True)]
+        for label, threshold in ways:
+            sec = time_sampler(logits, batch, args.repeat, threshold)
+            base = base or sec
+            print(f"  {label:<39} {sec * 1e3:8.2f} ms per step   {sec / base:6.2f}x greedy", flush=True)
 
 
 def main() -> None:

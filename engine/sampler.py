@@ -3,14 +3,15 @@ temperature, min-p, top-k, top-p, per-request seeds, top-n logprobs.
 
 The whole batch is sampled in a few tensor operations: greedy rows by one argmax, the
 others by one pass over their probabilities and noise for one block of tokens per row
-(for all rows at once); only rows with top-k or top-p go through a partial sort. Each
+(for all rows at once); only rows with top-k go through a partial sort, and rows with
+top-p too where the kernel backend has no threshold kernel (the "cpu" backend has). Each
 processor runs only on the rows that ask for it; a batch where no row asks for one pays
 nothing for it.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -153,8 +154,18 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
 
 
-def _draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Temperature, min-p, then top-k / top-p, and one draw per row of [rows, vocab]."""
+# nucleus(weights [rows, vocab] fp32 >= 0, top_p [rows] fp32) -> tau [rows]: the largest
+# value whose weights >= it hold top_p of the row's total; the weights below it are set
+# to 0 in place (kernels/cpu/nucleus.py).
+Nucleus = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, keys: torch.Tensor,
+          nucleus: Nucleus | None = None) -> torch.Tensor:
+    """Temperature, min-p, then top-k / top-p, and one draw per row of [rows, vocab].
+    With `nucleus`, rows with top-p and no top-k keep the tokens at or above their
+    threshold (the smallest prefix reaching top_p and any token tied with its last)
+    instead of going through a sort."""
     vocab = logits.shape[-1]
     # Shifted so each row's top logit is 0: exp() below cannot overflow, and min-p
     # (p < min_p * p_max) becomes a threshold on the log-ratio.
@@ -165,13 +176,21 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, k
         floor = _column([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], scaled)
         scaled.masked_fill_(scaled < floor, -math.inf)
     filtered = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
-    if not filtered:
+    nuclear = [j for j in filtered if not 0 < params[j].top_k < vocab] if nucleus is not None else []
+    filtered = [j for j in filtered if j not in nuclear]
+    if not filtered and not nuclear:
         return draw(scaled.exp_(), u, keys)
     tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
-    plain = sorted(set(range(len(params))) - set(filtered))
+    plain = sorted(set(range(len(params))) - set(filtered) - set(nuclear))
     if plain:
         tokens[plain] = draw(scaled[plain].exp_(), u[plain], keys[plain])
-    tokens[filtered] = _draw_top_k_top_p(scaled[filtered], [params[j] for j in filtered], u[filtered], keys[filtered])
+    if nuclear:
+        weights = scaled.exp_() if len(nuclear) == len(params) else scaled[nuclear].exp_()
+        nucleus(weights, torch.tensor([params[j].top_p for j in nuclear], dtype=torch.float32))
+        tokens[nuclear] = draw(weights, u[nuclear], keys[nuclear])
+    if filtered:
+        tokens[filtered] = _draw_top_k_top_p(scaled[filtered], [params[j] for j in filtered], u[filtered],
+                                             keys[filtered])
     return tokens
 
 
@@ -207,8 +226,11 @@ def _draw_top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams], u: tor
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, nucleus: Nucleus | None = None) -> None:
+        """`nucleus`: the kernel backend's top-p threshold (`KernelBackend.nucleus`), or
+        None to find top-p nuclei by a sort."""
         self.generator = torch.Generator().manual_seed(seed)
+        self.nucleus = nucleus
         # logit_bias as (token ids, values) tensors, per SamplingParams of the last step's
         # rows: a request pays for building them once, not every step.
         self._bias: dict[int, tuple[SamplingParams, torch.Tensor, torch.Tensor]] = {}
@@ -238,12 +260,12 @@ class Sampler:
             noise = self._noise([rows[i] for i in drawn])
             params = [rows[i].params for i in drawn]
             if len(drawn) == len(rows):
-                tokens = _draw(logits, params, *noise)
+                tokens = _draw(logits, params, *noise, self.nucleus)
             else:
                 tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
                 greedy = [i for i, r in enumerate(rows) if not _is_drawn(r.params)]
                 tokens[greedy] = greedy_tokens(logits[greedy])
-                tokens[drawn] = _draw(logits[drawn], params, *noise)
+                tokens[drawn] = _draw(logits[drawn], params, *noise, self.nucleus)
         out_tokens = tokens.tolist()
         for row, token in zip(rows, out_tokens):
             if row.grammar is not None:

@@ -79,7 +79,7 @@ class ModelRunner:
             self.model.pack_weights(make_linear)
         self.model.set_attention_ops(self.backend.write_kv, self.backend.paged_attention)
         self.model.set_layer_ops(self.backend.layer_ops())
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, self.backend.nucleus)
         self.lora = lora_manager
         if lora_manager is not None:  # adapter rows before sizing the KV cache and capturing
             lora_manager.bind(arch, self.dtype, self.device, self.backend.lora_backend,

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from loraplex.engine.kernels.cpu import nucleus as cpu_nucleus
 from loraplex.engine.request import SamplingParams
 from loraplex.engine.sampler import Sampler, SampleRow, draw
 from tests.engine.test_sampler import _chi2, reference_probs, reference_process
@@ -16,14 +17,20 @@ _LOGITS = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -1.5, 1.4, 0.7, -0.2, 0.9])
 _CHI2_LIMIT = {1: 15.2, 2: 18.5, 3: 21.2, 4: 23.6, 5: 25.8, 6: 27.9, 7: 29.9, 8: 31.9, 9: 33.8}
 
 
+# How top-p nuclei are found: a sort (every backend), or the "cpu" backend's threshold.
+NUCLEI = [pytest.param(None, id="sort"),
+          pytest.param(cpu_nucleus.nucleus_threshold, id="cpu_threshold",
+                       marks=pytest.mark.skipif(cpu_nucleus.load_library() is None, reason="no C compiler"))]
+
+
 def _counts(tokens: list[int], vocab: int) -> list[int]:
     return [tokens.count(i) for i in range(vocab)]
 
 
-def _draw_many(params: SamplingParams, n: int, seeded: bool) -> list[int]:
+def _draw_many(params: SamplingParams, n: int, seeded: bool, nucleus=None) -> list[int]:
     rows = [SampleRow(params if not seeded else SamplingParams(**{**params.__dict__, "seed": s}), 0)
             for s in range(n)]
-    tokens, _ = Sampler(seed=5).sample(_LOGITS.expand(n, -1).contiguous(), rows)
+    tokens, _ = Sampler(seed=5, nucleus=nucleus).sample(_LOGITS.expand(n, -1).contiguous(), rows)
     return tokens
 
 
@@ -31,11 +38,12 @@ def _draw_many(params: SamplingParams, n: int, seeded: bool) -> list[int]:
                                 dict(min_p=0.15), dict(temperature=1.5, top_k=6, top_p=0.9, min_p=0.05),
                                 dict(temperature=2.0, top_p=0.97)])
 @pytest.mark.parametrize("seeded", [True, False])
-def test_filtered_distributions_match_the_per_row_reference(kw, seeded):
+@pytest.mark.parametrize("nucleus", NUCLEI)
+def test_filtered_distributions_match_the_per_row_reference(kw, seeded, nucleus):
     params = SamplingParams(**kw)
     want = reference_probs(_LOGITS, params).float()
     n = 8000
-    tokens = _draw_many(params, n, seeded)
+    tokens = _draw_many(params, n, seeded, nucleus)
     support = [i for i, p in enumerate(want.tolist()) if p > 0]
     assert set(tokens) == set(support)  # every kept token shows at these masses, no dropped one does
     counts = [_counts(tokens, len(_LOGITS))[i] for i in support]
@@ -45,7 +53,8 @@ def test_filtered_distributions_match_the_per_row_reference(kw, seeded):
     assert _chi2(counts, wrong / wrong.sum()) > 60
 
 
-def test_top_p_nucleus_wider_than_the_partial_sort_is_drawn_from_whole():
+@pytest.mark.parametrize("nucleus", NUCLEI)
+def test_top_p_nucleus_wider_than_the_partial_sort_is_drawn_from_whole(nucleus):
     vocab = 3000  # flat logits: the 0.9 nucleus holds ~2700 tokens
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(1)) * 0.3
     params = SamplingParams(top_p=0.9)
@@ -53,7 +62,7 @@ def test_top_p_nucleus_wider_than_the_partial_sort_is_drawn_from_whole():
     assert 2000 < len(support) < vocab
     n = 3000
     rows = [SampleRow(SamplingParams(top_p=0.9, seed=s), 0) for s in range(n)]
-    tokens, _ = Sampler().sample(logits.expand(n, -1).contiguous(), rows)
+    tokens, _ = Sampler(nucleus=nucleus).sample(logits.expand(n, -1).contiguous(), rows)
     assert set(tokens) <= support
     ranks = torch.argsort(torch.argsort(logits, descending=True))
     assert max(int(ranks[t]) for t in tokens) > 1500, "draws reach deep into the nucleus"
@@ -65,7 +74,8 @@ _KINDS = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperat
 
 
 @pytest.mark.parametrize("kind", range(len(_KINDS)))
-def test_seeded_request_draws_the_same_alone_and_in_any_mixed_batch(kind):
+@pytest.mark.parametrize("nucleus", NUCLEI)
+def test_seeded_request_draws_the_same_alone_and_in_any_mixed_batch(kind, nucleus):
     vocab = 500
     gen = torch.Generator().manual_seed(kind)
     target_logits = torch.randn(vocab, generator=gen) * 2
@@ -75,14 +85,14 @@ def test_seeded_request_draws_the_same_alone_and_in_any_mixed_batch(kind):
     rng = random.Random(kind)
     for index in (0, 1, 7, 300):
         target = SampleRow(SamplingParams(seed=42, **_KINDS[kind]), index, [5, 6], [7, 7])
-        alone, _ = Sampler(seed=1).sample(target_logits[None].clone(), [target])
+        alone, _ = Sampler(seed=1, nucleus=nucleus).sample(target_logits[None].clone(), [target])
         for trial in range(4):
             chosen = rng.sample(range(len(others)), rng.randint(1, len(others)))
             pos = rng.randint(0, len(chosen))
             rows = [others[j] for j in chosen]
             rows.insert(pos, target)
             logits = torch.cat([other_logits[chosen[:pos]], target_logits[None], other_logits[chosen[pos:]]])
-            tokens, _ = Sampler(seed=trial + 10).sample(logits, rows)
+            tokens, _ = Sampler(seed=trial + 10, nucleus=nucleus).sample(logits, rows)
             assert tokens[pos] == alone[0], (index, chosen, pos)
 
 

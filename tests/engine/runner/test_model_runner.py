@@ -227,3 +227,13 @@ def test_building_an_engine_does_not_import_torch_dynamo(tiny_llama_dir):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_the_sampler_finds_top_p_nuclei_with_its_backends_kernel(kernels, tiny_llama_dir):
+    # The "cpu" backend's threshold (no sort), the torch backend's sort.
+    from loraplex.engine.kernels.cpu import nucleus
+    if kernels == "cpu" and nucleus.load_library() is None:
+        pytest.skip("needs the C kernels")
+    runner = LLMEngine(EngineConfig(model=ModelConfig(model=str(tiny_llama_dir)), kernels=kernels)).runner
+    assert runner.sampler.nucleus is (nucleus.nucleus_threshold if kernels == "cpu" else None)

@@ -1,0 +1,54 @@
+"""The C top-p threshold (nucleus.c) against its reference, a sort."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.engine.kernels.cpu.nucleus import load_library, nucleus_threshold, reference_nucleus_threshold
+
+pytestmark = pytest.mark.skipif(load_library() is None, reason="no C compiler to build the CPU kernel")
+
+
+def _weights(rows: int, vocab: int, scale: float, seed: int) -> torch.Tensor:
+    # bf16 logits, as a bf16 model's: many exact ties among the weights
+    gen = torch.Generator().manual_seed(seed)
+    s = (torch.randn(rows, vocab, generator=gen) * scale).bfloat16().float()
+    return (s - s.amax(-1, keepdim=True)).exp()
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 4.0, 30.0])  # flat rows (wide nuclei) to one-token ones
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 49152])
+def test_matches_the_sorted_prefix(scale, vocab):
+    w = _weights(16, vocab, scale, seed=vocab)
+    w[:, 1::5] = 0  # tokens a filter (min-p) removed
+    gen = torch.Generator().manual_seed(1)
+    top_p = torch.cat([torch.tensor([1.0, 1e-7, 0.999999, 0.5]), torch.rand(12, generator=gen)])
+    want = reference_nucleus_threshold(w, top_p)
+    kept = w.clone()
+    tau = nucleus_threshold(kept, top_p)
+    assert torch.equal(tau, want)
+    assert tau[0] == 0  # top_p 1: every token
+    assert torch.equal(kept, torch.where(w >= want[:, None], w, 0))  # the rest set to 0 in place
+
+
+def test_the_nucleus_is_the_smallest_prefix_reaching_top_p_and_its_ties():
+    # Masses 8, 4, 4, 2, 1, 1 of 20 and top_p values exact in binary: the boundaries are exact.
+    w = torch.tensor([[2.0, 8.0, 4.0, 4.0, 1.0, 1.0]])
+    for p, kept in ((0.375, {1}), (0.5, {1, 2, 3}), (0.75, {1, 2, 3}), (0.8125, {0, 1, 2, 3}),
+                    (0.9375, {0, 1, 2, 3, 4, 5})):
+        assert set(torch.nonzero(w[0] >= nucleus_threshold(w.clone(), torch.tensor([p]))).flatten().tolist()) == kept, p
+
+
+def test_reads_rows_with_a_stride():
+    w = _weights(8, 300, 1.0, seed=3)
+    wide = torch.cat([w, torch.ones(8, 50)], 1)
+    top_p = torch.full((8,), 0.9)
+    assert torch.equal(nucleus_threshold(wide[:, :300], top_p), reference_nucleus_threshold(w, top_p))
+    assert torch.equal(wide[:, 300:], torch.ones(8, 50))  # the columns past the view untouched
+
+
+def test_launcher_refuses_what_the_kernel_cannot_read():
+    with pytest.raises(AssertionError):
+        nucleus_threshold(torch.ones(2, 5, dtype=torch.float64), torch.ones(2))
+    with pytest.raises(AssertionError):
+        nucleus_threshold(torch.ones(2, 5), torch.ones(3))
