@@ -23,6 +23,7 @@ def nucleus_threshold(weights: torch.Tensor, top_p: torch.Tensor) -> torch.Tenso
     lib = load_library()
     assert lib is not None, "load_library() returned None: use reference_nucleus_threshold"
     assert weights.dtype == top_p.dtype == torch.float32 and weights.dim() == 2 and weights.stride(1) == 1
+    assert weights.device.type == top_p.device.type == "cpu", (weights.device, top_p.device)
     assert top_p.shape == (weights.shape[0],) and top_p.is_contiguous()
     tau = torch.empty(weights.shape[0], dtype=torch.float32)
     if weights.shape[0]:
