@@ -3,8 +3,8 @@ temperature, min-p, top-k, top-p, per-request seeds, top-n logprobs.
 
 The whole batch is sampled in a few tensor operations: greedy rows by one argmax, the
 others by one pass over their probabilities and noise for one block of tokens per row
-(for all rows at once); only rows with top-k go through a partial sort, and rows with
-top-p too where the kernel backend has no threshold kernel (the "cpu" backend has). Each
+(for all rows at once); rows with top-k or top-p go through a partial sort where the
+kernel backend has no threshold kernel for them (the "cpu" backend has). Each
 processor runs only on the rows that ask for it; a batch where no row asks for one pays
 nothing for it.
 """
@@ -154,18 +154,19 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
 
 
-# nucleus(weights [rows, vocab] fp32 >= 0, top_p [rows] fp32) -> tau [rows]: the largest
-# value whose weights >= it hold top_p of the row's total; the weights below it are set
-# to 0 in place (kernels/cpu/nucleus.py).
-Nucleus = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# nucleus(weights [rows, vocab] fp32 >= 0, top_p [rows] fp32, top_k [rows] int32) -> tau
+# [rows]: top-k's k-th largest weight, then the largest value whose weights >= it hold
+# top_p of what top-k kept; the weights below it are set to 0 in place
+# (kernels/cpu/nucleus.py).
+Nucleus = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, keys: torch.Tensor,
           nucleus: Nucleus | None = None) -> torch.Tensor:
     """Temperature, min-p, then top-k / top-p, and one draw per row of [rows, vocab].
-    With `nucleus`, rows with top-p and no top-k keep the tokens at or above their
-    threshold (the smallest prefix reaching top_p and any token tied with its last)
-    instead of going through a sort."""
+    With `nucleus`, rows with top-k or top-p keep the tokens at or above their
+    threshold (the top k, then the smallest prefix of them reaching top_p, each with any
+    token tied with its last) instead of going through a sort."""
     vocab = logits.shape[-1]
     # Shifted so each row's top logit is 0: exp() below cannot overflow, and min-p
     # (p < min_p * p_max) becomes a threshold on the log-ratio.
@@ -176,21 +177,20 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, k
         floor = _column([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], scaled)
         scaled.masked_fill_(scaled < floor, -math.inf)
     filtered = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
-    nuclear = [j for j in filtered if not 0 < params[j].top_k < vocab] if nucleus is not None else []
-    filtered = [j for j in filtered if j not in nuclear]
-    if not filtered and not nuclear:
+    if not filtered:
         return draw(scaled.exp_(), u, keys)
     tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
-    plain = sorted(set(range(len(params))) - set(filtered) - set(nuclear))
+    plain = sorted(set(range(len(params))) - set(filtered))
     if plain:
         tokens[plain] = draw(scaled[plain].exp_(), u[plain], keys[plain])
-    if nuclear:
-        weights = scaled.exp_() if len(nuclear) == len(params) else scaled[nuclear].exp_()
-        nucleus(weights, torch.tensor([params[j].top_p for j in nuclear], dtype=torch.float32))
-        tokens[nuclear] = draw(weights, u[nuclear], keys[nuclear])
-    if filtered:
+    if nucleus is None:
         tokens[filtered] = _draw_top_k_top_p(scaled[filtered], [params[j] for j in filtered], u[filtered],
                                              keys[filtered])
+        return tokens
+    weights = scaled.exp_() if len(filtered) == len(params) else scaled[filtered].exp_()
+    nucleus(weights, torch.tensor([params[j].top_p for j in filtered], dtype=torch.float32),
+            torch.tensor([params[j].top_k if 0 < params[j].top_k < vocab else 0 for j in filtered], dtype=torch.int32))
+    tokens[filtered] = draw(weights, u[filtered], keys[filtered])
     return tokens
 
 

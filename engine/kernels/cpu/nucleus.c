@@ -1,12 +1,13 @@
-/* Top-p (nucleus) thresholds without a sort: for each row of non-negative weights w
- * (exp of the scaled logits; 0 where a filter removed a token), the largest value tau
- * such that the weights >= tau hold at least top_p of the row's total. The nucleus is
- * then {w >= tau}: the sort-based rule's smallest prefix reaching top_p, plus any token
- * tied with its last one (whose place among equals a sort decides arbitrarily).
+/* Top-k and top-p (nucleus) thresholds without a sort: for each row of non-negative
+ * weights w (exp of the scaled logits; 0 where a filter removed a token), the k-th
+ * largest weight, then the largest value tau such that the weights >= tau hold at least
+ * top_p of what top-k kept. The nucleus is then {w >= tau}: the sort-based rule's top
+ * k, then smallest prefix reaching top_p, each plus any token tied with its last one
+ * (whose place among equals a sort decides arbitrarily).
  *
  * A sort of a 49,152-token row took ~1.5 ms (torch, 2 threads, 64 rows: ~100 ms). Here
  * a radix select over the weights' bits (non-negative floats order as their integer
- * bits): one pass sums each row's mass into 2048 buckets of the top 11 bits (two
+ * bits): one pass sums each row's mass (top-p) or count (top-k) into 2048 buckets of the top 11 bits (two
  * interleaved histograms, so runs of tokens in one bucket do not wait on each other's
  * adds), the bucket where the running mass from the top crosses the target is refined
  * by a pass over its members with the next 10 bits, then the last 10: three passes,
@@ -36,20 +37,23 @@ static int crossing(const double *hist, int n, double target, double *above) {
     return 0;
 }
 
-static float row_threshold(const float *w, int vocab, float top_p, double *hist, float *members) {
+/* The largest value v of w such that the tokens with w >= v hold at least `top_p` of
+ * the row's mass (by_count = 0) or number at least `k` (by_count = 1). */
+static float select_threshold(const float *w, int vocab, int by_count, double k, double top_p, double *hist,
+                              float *members) {
     double *odd = hist + (1 << B1), total = 0.0, above = 0.0;
     memset(hist, 0, sizeof(double) << (B1 + 1));
     int i = 0;
     for (; i + 1 < vocab; i += 2) {
-        hist[bits_of(w[i]) >> (B2 + B3)] += w[i];
-        odd[bits_of(w[i + 1]) >> (B2 + B3)] += w[i + 1];
+        hist[bits_of(w[i]) >> (B2 + B3)] += by_count ? 1.0 : w[i];
+        odd[bits_of(w[i + 1]) >> (B2 + B3)] += by_count ? 1.0 : w[i + 1];
     }
-    if (i < vocab) hist[bits_of(w[i]) >> (B2 + B3)] += w[i];
+    if (i < vocab) hist[bits_of(w[i]) >> (B2 + B3)] += by_count ? 1.0 : w[i];
     for (int b = 0; b < 1 << B1; b++) {
         hist[b] += odd[b];
         total += hist[b];
     }
-    const double target = top_p * total;
+    const double target = by_count ? k : top_p * total;
     const uint32_t b1 = (uint32_t)crossing(hist, 1 << B1, target, &above);
     /* The crossing bucket's members, gathered without a branch: they are a random
      * tenth or so of a flat row, a branch on each would mispredict at that rate. */
@@ -59,7 +63,7 @@ static float row_threshold(const float *w, int vocab, float top_p, double *hist,
         n += bits_of(w[i]) >> (B2 + B3) == b1;
     }
     memset(hist, 0, sizeof(double) << B2);
-    for (i = 0; i < n; i++) hist[(bits_of(members[i]) >> B3) & ((1u << B2) - 1)] += members[i];
+    for (i = 0; i < n; i++) hist[(bits_of(members[i]) >> B3) & ((1u << B2) - 1)] += by_count ? 1.0 : members[i];
     const uint32_t b2 = (uint32_t)crossing(hist, 1 << B2, target, &above);
     const uint32_t prefix = (b1 << B2) | b2;
     int m = 0;
@@ -68,7 +72,7 @@ static float row_threshold(const float *w, int vocab, float top_p, double *hist,
         m += bits_of(members[i]) >> B3 == prefix;
     }
     memset(hist, 0, sizeof(double) << B3);
-    for (i = 0; i < m; i++) hist[bits_of(members[i]) & ((1u << B3) - 1)] += members[i];
+    for (i = 0; i < m; i++) hist[bits_of(members[i]) & ((1u << B3) - 1)] += by_count ? 1.0 : members[i];
     const uint32_t b3 = (uint32_t)crossing(hist, 1 << B3, target, &above);
     const uint32_t tau = (prefix << B3) | b3;
     float f;
@@ -76,11 +80,17 @@ static float row_threshold(const float *w, int vocab, float top_p, double *hist,
     return f;
 }
 
+static void zero_below(float *row, int vocab, float t) {
+    for (int i = 0; i < vocab; i++) row[i] = row[i] >= t ? row[i] : 0.f;
+}
+
 /* w [rows, vocab] (row stride `stride`, every weight >= 0 and finite, some > 0 per row),
- * top_p [rows] in (0, 1]; tau [rows] out (0 where top_p >= 1: every token), and each
- * row's weights below its tau set to 0 in place (a masked_fill by torch on a [64,
- * 49152] batch took ~5 ms, longer than finding the thresholds). Rows [begin, end). */
-int nucleus_threshold_f32(float *w, int64_t stride, int vocab, const float *top_p, float *tau,
+ * top_k [rows] (0: none) and top_p [rows] in (0, 1] (1: none); tau [rows] out: top-k's
+ * threshold (its k-th largest weight), then top-p's over what top-k kept (the mass it
+ * renormalizes by), 0 where neither applies. Each row's weights below its tau are set
+ * to 0 in place (a masked_fill by torch on a [64, 49152] batch took ~5 ms, longer than
+ * finding the thresholds). Rows [begin, end). */
+int nucleus_threshold_f32(float *w, int64_t stride, int vocab, const int32_t *top_k, const float *top_p, float *tau,
                           int begin, int end) {
     int rc = 0;
     #pragma omp parallel if (end - begin >= 2) reduction(|: rc)
@@ -91,13 +101,16 @@ int nucleus_threshold_f32(float *w, int64_t stride, int vocab, const float *top_
         #pragma omp for schedule(dynamic, 1)
         for (int r = begin; r < end; r++) {
             if (!hist || !members) continue;
-            if (top_p[r] >= 1.f) {
-                tau[r] = 0.f;
-                continue;
-            }
             float *row = w + (int64_t)r * stride;
-            const float t = tau[r] = row_threshold(row, vocab, top_p[r], hist, members);
-            for (int i = 0; i < vocab; i++) row[i] = row[i] >= t ? row[i] : 0.f;
+            tau[r] = 0.f;
+            if (top_k[r] > 0 && top_k[r] < vocab) {
+                tau[r] = select_threshold(row, vocab, 1, top_k[r], 1.0, hist, members);
+                zero_below(row, vocab, tau[r]);
+            }
+            if (top_p[r] < 1.f) {
+                tau[r] = select_threshold(row, vocab, 0, 0.0, top_p[r], hist, members);
+                zero_below(row, vocab, tau[r]);
+            }
         }
         free(hist);
         free(members);

@@ -1,4 +1,4 @@
-"""The C top-p threshold (nucleus.c) against its reference, a sort."""
+"""The C top-k / top-p threshold (nucleus.c) against its reference, a sort."""
 from __future__ import annotations
 
 import pytest
@@ -22,33 +22,49 @@ def test_matches_the_sorted_prefix(scale, vocab):
     w = _weights(16, vocab, scale, seed=vocab)
     w[:, 1::5] = 0  # tokens a filter (min-p) removed
     gen = torch.Generator().manual_seed(1)
-    top_p = torch.cat([torch.tensor([1.0, 1e-7, 0.999999, 0.5]), torch.rand(12, generator=gen)])
-    want = reference_nucleus_threshold(w, top_p)
+    top_p = torch.cat([torch.tensor([1.0, 1e-7, 0.999999, 0.5]), torch.rand(12, generator=gen)]).repeat(3)
+    # none, then top-k alone or with top-p: 1, 50, the whole vocabulary, more than it
+    top_k = torch.tensor([0] * 16 + [1, 50, vocab, vocab + 5] * 8, dtype=torch.int32)
+    top_p[16:32] = 1.0
+    w = w.repeat(3, 1)
+    want = reference_nucleus_threshold(w, top_p, top_k)
     kept = w.clone()
-    tau = nucleus_threshold(kept, top_p)
+    tau = nucleus_threshold(kept, top_p, top_k)
     assert torch.equal(tau, want)
-    assert tau[0] == 0  # top_p 1: every token
+    assert tau[0] == 0  # top_p 1, no top_k: every token
     assert torch.equal(kept, torch.where(w >= want[:, None], w, 0))  # the rest set to 0 in place
 
 
 def test_the_nucleus_is_the_smallest_prefix_reaching_top_p_and_its_ties():
     # Masses 8, 4, 4, 2, 1, 1 of 20 and top_p values exact in binary: the boundaries are exact.
     w = torch.tensor([[2.0, 8.0, 4.0, 4.0, 1.0, 1.0]])
-    for p, kept in ((0.375, {1}), (0.5, {1, 2, 3}), (0.75, {1, 2, 3}), (0.8125, {0, 1, 2, 3}),
+    def kept(p: float, k: int = 0) -> set[int]:
+        tau = nucleus_threshold(w.clone(), torch.tensor([p]), torch.tensor([k], dtype=torch.int32))
+        return set(torch.nonzero(w[0] >= tau).flatten().tolist())
+
+    for p, want in ((0.375, {1}), (0.5, {1, 2, 3}), (0.75, {1, 2, 3}), (0.8125, {0, 1, 2, 3}),
                     (0.9375, {0, 1, 2, 3, 4, 5})):
-        assert set(torch.nonzero(w[0] >= nucleus_threshold(w.clone(), torch.tensor([p]))).flatten().tolist()) == kept, p
+        assert kept(p) == want, p
+    assert kept(1.0, 1) == {1} and kept(1.0, 2) == {1, 2, 3} and kept(1.0, 4) == {0, 1, 2, 3}  # ties at the k-th
+    # top-p over what top-k kept: 0.9375 of the top 4's 18 needs all four, not the two
+    # top-k dropped (0.9375 of the row's 20 would take them too); 0.625 of 16 is 8 + a tied 4
+    assert kept(0.9375, 4) == {0, 1, 2, 3} and kept(0.75, 1) == {1} and kept(0.625, 3) == {1, 2, 3}
 
 
 def test_reads_rows_with_a_stride():
     w = _weights(8, 300, 1.0, seed=3)
     wide = torch.cat([w, torch.ones(8, 50)], 1)
     top_p = torch.full((8,), 0.9)
-    assert torch.equal(nucleus_threshold(wide[:, :300], top_p), reference_nucleus_threshold(w, top_p))
+    top_k = torch.tensor([0, 10] * 4, dtype=torch.int32)
+    assert torch.equal(nucleus_threshold(wide[:, :300], top_p, top_k), reference_nucleus_threshold(w, top_p, top_k))
     assert torch.equal(wide[:, 300:], torch.ones(8, 50))  # the columns past the view untouched
 
 
 def test_launcher_refuses_what_the_kernel_cannot_read():
+    none = torch.zeros(2, dtype=torch.int32)
     with pytest.raises(AssertionError):
-        nucleus_threshold(torch.ones(2, 5, dtype=torch.float64), torch.ones(2))
+        nucleus_threshold(torch.ones(2, 5, dtype=torch.float64), torch.ones(2), none)
     with pytest.raises(AssertionError):
-        nucleus_threshold(torch.ones(2, 5), torch.ones(3))
+        nucleus_threshold(torch.ones(2, 5), torch.ones(3), none)
+    with pytest.raises(AssertionError):
+        nucleus_threshold(torch.ones(2, 5), torch.ones(2), none.long())
