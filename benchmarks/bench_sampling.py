@@ -6,9 +6,9 @@ bf16, 2 threads. One engine per mode (greedy, temperature 1 unseeded and seeded,
 their steps interleaved one by one (benchmarks/lockstep.py: on these shared machines two
 runs one after the other differ by more than sampling costs). Prints each mode's output
 tok/s in its own time and its ratio to greedy, then the sampler alone on [64, vocab]
-logits: each kind of row against greedy (argmax) at the same shape, top-k and top-p rows
-both through a sort and through the "cpu" backend's threshold (kernels/cpu/nucleus.c),
-which the engine's sampler uses on that backend.
+logits: each kind of row against greedy (argmax) at the same shape, min-p, top-k and
+top-p rows both through torch (masks, sorts) and through the "cpu" backend's thresholds
+(kernels/cpu/nucleus.c), which the engine's sampler uses on that backend.
 
     python benchmarks/bench_sampling.py                      # engine, then sampler alone
     python benchmarks/bench_sampling.py --skip-engine        # sampler alone (seconds)
@@ -92,8 +92,8 @@ def run_sampler(args: argparse.Namespace) -> None:
     for name, kw in rows.items():
         batch = [SampleRow(SamplingParams(**kw), i) for i in range(args.batch)]
         ways = [(name, False)]
-        if ("top_p" in kw or "top_k" in kw) and nucleus.load_library() is not None:
-            ways = [(f"{name} (sort)", False), (f"{name} (threshold)", True)]
+        if {"top_p", "top_k", "min_p"} & kw.keys() and nucleus.load_library() is not None:
+            ways = [(f"{name} (torch)", False), (f"{name} (threshold)", True)]
         for label, threshold in ways:
             sec = time_sampler(logits, batch, args.repeat, threshold)
             base = base or sec

@@ -4,7 +4,8 @@ temperature, min-p, top-k, top-p, per-request seeds, top-n logprobs.
 The whole batch is sampled in a few tensor operations: greedy rows by one argmax, the
 others by one pass over their probabilities and noise for one block of tokens per row
 (for all rows at once); rows with top-k or top-p go through a partial sort where the
-kernel backend has no threshold kernel for them (the "cpu" backend has). Each
+kernel backend has no threshold kernel for them (the "cpu" backend's nucleus.c takes
+min-p, top-k and top-p without one). Each
 processor runs only on the rows that ask for it; a batch where no row asks for one pays
 nothing for it.
 """
@@ -154,25 +155,24 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
 
 
-# nucleus(weights [rows, vocab] fp32 >= 0, top_p [rows] fp32, top_k [rows] int32) -> tau
-# [rows]: top-k's k-th largest weight, then the largest value whose weights >= it hold
-# top_p of what top-k kept; the weights below it are set to 0 in place
-# (kernels/cpu/nucleus.py).
-Nucleus = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# nucleus(weights [rows, vocab] fp32 >= 0, each row's largest 1; min_p [rows] fp32, top_k
+# [rows] int32, top_p [rows] fp32) -> tau [rows]: min-p's floor, top-k's k-th largest
+# weight, then the largest value whose weights >= it hold top_p of what those kept; the
+# weights below it are set to 0 in place (kernels/cpu/nucleus.py).
+Nucleus = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, keys: torch.Tensor,
           nucleus: Nucleus | None = None) -> torch.Tensor:
-    """Temperature, min-p, then top-k / top-p, and one draw per row of [rows, vocab].
-    With `nucleus`, rows with top-k or top-p keep the tokens at or above their
-    threshold (the top k, then the smallest prefix of them reaching top_p, each with any
-    token tied with its last) instead of going through a sort."""
+    """Temperature, min-p, then top-k / top-p, and one draw per row of [rows, vocab]."""
     vocab = logits.shape[-1]
     # Shifted so each row's top logit is 0: exp() below cannot overflow, and min-p
     # (p < min_p * p_max) becomes a threshold on the log-ratio.
     scaled = logits - logits.amax(-1, keepdim=True)
     if any(p.temperature != 1.0 for p in params):
         scaled.div_(_column([p.temperature for p in params], scaled))
+    if nucleus is not None:
+        return _draw_thresholds(scaled, params, u, keys, nucleus)
     if any(p.min_p > 0 for p in params):
         floor = _column([math.log(p.min_p) if p.min_p > 0 else -math.inf for p in params], scaled)
         scaled.masked_fill_(scaled < floor, -math.inf)
@@ -183,15 +183,27 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, k
     plain = sorted(set(range(len(params))) - set(filtered))
     if plain:
         tokens[plain] = draw(scaled[plain].exp_(), u[plain], keys[plain])
-    if nucleus is None:
-        tokens[filtered] = _draw_top_k_top_p(scaled[filtered], [params[j] for j in filtered], u[filtered],
-                                             keys[filtered])
-        return tokens
-    weights = scaled.exp_() if len(filtered) == len(params) else scaled[filtered].exp_()
-    nucleus(weights, torch.tensor([params[j].top_p for j in filtered], dtype=torch.float32),
-            torch.tensor([params[j].top_k if 0 < params[j].top_k < vocab else 0 for j in filtered], dtype=torch.int32))
-    tokens[filtered] = draw(weights, u[filtered], keys[filtered])
+    tokens[filtered] = _draw_top_k_top_p(scaled[filtered], [params[j] for j in filtered], u[filtered], keys[filtered])
     return tokens
+
+
+def _draw_thresholds(scaled: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, keys: torch.Tensor,
+                     nucleus: Nucleus) -> torch.Tensor:
+    """`_draw` through the kernel backend's `nucleus`: each row with min-p, top-k or
+    top-p keeps the weights at or above its thresholds (each rule's boundary token with
+    any token tied with it; a sort would order equals arbitrarily), without a sort."""
+    vocab = scaled.shape[-1]
+    weights = scaled.exp_()  # each row's largest is 1: min-p's floor is min_p itself
+    filtered = [j for j, p in enumerate(params) if p.min_p > 0 or 0 < p.top_k < vocab or p.top_p < 1]
+    if filtered:
+        rows = weights if len(filtered) == len(params) else weights[filtered]
+        nucleus(rows, torch.tensor([params[j].min_p for j in filtered], dtype=torch.float32),
+                torch.tensor([params[j].top_k if 0 < params[j].top_k < vocab else 0 for j in filtered],
+                             dtype=torch.int32),
+                torch.tensor([params[j].top_p for j in filtered], dtype=torch.float32))
+        if rows is not weights:
+            weights[filtered] = rows
+    return draw(weights, u, keys)
 
 
 def _draw_top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, keys: torch.Tensor,

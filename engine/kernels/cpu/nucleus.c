@@ -1,7 +1,7 @@
-/* Top-k and top-p (nucleus) thresholds without a sort: for each row of non-negative
- * weights w (exp of the scaled logits; 0 where a filter removed a token), the k-th
- * largest weight, then the largest value tau such that the weights >= tau hold at least
- * top_p of what top-k kept. The nucleus is then {w >= tau}: the sort-based rule's top
+/* Min-p, top-k and top-p (nucleus) thresholds without a sort: for each row of
+ * non-negative weights w (exp of the scaled logits, shifted so the largest is 1), the
+ * min-p floor, the k-th largest weight, then the largest value tau such that the
+ * weights >= tau hold at least top_p of what those kept. The nucleus is then {w >= tau}: the sort-based rule's top
  * k, then smallest prefix reaching top_p, each plus any token tied with its last one
  * (whose place among equals a sort decides arbitrarily).
  *
@@ -13,6 +13,7 @@
  * by a pass over its members with the next 10 bits, then the last 10: three passes,
  * the last two touching only one bucket's members. Sums in double.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,6 +54,7 @@ static float select_threshold(const float *w, int vocab, int by_count, double k,
         hist[b] += odd[b];
         total += hist[b];
     }
+    if (!by_count && total <= 0.0) return 0.f;  /* nothing left to choose among: keep the zeros */
     const double target = by_count ? k : top_p * total;
     const uint32_t b1 = (uint32_t)crossing(hist, 1 << B1, target, &above);
     /* The crossing bucket's members, gathered without a branch: they are a random
@@ -84,14 +86,15 @@ static void zero_below(float *row, int vocab, float t) {
     for (int i = 0; i < vocab; i++) row[i] = row[i] >= t ? row[i] : 0.f;
 }
 
-/* w [rows, vocab] (row stride `stride`, every weight >= 0 and finite, some > 0 per row),
- * top_k [rows] (0: none) and top_p [rows] in (0, 1] (1: none); tau [rows] out: top-k's
- * threshold (its k-th largest weight), then top-p's over what top-k kept (the mass it
- * renormalizes by), 0 where neither applies. Each row's weights below its tau are set
- * to 0 in place (a masked_fill by torch on a [64, 49152] batch took ~5 ms, longer than
- * finding the thresholds). Rows [begin, end). */
-int nucleus_threshold_f32(float *w, int64_t stride, int vocab, const int32_t *top_k, const float *top_p, float *tau,
-                          int begin, int end) {
+/* w [rows, vocab] (row stride `stride`, every weight >= 0 and finite, each row's largest
+ * 1), min_p [rows] (0: none), top_k [rows] (0: none) and top_p [rows] in (0, 1] (1:
+ * none); tau [rows] out: min-p's floor (min_p itself, the largest weight being 1), then
+ * top-k's threshold (its k-th largest weight), then top-p's over what those kept (the
+ * mass it renormalizes by); 0 where none applies. Each row's weights below its tau are
+ * set to 0 in place (a masked_fill by torch on a [64, 49152] batch took ~5 ms, longer
+ * than finding the thresholds). Rows [begin, end). */
+int nucleus_threshold_f32(float *w, int64_t stride, int vocab, const float *min_p, const int32_t *top_k,
+                          const float *top_p, float *tau, int begin, int end) {
     int rc = 0;
     #pragma omp parallel if (end - begin >= 2) reduction(|: rc)
     {
@@ -103,8 +106,12 @@ int nucleus_threshold_f32(float *w, int64_t stride, int vocab, const int32_t *to
             if (!hist || !members) continue;
             float *row = w + (int64_t)r * stride;
             tau[r] = 0.f;
-            if (top_k[r] > 0 && top_k[r] < vocab) {
-                tau[r] = select_threshold(row, vocab, 1, top_k[r], 1.0, hist, members);
+            if (min_p[r] > 0.f) {
+                tau[r] = min_p[r];
+                zero_below(row, vocab, tau[r]);
+            }
+            if (top_k[r] > 0 && top_k[r] < vocab) {  /* below the floor if fewer than k are left */
+                tau[r] = fmaxf(tau[r], select_threshold(row, vocab, 1, top_k[r], 1.0, hist, members));
                 zero_below(row, vocab, tau[r]);
             }
             if (top_p[r] < 1.f) {
