@@ -5,9 +5,8 @@ The whole batch is sampled in a few tensor operations: greedy rows by one argmax
 others by one pass over their probabilities and noise for one block of tokens per row
 (for all rows at once); rows with top-k or top-p go through a partial sort where the
 kernel backend has no threshold kernel for them (the "cpu" backend's nucleus.c takes
-min-p, top-k and top-p without one). Each
-processor runs only on the rows that ask for it; a batch where no row asks for one pays
-nothing for it.
+min-p, top-k and top-p without one). Each processor runs only on the rows that ask for
+it; a batch where no row asks for one pays nothing for it.
 """
 from __future__ import annotations
 
@@ -239,8 +238,8 @@ def _draw_top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams], u: tor
 
 class Sampler:
     def __init__(self, seed: int = 0, nucleus: Nucleus | None = None) -> None:
-        """`nucleus`: the kernel backend's top-p threshold (`KernelBackend.nucleus`), or
-        None to find top-p nuclei by a sort."""
+        """`nucleus`: the kernel backend's min-p / top-k / top-p thresholds
+        (`KernelBackend.nucleus`), or None to filter rows by torch masks and sorts."""
         self.generator = torch.Generator().manual_seed(seed)
         self.nucleus = nucleus
         # logit_bias as (token ids, values) tensors, per SamplingParams of the last step's

@@ -50,8 +50,9 @@ class KernelBackend(ABC):
       `nn.Linear`. The layers it makes hold at most `spare_bytes` (None: no bound) beyond
       the `weight_bytes` of the weights they are made from.
     - `lora_backend`: the `LoRABackend` class the LoRA manager binds to.
-    - `nucleus`: None, or the sampler's top-p threshold without a sort (engine/sampler.py
-      `Nucleus`; kernels/cpu/nucleus.py's contract), for logits on this device.
+    - `nucleus`: None (the sampler sorts), or the sampler's min-p / top-k / top-p
+      thresholds without a sort for logits on this device (engine/sampler.py `Nucleus`;
+      kernels/cpu/nucleus.py `nucleus_threshold` is the contract).
     Results equal the torch backend's within the dtype's rounding.
     """
 
@@ -59,7 +60,7 @@ class KernelBackend(ABC):
     lora_backend: ClassVar[type[LoRABackend]]
     write_kv: ClassVar[Callable[..., None]]
     paged_attention: ClassVar[Callable[..., torch.Tensor]]
-    nucleus: ClassVar[Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None] = None
+    nucleus: ClassVar[Callable[..., torch.Tensor] | None] = None
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype

@@ -132,6 +132,7 @@ int gemm_amx(const uint16_t *x, int64_t xs, const uint16_t *w, const uint16_t *b
         load_tile_config();
         float acc[MB * 32];
         uint16_t *pad = NULL;  /* a short row block, zero-padded to MB rows */
+        int padded = -1;  /* the first row of x the pad holds: every pair of panels reads it */
         #pragma omp for schedule(static)
         for (int item = begin; item < end; item++) {
             const int g = item % pairs, c0 = item / pairs * M_CHUNK;
@@ -145,8 +146,12 @@ int gemm_amx(const uint16_t *x, int64_t xs, const uint16_t *w, const uint16_t *b
                 int64_t a_stride = xs;
                 if (rows < MB && rows != 16) {
                     if (!pad && !(pad = calloc((size_t)MB * K, sizeof *pad))) { rc |= 2; continue; }
-                    for (int i = 0; i < rows; i++) memcpy(pad + (int64_t)i * K, a + (int64_t)i * xs, (size_t)K * 2);
-                    memset(pad + (int64_t)rows * K, 0, (size_t)(MB - rows) * K * 2);
+                    /* The one short block of a call is the last chunk's last: copied once per
+                     * thread, and the rows past it stay zero from calloc. */
+                    if (padded != m0) {
+                        for (int i = 0; i < rows; i++) memcpy(pad + (int64_t)i * K, a + (int64_t)i * xs, (size_t)K * 2);
+                        padded = m0;
+                    }
                     a = pad;
                     a_stride = K;
                 }

@@ -1,17 +1,18 @@
 /* Min-p, top-k and top-p (nucleus) thresholds without a sort: for each row of
  * non-negative weights w (exp of the scaled logits, shifted so the largest is 1), the
  * min-p floor, the k-th largest weight, then the largest value tau such that the
- * weights >= tau hold at least top_p of what those kept. The nucleus is then {w >= tau}: the sort-based rule's top
- * k, then smallest prefix reaching top_p, each plus any token tied with its last one
- * (whose place among equals a sort decides arbitrarily).
+ * weights >= tau hold at least top_p of what those kept. The nucleus is then
+ * {w >= tau}: the sort-based rule's top k, then smallest prefix reaching top_p, each
+ * plus any token tied with its last one (whose place among equals a sort decides
+ * arbitrarily).
  *
  * A sort of a 49,152-token row took ~1.5 ms (torch, 2 threads, 64 rows: ~100 ms). Here
  * a radix select over the weights' bits (non-negative floats order as their integer
- * bits): one pass sums each row's mass (top-p) or count (top-k) into 2048 buckets of the top 11 bits (two
- * interleaved histograms, so runs of tokens in one bucket do not wait on each other's
- * adds), the bucket where the running mass from the top crosses the target is refined
- * by a pass over its members with the next 10 bits, then the last 10: three passes,
- * the last two touching only one bucket's members. Sums in double.
+ * bits): one pass sums each row's mass (top-p) or count (top-k) into 2048 buckets of
+ * the top 11 bits (two interleaved histograms, so runs of tokens in one bucket do not
+ * wait on each other's adds), the bucket where the running sum from the top crosses the
+ * target is refined by a pass over its members with the next 10 bits, then the last
+ * 10: three passes, the last two touching only one bucket's members. Sums in double.
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,9 +39,10 @@ static int crossing(const double *hist, int n, double target, double *above) {
     return 0;
 }
 
-/* The largest value v of w such that the tokens with w >= v hold at least `top_p` of
- * the row's mass (by_count = 0) or number at least `k` (by_count = 1). */
-static float select_threshold(const float *w, int vocab, int by_count, double k, double top_p, double *hist,
+/* The largest value v of w such that the tokens with w >= v hold at least `amount` of
+ * the row's mass (by_count = 0, amount = top_p) or number at least `amount` (by_count =
+ * 1, amount = k). */
+static float select_threshold(const float *w, int vocab, int by_count, double amount, double *hist,
                               float *members) {
     double *odd = hist + (1 << B1), total = 0.0, above = 0.0;
     memset(hist, 0, sizeof(double) << (B1 + 1));
@@ -55,7 +57,7 @@ static float select_threshold(const float *w, int vocab, int by_count, double k,
         total += hist[b];
     }
     if (!by_count && total <= 0.0) return 0.f;  /* nothing left to choose among: keep the zeros */
-    const double target = by_count ? k : top_p * total;
+    const double target = by_count ? amount : amount * total;
     const uint32_t b1 = (uint32_t)crossing(hist, 1 << B1, target, &above);
     /* The crossing bucket's members, gathered without a branch: they are a random
      * tenth or so of a flat row, a branch on each would mispredict at that rate. */
@@ -111,11 +113,11 @@ int nucleus_threshold_f32(float *w, int64_t stride, int vocab, const float *min_
                 zero_below(row, vocab, tau[r]);
             }
             if (top_k[r] > 0 && top_k[r] < vocab) {  /* below the floor if fewer than k are left */
-                tau[r] = fmaxf(tau[r], select_threshold(row, vocab, 1, top_k[r], 1.0, hist, members));
+                tau[r] = fmaxf(tau[r], select_threshold(row, vocab, 1, top_k[r], hist, members));
                 zero_below(row, vocab, tau[r]);
             }
             if (top_p[r] < 1.f) {
-                tau[r] = select_threshold(row, vocab, 0, 0.0, top_p[r], hist, members);
+                tau[r] = select_threshold(row, vocab, 0, top_p[r], hist, members);
                 zero_below(row, vocab, tau[r]);
             }
         }

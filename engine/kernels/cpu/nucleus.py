@@ -1,6 +1,6 @@
 """Min-p, top-k and top-p thresholds in C (nucleus.c), so a filtered row is drawn
-without sorting its vocabulary; `reference_nucleus_threshold` (a sort) is what the tests compare
-it with."""
+without sorting its vocabulary; `reference_nucleus_threshold` (a sort) is what the tests
+compare it with."""
 from __future__ import annotations
 
 import ctypes

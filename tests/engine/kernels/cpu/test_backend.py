@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.kernels.cpu import dpbf16, gemm, linear_choice as lc
+from loraplex.engine.kernels.cpu import amx, dpbf16, gemm, linear_choice as lc
 from loraplex.engine.kernels.cpu.backend import CpuBackend, c_linear
 from loraplex.engine.kernels.torch.linear import PackedLinear, WideLinear, packing_supported, widening_supported
 
@@ -53,3 +53,12 @@ def test_the_choice_is_among_the_kernels_that_fit():
     # room for a packed bf16 copy (1x) but not a widened fp32 one (2x)
     make = CpuBackend(CPU, torch.bfloat16).linear_factory(weight_bytes=GIB, spare_bytes=GIB)
     assert _same(make, lc.choose(FEW, [PackedLinear]).make())
+
+
+@needs_c
+def test_the_c_linear_is_the_most_capable_kernel_this_cpu_runs():
+    # AMX tiles over vdpbf16ps over the widening GEMM: each the faster where it runs.
+    want = amx.AmxLinear if amx.supported() else dpbf16.Dpbf16Linear if dpbf16.supported() else gemm.Bf16Linear
+    assert c_linear() is want
+    if amx.supported():  # this machine: the tiles serve the backend's linears
+        assert CpuBackend(CPU, torch.bfloat16).linear_factory(weight_bytes=GIB, spare_bytes=0) is amx.AmxLinear
