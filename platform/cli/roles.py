@@ -29,6 +29,11 @@ def add_worker_parser(sub, db_options: Callable[[argparse.ArgumentParser], None]
     w.add_argument("--served-model-name", default=None, help="the base model's id the gateways show")
     w.add_argument("--host", default="127.0.0.1")
     w.add_argument("--port", type=int, default=8001)
+    w.add_argument("--metrics-host", default="127.0.0.1",
+                   help="the --metrics-port listener's address (default loopback)")
+    w.add_argument("--metrics-port", type=int, default=0,
+                   help="/metrics (still behind the internal token) on this port of its own, so a network "
+                        "policy can let scrapers reach it and not the internal API; 0 (default): on --port")
     w.add_argument("--access-log", action="store_true", help="log every HTTP request")
     observability_options(w)
     engine_options(w)
@@ -52,7 +57,8 @@ def worker_config(settings: Settings, args: argparse.Namespace) -> WorkerConfig:
         raise ConfigError(f"--adapter-store takes s3://bucket/prefix, got {args.adapter_store!r}")
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir() / "adapters"
     return WorkerConfig(adapter_store=args.adapter_store or settings.db_url, cache_dir=cache,
-                        cache_max_bytes=args.adapter_cache_size, host=args.host, port=args.port)
+                        cache_max_bytes=args.adapter_cache_size, host=args.host, port=args.port,
+                        metrics_host=args.metrics_host, metrics_port=args.metrics_port or None)
 
 
 def worker(settings: Settings, args: argparse.Namespace) -> int:

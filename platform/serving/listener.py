@@ -26,7 +26,8 @@ would hold every slot. `GuardedHttpProtocol` adds, per connection:
   saturated), so the probes of an orchestrator never fail because tenants filled it.
 
 `/metrics` can have a listener of its own (`Settings.metrics_port`, loopback by
-default), served by a second uvicorn server in the same event loop.
+default; a worker's `--metrics-port` alike), served by a second uvicorn server in the
+same event loop (`serve_beside`).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import contextlib
 import ipaddress
 import socket
 from collections import Counter
+from collections.abc import Awaitable
 from typing import Any, ClassVar
 
 import orjson
@@ -324,21 +326,33 @@ class _SideServer(uvicorn.Server):
         yield
 
 
+def side_listener(app: Starlette, host: str, port: int, limits: ServerLimits, trusted: str = "") -> uvicorn.Config:
+    """A second listener's configuration (`/metrics` of its own): guarded like the main one,
+    a few connections, no lifespan, the main server's logging."""
+    return uvicorn.Config(app, host=host, port=port, http=guarded_protocol(limits, trusted), access_log=False,
+                          lifespan="off", limit_concurrency=64, log_config=None)
+
+
+async def serve_beside(main: Awaitable[None], side: uvicorn.Config | None) -> None:
+    """Await `main` (a server's `serve()`), with `side` served in the same loop until it ends."""
+    if side is None:
+        await main
+        return
+    server = _SideServer(side)
+    task = asyncio.create_task(server.serve())
+    try:
+        await main
+    finally:
+        server.should_exit = True
+        await task
+
+
 async def serve(main: uvicorn.Server, app: Starlette, settings: Settings) -> None:
     """Run `main`, plus `/metrics` on its own listener when `settings.metrics_port` is set."""
     freeze_startup_heap()
     use_serial_default_executor()
-    if settings.metrics_port is None:
-        await main.serve()
-        return
-    side_config = uvicorn.Config(metrics_app(app), host=settings.metrics_host, port=settings.metrics_port,
-                                 http=guarded_protocol(settings.limits, settings.forwarded_allow_ips),
-                                 access_log=False, lifespan="off",
-                                 limit_concurrency=64, log_config=None)  # the main server's logging stays
-    side = _SideServer(side_config)
-    task = asyncio.create_task(side.serve())
-    try:
-        await main.serve()
-    finally:
-        side.should_exit = True
-        await task
+    side = None
+    if settings.metrics_port is not None:
+        side = side_listener(metrics_app(app), settings.metrics_host, settings.metrics_port, settings.limits,
+                             settings.forwarded_allow_ips)
+    await serve_beside(main.serve(), side)

@@ -22,7 +22,7 @@ from loraplex.platform.observability.request_id import RequestIdMiddleware
 from loraplex.platform.observability.tracing import TraceContextMiddleware
 from loraplex.platform.fleet.errors import error_status
 from loraplex.platform.http import json_response
-from loraplex.platform.worker.routes import worker_routes
+from loraplex.platform.worker.routes import metrics_routes, worker_routes
 from loraplex.platform.worker.state import WorkerState
 from loraplex.engine.threads import use_serial_default_executor
 from loraplex.platform.heap import freeze_startup_heap
@@ -42,12 +42,18 @@ async def _error(request: Request, exc: Exception) -> Response:
     return response
 
 
+_HANDLERS = {EngineError: _error, AdapterError: _error, PlatformError: _error, HTTPException: _error,
+             Exception: _error}
+
+
 def create_worker_app(state: WorkerState, *, loader: Loader | None = None,
-                      on_load_failure: Callable[[BaseException], None] | None = None) -> Starlette:
+                      on_load_failure: Callable[[BaseException], None] | None = None,
+                      with_metrics: bool = True) -> Starlette:
     """The worker app over `state`. With `loader`, the engine loads in a thread after the
     server starts (/health answers meanwhile, /ready says 503) and shuts down at exit
     (with the tracer); without one, `state` already holds an engine, which stays the
-    caller's (and so does its tracer)."""
+    caller's (and so does its tracer). `with_metrics=False`: no `/metrics` here, a
+    `create_metrics_app` listener serves it."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -66,9 +72,16 @@ def create_worker_app(state: WorkerState, *, loader: Loader | None = None,
     middleware = [Middleware(RequestIdMiddleware)]  # the gateway's x-request-id
     if state.tracing.enabled:
         middleware.append(Middleware(TraceContextMiddleware))  # its traceparent: the spans' parent
-    app = Starlette(routes=worker_routes(), lifespan=lifespan, exception_handlers={
-        EngineError: _error, AdapterError: _error, PlatformError: _error, HTTPException: _error,
-        Exception: _error}, middleware=middleware)
+    app = Starlette(routes=worker_routes(with_metrics=with_metrics), lifespan=lifespan,
+                    exception_handlers=_HANDLERS, middleware=middleware)
+    app.state.worker = state
+    return app
+
+
+def create_metrics_app(state: WorkerState) -> Starlette:
+    """`/metrics` of `state` alone, for a listener of its own: behind the internal token
+    and answering errors exactly as on the main port."""
+    app = Starlette(routes=metrics_routes(), exception_handlers=_HANDLERS)
     app.state.worker = state
     return app
 

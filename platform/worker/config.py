@@ -19,7 +19,9 @@ class WorkerConfig:
     unbounded; the least recently used go first). `cache_dir` is this worker's alone: the
     cache assumes one process per folder. `internal_token`: None reads
     $LORAPLEX_INTERNAL_TOKEN (or the file $LORAPLEX_INTERNAL_TOKEN_FILE names); without
-    one the worker listens on loopback only.
+    one the worker listens on loopback only. `metrics_port`: `/metrics` (still behind the
+    token) on a listener of its own at `metrics_host`, so scrapers can be let in to that
+    port and not to the internal API's; None: on `port` with the internal API.
     """
 
     adapter_store: str
@@ -27,6 +29,8 @@ class WorkerConfig:
     cache_max_bytes: int | None = DEFAULT_ADAPTER_CACHE_BYTES
     host: str = "127.0.0.1"
     port: int = 8001
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
     internal_token: str | None = None
     s3_endpoint_url: str | None = None
     drain_timeout_s: float = 600.0  # SIGTERM: the longest it waits for running requests
@@ -38,9 +42,14 @@ class WorkerConfig:
 
     def check(self) -> None:
         """Refuse a token too short to be a secret, and to listen beyond loopback without one."""
-        if self.token is None and not is_loopback(self.host):
-            raise ConfigError(f"refusing to listen on {self.host} without ${TOKEN_ENV}: set the shared secret "
-                              "(the gateways send it), or listen on 127.0.0.1")
+        token = self.token  # reading it refuses a short one
+        hosts = [self.host] + ([self.metrics_host] if self.metrics_port is not None else [])
+        for host in hosts:
+            if token is None and not is_loopback(host):
+                raise ConfigError(f"refusing to listen on {host} without ${TOKEN_ENV}: set the shared secret "
+                                  "(the gateways send it), or listen on 127.0.0.1")
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ConfigError(f"the metrics port must differ from the worker's port ({self.port})")
 
 
 def is_loopback(host: str) -> bool:

@@ -170,7 +170,13 @@ async def metrics(request: Request) -> Response:
     return Response(m.render() if m is not None else b"", media_type=CONTENT_TYPE)
 
 
-def worker_routes() -> list[Route]:
+def metrics_routes() -> list[Route]:
+    """`/metrics` alone: a listener of its own (`WorkerConfig.metrics_port`) serves it."""
+    return [Route("/metrics", metrics, methods=["GET"])]
+
+
+def worker_routes(*, with_metrics: bool = True) -> list[Route]:
+    """Every route; `with_metrics=False` leaves `/metrics` to a listener of its own."""
     return [
         Route("/internal/v1/generate", generate, methods=["POST"]),
         Route("/internal/v1/abort", abort, methods=["POST"]),
@@ -180,5 +186,5 @@ def worker_routes() -> list[Route]:
         Route("/internal/v1/adapters/{digest}", unload_adapter, methods=["DELETE"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
+        *(metrics_routes() if with_metrics else []),
     ]

@@ -14,8 +14,9 @@ from loraplex.engine.checkpoint import resolve_model_dir
 from loraplex.engine.lora import LoRAManager
 
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
-from loraplex.platform.settings import Settings
-from loraplex.platform.worker.app import create_worker_app
+from loraplex.platform.serving.listener import serve_beside, side_listener
+from loraplex.platform.settings import ServerLimits, Settings
+from loraplex.platform.worker.app import create_metrics_app, create_worker_app
 from loraplex.platform.worker.config import WorkerConfig
 from loraplex.platform.worker.state import WorkerState
 
@@ -41,12 +42,17 @@ class DrainingServer(uvicorn.Server):
     """uvicorn, except that the first SIGTERM drains: the worker reports not ready and
     refuses new requests (503) while it still answers, finishes what runs, then exits."""
 
-    def __init__(self, config: uvicorn.Config, state: WorkerState, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: WorkerState, drain_timeout_s: float,
+                 metrics: uvicorn.Config | None = None) -> None:
         super().__init__(config)
         self.state = state
         self.drain_timeout_s = drain_timeout_s
+        self.metrics = metrics  # /metrics on a listener of its own, up while this one is
         self.failed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        await serve_beside(super().serve(sockets), self.metrics)
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -82,13 +88,20 @@ def run_worker(settings: Settings, config: WorkerConfig, *, access_log: bool = F
         assert server is not None
         server.load_failed(exc)
 
-    app = create_worker_app(state, loader=lambda: build_worker_engine(settings, config), on_load_failure=failed)
+    side = config.metrics_port is not None
+    app = create_worker_app(state, loader=lambda: build_worker_engine(settings, config), on_load_failure=failed,
+                            with_metrics=not side)
     # log_config=None: uvicorn's loggers propagate to the one root handler the CLI set
     # (text or JSON lines, each with the request id).
     uv = uvicorn.Config(app, host=config.host, port=config.port, access_log=access_log, log_level="info",
                         timeout_graceful_shutdown=30, log_config=None)
-    server = DrainingServer(uv, state, config.drain_timeout_s)
+    # Only scrapers call the metrics port: no proxy is trusted there.
+    metrics = side_listener(create_metrics_app(state), config.metrics_host, config.metrics_port,
+                            ServerLimits()) if side else None
+    server = DrainingServer(uv, state, config.drain_timeout_s, metrics)
     log.info("loraplex worker: internal API at http://%s:%d (model %s)", config.host, config.port,
              settings.engine.model.model)
+    if side:
+        log.info("loraplex worker: /metrics at http://%s:%d", config.metrics_host, config.metrics_port)
     server.run()
     return 1 if server.failed else 0

@@ -177,7 +177,7 @@ def test_ingress_service_monitor_and_operator_knobs(render):
     monitors = {m["metadata"]["labels"]["app.kubernetes.io/component"]: m for m in out.all("ServiceMonitor")}
     assert set(monitors) == {"gateway", "worker"}
     assert monitors["gateway"]["spec"]["endpoints"][0]["port"] == "metrics"
-    assert monitors["worker"]["spec"]["endpoints"][0]["port"] == "http"
+    assert monitors["worker"]["spec"]["endpoints"][0]["port"] == "metrics"  # off the internal API's port
     # A worker's /metrics is behind the internal token: the scrape sends it from the Secret.
     auth = monitors["worker"]["spec"]["endpoints"][0]["authorization"]
     secret = out.named("Secret", auth["credentials"]["name"])
@@ -188,22 +188,39 @@ def test_ingress_service_monitor_and_operator_knobs(render):
     assert all(m["metadata"]["labels"]["release"] == "prometheus" for m in monitors.values())
 
 
+PRIVATE_RANGES = "10.0.0.0/8,172.16.0.0/12,192.168.0.0/16"
+
+
 def test_the_gateway_trusts_the_ingress_for_client_addresses(render, chart):
     """Behind the Ingress every client would share its pods' address (one throttle and one
     connection cap for all tenants) unless the gateway believes their X-Forwarded-For."""
     from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-    gw = _container(render().one("Deployment", "gateway"))
+    gw = _container(render({"gateway": {"ingress": {"enabled": True}}}).one("Deployment", "gateway"))
     trusted = _flag(gw["args"], "--forwarded-allow-ips")
-    assert trusted == "10.0.0.0/8,172.16.0.0/12,192.168.0.0/16"
+    assert trusted == PRIVATE_RANGES
     hosts = ProxyHeadersMiddleware(None, trusted_hosts=trusted).trusted_hosts  # what uvicorn makes of it
     assert "10.244.1.7" in hosts and "8.8.8.8" not in hosts
-    gw = _container(render({"gateway": {"forwardedAllowIps": ["10.244.0.0/16"]}}).one("Deployment", "gateway"))
-    assert _flag(gw["args"], "--forwarded-allow-ips") == "10.244.0.0/16"
-    assert "--forwarded-allow-ips" not in _container(render({"gateway": {"forwardedAllowIps": []}})
-                                                     .one("Deployment", "gateway"))["args"]
     with pytest.raises(Exception, match="forwardedAllowIps"):
         chart.validate_schema({"gateway": {"forwardedAllowIps": ["ingress pods"]}})
+
+
+def test_without_a_proxy_the_gateway_trusts_none_by_default(render):
+    """No Ingress, no proxy: a trusted peer would skip the per-address connection cap and
+    name any client address it likes in X-Forwarded-For."""
+    for values in ({}, {"gateway": {"forwardedAllowIps": None}}):
+        assert "--forwarded-allow-ips" not in _container(render(values).one("Deployment", "gateway"))["args"]
+
+
+@pytest.mark.parametrize("ingress", [False, True])
+def test_an_explicit_list_of_trusted_proxies_is_used_as_given(render, ingress):
+    def args(ips: list[str]) -> list[str]:
+        values = {"gateway": {"forwardedAllowIps": ips, "ingress": {"enabled": ingress}}}
+        return _container(render(values).one("Deployment", "gateway"))["args"]
+
+    assert _flag(args(["10.244.0.0/16"]), "--forwarded-allow-ips") == "10.244.0.0/16"
+    assert _flag(args(["10.244.0.0/16", "fd00::/8"]), "--forwarded-allow-ips") == "10.244.0.0/16,fd00::/8"
+    assert "--forwarded-allow-ips" not in args([])  # [] trusts none, even behind the Ingress
 
 
 def test_no_secret_on_a_command_line(render):
@@ -250,9 +267,11 @@ def test_network_policies(render):
     gateway_rules = {r["ports"][0]["port"]: r for r in _policy(out, "gateway")["spec"]["ingress"]}
     assert "from" not in gateway_rules["http"]  # the public API
     assert gateway_rules["metrics"]["from"] == [{"namespaceSelector": {}}]  # in-cluster only
-    (worker_rule,) = _policy(out, "worker")["spec"]["ingress"]
-    assert worker_rule["ports"] == [{"port": "http", "protocol": "TCP"}]
-    assert selects(worker_rule["from"][0], "gateway") and not selects(worker_rule["from"][0], "worker")
+    worker_rules = {r["ports"][0]["port"]: r for r in _policy(out, "worker")["spec"]["ingress"]}
+    assert worker_rules["http"]["ports"] == [{"port": "http", "protocol": "TCP"}]
+    (peer,) = worker_rules["http"]["from"]  # the internal API: the gateways only
+    assert selects(peer, "gateway") and not selects(peer, "worker")
+    assert worker_rules["metrics"]["from"] == [{"namespaceSelector": {}}]  # the scrapers, on /metrics only
     (pg_rule,) = _policy(out, "postgresql")["spec"]["ingress"]
     assert pg_rule["ports"] == [{"port": "postgresql", "protocol": "TCP"}]
     for component in ("gateway", "worker", "migrate"):
@@ -266,6 +285,46 @@ def test_network_policies(render):
     assert rules["http"]["from"] == [ingress_ns]
     assert len(out.all("NetworkPolicy")) == 2
     assert render({"networkPolicy": {"enabled": False}}).all("NetworkPolicy") == []
+
+
+def test_the_workers_internal_api_is_closed_to_the_scrapers(render):
+    """A worker's /metrics on a port of its own: metricsFrom reaches that port only, and the
+    internal API's port admits the gateways and workerFrom alone."""
+    scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    peer = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "bench"}}}
+    out = render({"networkPolicy": {"metricsFrom": scrapers, "workerFrom": [peer]},
+                  "metrics": {"serviceMonitor": {"enabled": True}}})
+    worker = _container(out.one("StatefulSet", "worker"))
+    ports = {p["name"]: p["containerPort"] for p in worker["ports"]}
+    assert _flag(worker["args"], "--metrics-port") == str(ports["metrics"]) == "9464" != str(ports["http"])
+    assert _flag(worker["args"], "--metrics-host") == "0.0.0.0"  # the worker's own default is loopback
+    svc_ports = {p["name"]: p for p in out.one("Service", "worker")["spec"]["ports"]}
+    assert svc_ports["metrics"]["targetPort"] == "metrics" and svc_ports["http"]["targetPort"] == "http"
+    rules = {r["ports"][0]["port"]: r for r in _policy(out, "worker")["spec"]["ingress"]}
+    assert set(rules) == {"http", "metrics"}
+    assert rules["http"]["from"][1:] == [peer] and scrapers[0] not in rules["http"]["from"]
+    assert rules["http"]["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+    assert rules["metrics"]["from"] == scrapers
+    monitor = next(m for m in out.all("ServiceMonitor")
+                   if m["metadata"]["labels"]["app.kubernetes.io/component"] == "worker")
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["authorization"]["type"] == "Bearer"
+    assert "the workers' port 9464" in out.notes
+
+
+def test_without_a_worker_metrics_port_metrics_stay_on_the_http_port(render, chart):
+    scrapers = [{"namespaceSelector": {}}]
+    out = render({"worker": {"metricsPort": None}, "metrics": {"serviceMonitor": {"enabled": True}}})
+    worker = _container(out.one("StatefulSet", "worker"))
+    assert "--metrics-port" not in worker["args"] and [p["name"] for p in worker["ports"]] == ["http"]
+    assert [p["name"] for p in out.one("Service", "worker")["spec"]["ports"]] == ["http"]
+    (rule,) = _policy(out, "worker")["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}] and rule["from"][1:] == scrapers
+    monitor = next(m for m in out.all("ServiceMonitor")
+                   if m["metadata"]["labels"]["app.kubernetes.io/component"] == "worker")
+    assert monitor["spec"]["endpoints"][0]["port"] == "http"
+    with pytest.raises(Exception, match="must differ from worker.port"):
+        chart.render({"worker": {"metricsPort": 8001}}, name=RELEASE, namespace=NAMESPACE, is_install=True)
 
 
 def test_a_stopping_gateway_drains_its_usage_journal(render, chart):

@@ -57,7 +57,7 @@ def test_gateways_discover_the_workers_through_the_headless_service(render, valu
     assert headless["spec"]["clusterIP"] == "None"
     assert worker["spec"]["serviceName"] == headless["metadata"]["name"]
     assert headless["spec"]["selector"].items() <= worker["spec"]["template"]["metadata"]["labels"].items()
-    (port,) = headless["spec"]["ports"]
+    (port,) = [p for p in headless["spec"]["ports"] if p["name"] == "http"]  # the internal API's
     container_ports = {p["name"]: p["containerPort"] for p in _container(worker)["ports"]}
     assert container_ports[port["targetPort"]] == port["port"]
     assert _flag(_container(worker)["args"], "--port") == str(port["port"])

@@ -224,8 +224,8 @@ pre-install,pre-upgrade
 - --adapter-store
 - {{ include "loraplex.adapterStoreUrl" . }}
 {{- end }}
-{{- /* Browsers reach the admin UI over the Ingress's TLS; the controller is not a proxy the
-      gateway trusts for X-Forwarded-Proto, so the cookie is marked Secure outright. */}}
+{{- /* Browsers reach the admin UI over the Ingress's TLS: the cookie is marked Secure
+      outright, whether or not the gateway trusts the controller's X-Forwarded-Proto. */}}
 {{- if and .Values.gateway.ingress.enabled .Values.gateway.ingress.tls }}
 - --secure-cookies
 {{- end }}
@@ -237,12 +237,26 @@ pre-install,pre-upgrade
 {{- end }}
 {{- end }}
 
-{{/* --forwarded-allow-ips for every pod that takes client traffic through the Ingress:
-     the client address (throttling, per-address caps) is the one the proxy saw. */}}
+{{/* The proxies trusted for X-Forwarded-For (comma-separated; empty: none). null is
+     automatic: the private ranges where a proxy stands in front (the Ingress, or the
+     inference gateway of topology=pool), none where clients connect directly. */}}
+{{- define "loraplex.forwardedAllowIps" -}}
+{{- $ips := .Values.gateway.forwardedAllowIps }}
+{{- if kindIs "invalid" $ips }}
+{{- $ips = list }}
+{{- if or .Values.gateway.ingress.enabled (include "loraplex.isPool" .) }}
+{{- $ips = list "10.0.0.0/8" "172.16.0.0/12" "192.168.0.0/16" }}
+{{- end }}
+{{- end }}
+{{- join "," $ips }}
+{{- end }}
+
+{{/* --forwarded-allow-ips for every pod that takes client traffic through a proxy: the
+     client address (throttling, per-address caps) is the one the proxy saw. */}}
 {{- define "loraplex.forwardedAllowIpsArgs" -}}
-{{- with .Values.gateway.forwardedAllowIps }}
+{{- with include "loraplex.forwardedAllowIps" . }}
 - --forwarded-allow-ips
-- {{ join "," . | quote }}
+- {{ . | quote }}
 {{- end }}
 {{- end }}
 
@@ -291,6 +305,17 @@ pre-install,pre-upgrade
 - 0.0.0.0
 - --port
 - {{ .Values.worker.port | quote }}
+{{- /* The worker's own default is /metrics on --port; a metrics port listens on every
+      address, behind the internal token like the internal API. */}}
+{{- with .Values.worker.metricsPort }}
+{{- if eq (int .) (int $.Values.worker.port) }}
+{{- fail (printf "worker.metricsPort (%v) must differ from worker.port" .) }}
+{{- end }}
+- --metrics-host
+- 0.0.0.0
+- --metrics-port
+- {{ . | quote }}
+{{- end }}
 - --model
 - {{ .Values.model.path | quote }}
 - --device

@@ -29,6 +29,27 @@ def test_a_non_loopback_worker_needs_the_token(monkeypatch, tmp_path):
     assert WorkerConfig("sqlite://", tmp_path, host="0.0.0.0").token == "s3cret-of-20-chars!"
 
 
+def test_a_metrics_port_of_its_own_is_held_to_the_same_rule(monkeypatch, tmp_path):
+    """/metrics on a port of its own is still behind the token: without one it listens on
+    loopback only, as the internal API does."""
+    monkeypatch.delenv("LORAPLEX_INTERNAL_TOKEN", raising=False)
+    WorkerConfig("sqlite://", tmp_path, metrics_port=9464).check()
+    WorkerConfig("sqlite://", tmp_path, metrics_host="0.0.0.0").check()  # no metrics port: nothing listens there
+    with pytest.raises(ConfigError, match="0.0.0.0 without .LORAPLEX_INTERNAL_TOKEN"):
+        WorkerConfig("sqlite://", tmp_path, metrics_host="0.0.0.0", metrics_port=9464).check()
+    with pytest.raises(ConfigError, match="metrics port must differ"):
+        WorkerConfig("sqlite://", tmp_path, port=9464, metrics_port=9464).check()
+    monkeypatch.setenv("LORAPLEX_INTERNAL_TOKEN", "s3cret-of-20-chars!")
+    WorkerConfig("sqlite://", tmp_path, host="0.0.0.0", metrics_host="0.0.0.0", metrics_port=9464).check()
+
+
+def test_the_metrics_port_flags():
+    assert (_worker_config().metrics_host, _worker_config().metrics_port) == ("127.0.0.1", None)  # on --port
+    config = _worker_config("--metrics-host", "0.0.0.0", "--metrics-port", "9464")  # as the chart passes them
+    assert (config.metrics_host, config.metrics_port) == ("0.0.0.0", 9464)
+    assert _worker_config("--metrics-port", "0").metrics_port is None
+
+
 def test_a_short_token_is_refused_even_on_loopback(monkeypatch, tmp_path):
     monkeypatch.setenv("LORAPLEX_INTERNAL_TOKEN", "s3cret")
     with pytest.raises(WeakSecretError, match=r"too short \(6 characters\).*at least 16"):
