@@ -26,8 +26,8 @@ would hold every slot. `GuardedHttpProtocol` adds, per connection:
   saturated), so the probes of an orchestrator never fail because tenants filled it.
 
 `/metrics` can have a listener of its own (`Settings.metrics_port`, loopback by
-default; a worker's `--metrics-port` alike), served by a second uvicorn server in the
-same event loop (`serve_beside`).
+default), served by a second uvicorn server in the same event loop
+(`platform/side_server.py`).
 """
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ import contextlib
 import ipaddress
 import socket
 from collections import Counter
-from collections.abc import Awaitable
 from typing import Any, ClassVar
 
 import orjson
@@ -53,6 +52,7 @@ from loraplex.engine.threads import use_serial_default_executor
 from loraplex.platform.heap import freeze_startup_heap
 from loraplex.platform.metrics import CONTENT_TYPE
 from loraplex.platform.settings import ServerLimits, Settings
+from loraplex.platform.side_server import serve_beside
 
 # After an early answer, how long and how much of the unread body is still taken in.
 LINGER_SECONDS = 2.0
@@ -318,33 +318,11 @@ def metrics_app(app: Starlette) -> Starlette:
     return Starlette(routes=[Route("/metrics", metrics, methods=["GET"])])
 
 
-class _SideServer(uvicorn.Server):
-    """A second server in the loop of the main one, which alone handles signals."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-
 def side_listener(app: Starlette, host: str, port: int, limits: ServerLimits, trusted: str = "") -> uvicorn.Config:
     """A second listener's configuration (`/metrics` of its own): guarded like the main one,
     a few connections, no lifespan, the main server's logging."""
     return uvicorn.Config(app, host=host, port=port, http=guarded_protocol(limits, trusted), access_log=False,
                           lifespan="off", limit_concurrency=64, log_config=None)
-
-
-async def serve_beside(main: Awaitable[None], side: uvicorn.Config | None) -> None:
-    """Await `main` (a server's `serve()`), with `side` served in the same loop until it ends."""
-    if side is None:
-        await main
-        return
-    server = _SideServer(side)
-    task = asyncio.create_task(server.serve())
-    try:
-        await main
-    finally:
-        server.should_exit = True
-        await task
 
 
 async def serve(main: uvicorn.Server, app: Starlette, settings: Settings) -> None:
