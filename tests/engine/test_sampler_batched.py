@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from loraplex.engine.kernels.cpu import nucleus as cpu_nucleus
 from loraplex.engine.request import SamplingParams
@@ -132,3 +133,49 @@ def test_logit_bias_applied_batched_equals_the_per_row_reference():
         want = torch.stack([reference_process(logits[i], [1], [2, 2], p.presence_penalty, p.frequency_penalty,
                                               p.repetition_penalty, dict(p.logit_bias)) for i, p in enumerate(params)])
         torch.testing.assert_close(sampler.process(logits, rows), want, rtol=0, atol=1e-5)
+
+
+_METADATA = {"__len__", "__get__", "size", "dim"}
+
+
+class _TorchCalls(TorchFunctionMode):
+    """Counts the torch functions and Tensor methods called while it is active (by name),
+    so a per-row Python loop shows as calls that grow with the rows. Reads of a tensor's
+    length or attributes (shape, device) launch no operation and are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", repr(func))
+        if name not in _METADATA:
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_logit_bias_of_many_rows_is_applied_in_a_constant_number_of_tensor_calls():
+    """A step applies every row's logit_bias in one indexed accumulate: 64 rows of 250
+    entries each take the very same torch calls as one row (a request's bias tensors are
+    built on its first step and reused after)."""
+    vocab, entries = 1000, 250
+    gen = torch.Generator().manual_seed(9)
+
+    def step_calls(n: int) -> dict[str, int]:
+        params = [SamplingParams(temperature=0, logit_bias={t: 0.01 * (r + 1) for t in
+                                                            torch.randperm(vocab, generator=gen)[:entries].tolist()})
+                  for r in range(n)]
+        rows = [SampleRow(p, 0) for p in params]
+        sampler = Sampler()
+        sampler.process(torch.zeros(n, vocab), rows)  # the first step builds each request's tensors once
+        logits = torch.randn(n, vocab, generator=gen)
+        with _TorchCalls() as counter:
+            got = sampler.process(logits, rows)
+        want = torch.stack([reference_process(logits[i], [], [], bias=dict(p.logit_bias))
+                            for i, p in enumerate(params)])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        return counter.calls
+
+    one, many = step_calls(1), step_calls(64)
+    assert many.get("index_put_") == 1, many
+    assert many == one, (one, many)
