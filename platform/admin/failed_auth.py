@@ -5,6 +5,10 @@ flood of audit rows (each a database write). Per action, the first failure of a 
 its row at once (a lone mistake is visible immediately); every later one in the window is
 counted, and the window ends with one row: how many, from how many addresses, a sample of
 them, the last reason. Memory per window is bounded (MAX_DISTINCT addresses counted).
+
+Attempts refused with 429 because their address failed too often are failures too, counted
+in the same window (and how many of the count they were): a throttled flood is the one an
+operator most needs to see, and it must not become a row per attempt either.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ Writer = Callable[[str, str, str, dict[str, Any]], Awaitable[None]]  # (actor, a
 class _Window:
     started: float
     count: int = 0  # failures after the first
+    throttled: int = 0  # of those, attempts refused because the address was throttled
     clients: set[str] = field(default_factory=set)
     reason: str = ""
 
@@ -42,7 +47,9 @@ class FailureAudit:
         self._tasks: set[asyncio.Task] = set()
         self._timers: dict[str, asyncio.TimerHandle] = {}
 
-    def failed(self, action: str, client: str | None, reason: str) -> None:
+    def failed(self, action: str, client: str | None, reason: str, *, throttled: bool = False) -> None:
+        """One refused attempt; `throttled` when it was refused (429) without its credential
+        being checked, because its address failed too often lately."""
         who = client or "unknown"
         w = self._open.get(action)
         if w is None:
@@ -51,6 +58,7 @@ class FailureAudit:
             self._spawn(action, f"client:{who}", {"reason": reason})
             return
         w.count += 1
+        w.throttled += throttled
         w.reason = reason
         if len(w.clients) < MAX_DISTINCT:
             w.clients.add(who)
@@ -62,8 +70,9 @@ class FailureAudit:
             return
         n = len(w.clients)
         target = f"client:{next(iter(w.clients))}" if n == 1 else f"clients:{n}{'+' if n >= MAX_DISTINCT else ''}"
-        self._spawn(action, target, {"count": w.count, "distinct_clients": n, "clients": sorted(w.clients)[:SAMPLE],
-                                     "since": w.started, "window_seconds": self.window, "reason": w.reason})
+        self._spawn(action, target, {"count": w.count, "throttled": w.throttled, "distinct_clients": n,
+                                     "clients": sorted(w.clients)[:SAMPLE], "since": w.started,
+                                     "window_seconds": self.window, "reason": w.reason})
 
     def _spawn(self, action: str, target: str, details: dict[str, Any]) -> None:
         task = asyncio.get_running_loop().create_task(self._guarded(action, target, details))

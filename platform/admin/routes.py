@@ -69,6 +69,7 @@ from loraplex.platform.errors import (
     AdminAuthenticationError,
     BadRequestError,
     NotFoundError,
+    RateLimitedError,
     UnsupportedMediaTypeError,
     api_error,
     error_response,
@@ -106,15 +107,16 @@ async def _json_body(request: Request, schema: dict, limit: int, limits: ServerL
 
 async def _authenticate(st: AdminState, request: Request) -> Admin:
     """The caller (a session is a database row: checked off the event loop). A wrong Bearer
-    token is audited, aggregated per window (admin/failed_auth.py)."""
+    token, and one refused unchecked (429) from a throttled address, is audited, aggregated
+    per window (admin/failed_auth.py)."""
     bearer = request.headers.get("authorization")
     client = client_address(request)
     try:
         return await asyncio.to_thread(st.auth.authenticate, request.method, bearer,
                                        request.cookies.get(SESSION_COOKIE), request.headers.get(CSRF_HEADER), client)
-    except AdminAuthenticationError as exc:
+    except (AdminAuthenticationError, RateLimitedError) as exc:
         if bearer:
-            st.failures.failed("admin.bearer_failed", client, str(exc))
+            st.failures.failed("admin.bearer_failed", client, str(exc), throttled=isinstance(exc, RateLimitedError))
         raise
 
 

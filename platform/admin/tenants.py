@@ -14,7 +14,7 @@ from loraplex.platform.quotas.limits import quota_status, set_quota
 from loraplex.platform.admin.state import AdminState
 from loraplex.platform.http import no_store_json
 from loraplex.platform.tenancy.throttle import client_address
-from loraplex.platform.errors import AdminAuthenticationError, BadRequestError
+from loraplex.platform.errors import AdminAuthenticationError, BadRequestError, RateLimitedError
 from loraplex.platform.db.base import utcnow
 from loraplex.platform.tenancy.tenants import (
     KEY_PREFIX,
@@ -87,8 +87,9 @@ async def create_session(request: Request, st: AdminState, admin: None, query: d
     client = client_address(request)
     try:
         who = st.auth.check_token(body["token"], client)
-    except AdminAuthenticationError as exc:
-        st.failures.failed("session.failed", client, str(exc))
+    except (AdminAuthenticationError, RateLimitedError) as exc:
+        # Refused unchecked (429) from a throttled address is a failed sign-in too.
+        st.failures.failed("session.failed", client, str(exc), throttled=isinstance(exc, RateLimitedError))
         raise
     cookie, session = await asyncio.to_thread(st.auth.new_session, who)
     await st.audit(session, "session.create", f"session:{(session.session_id or '')[:12]}", client=client)

@@ -321,8 +321,15 @@ def admin_token(settings: Settings, reset: bool = False) -> int:
             print(f"loraplex: ${ADMIN_TOKEN_ENV} is set, and wins over a generated token: change it there",
                   file=sys.stderr)
             return 1
-        token = new_admin_token()
-        path = write_token_file(settings, token)
+        # The database first: while it cannot be reached the token stays as it was, rather
+        # than changing with no audit row.
+        db = open_db(settings)
+        try:
+            token = new_admin_token()
+            path = write_token_file(settings, token)
+            _audit(db, "admin_token.reset", "admin-token", token_file=str(path))
+        finally:
+            db.dispose()
         print(f"new admin token (its hash is in {path}; servers using this data dir accept it at once, "
               "and no longer the old one):", file=sys.stderr)
         _out(token)  # stdout carries only the token

@@ -1,7 +1,8 @@
 """The audit log on a live server (SQLite and PostgreSQL): bursts of failed sign-ins and
 wrong Bearer tokens from many addresses become two rows per window (its first failure and
-the count of the rest), not one row each; billing exports are recorded. How windows
-follow one another: tests/platform/admin/test_failed_auth.py."""
+the count of the rest), not one row each, and so do the attempts refused (429) while an
+address is throttled; billing exports are recorded. How windows follow one another:
+tests/platform/admin/test_failed_auth.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +13,9 @@ import httpx
 import pytest
 
 from loraplex.platform.app import create_app
-from loraplex.platform.db.database import migrate
+from loraplex.platform.db.database import Database, migrate
 from loraplex.platform.settings import AdminConfig, Settings
+from loraplex.platform.tenancy.audit import entries
 from tests.e2e.admin_fixtures import ADMIN_TOKEN
 from tests.e2e.conftest import LiveServer
 from tests.platform.fixtures import BACKENDS, fresh_db_url
@@ -63,12 +65,16 @@ def _burst(url: str, send, addresses: range) -> None:
             assert r.status_code == 401, r.text
 
 
-@pytest.mark.parametrize("action, send", [
+# A failed sign-in, and a request with a wrong Bearer token, by the action audited for it.
+FAILURES = [
     ("session.failed", lambda http, h: http.post("/admin/api/session", json={"token": "wrong-" + ADMIN_TOKEN},
                                                  headers=h)),
     ("admin.bearer_failed", lambda http, h: http.get("/admin/api/tenants",
                                                      headers={**h, "authorization": "Bearer not-the-token"})),
-])
+]
+
+
+@pytest.mark.parametrize("action, send", FAILURES)
 def test_a_burst_of_failures_from_many_addresses_is_two_rows(settings, server, tiny_engine, action, send):
     # A server of its own: its window ends when it stops, not when the module's does.
     with LiveServer(create_app(settings, tiny_engine)) as live:
@@ -84,6 +90,34 @@ def test_a_burst_of_failures_from_many_addresses_is_two_rows(settings, server, t
     assert aggregate["target"] == f"clients:{BURST - 1}"
     assert d["count"] == BURST - 1 and d["distinct_clients"] == BURST - 1 and len(d["clients"]) == 10
     assert set(d["clients"]) <= {f"203.0.113.{i}" for i in range(2, BURST + 1)} and d["window_seconds"] == WINDOW
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("action, send", FAILURES)
+def test_attempts_refused_while_throttled_are_counted_in_the_window(base_settings, tiny_engine, tmp_path,
+                                                                     pg_schema_url, backend, action, send):
+    # A database of its own: the module's holds the other tests' rows of the same actions.
+    url = fresh_db_url(backend, tmp_path, pg_schema_url)
+    migrate(url)
+    allowed = 3  # failures before the address is throttled; its allowance never comes back here
+    settings = dataclasses.replace(base_settings, database_url=url,
+                                   admin=AdminConfig(token=ADMIN_TOKEN, audit_failure_window=WINDOW),
+                                   auth=dataclasses.replace(base_settings.auth, failure_burst=allowed,
+                                                            failure_rate=1e-9))
+    with LiveServer(create_app(settings, tiny_engine)) as live, httpx.Client(base_url=live.url, timeout=60) as http:
+        statuses = [send(http, {"x-forwarded-for": "203.0.113.7"}).status_code for _ in range(BURST)]
+    assert statuses == [401] * allowed + [429] * (BURST - allowed)
+    db = Database(url)  # the server has stopped: its window's row is written
+    try:
+        with db.session() as s:
+            rows = [(e.actor, e.target, e.details) for e in entries(s, action=action, limit=1000)]
+    finally:
+        db.dispose()
+    assert len(rows) == 2, rows  # the window's first failure and one row for the rest, not one per attempt
+    (actor, target, d), (_, first_target, first) = rows  # newest first
+    assert first_target == target == "client:203.0.113.7" and first["reason"] and actor == "anonymous"
+    assert d["count"] == BURST - 1 and d["throttled"] == BURST - allowed, d
+    assert d["distinct_clients"] == 1 and d["reason"].startswith("too many failed"), d
 
 
 def test_billing_exports_are_audited(server):

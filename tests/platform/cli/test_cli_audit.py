@@ -1,9 +1,11 @@
-"""Changes made with the CLI, and billing exports, are in the audit log as the admin API's
-are, naming the command line's user (SQLite and PostgreSQL)."""
+"""Changes made with the CLI (an admin token reset among them), and billing exports, are in
+the audit log as the admin API's are, naming the command line's user (SQLite and PostgreSQL)."""
 from __future__ import annotations
 
+from loraplex.platform.admin.auth import ADMIN_TOKEN_ENV, token_file, token_hash
 from loraplex.platform.cli.commands import cli_actor
-from loraplex.platform.db.database import Database
+from loraplex.platform.db.database import Database, migrate
+from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy.audit import entries
 
 
@@ -40,3 +42,17 @@ def test_cli_mutations_and_exports_are_audited(cli, tmp_path, tiny_llama_dir, ti
     assert details["adapter.upload"]["public"] is True and details["adapter.upload"]["digest"].startswith("sha256:")
     assert details["usage.export"]["format"] == "csv" and details["usage.export"]["records"] == 0
     assert key not in str(rows)  # never the secret
+
+
+def test_an_admin_token_reset_is_audited(cli, tmp_path, monkeypatch):
+    monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)  # a token from the environment cannot be reset
+    migrate(cli.url)  # a database in use: the log is empty, not missing, until the reset
+    code, out, err = cli("admin-token", "--reset")
+    assert code == 0, err
+    token = out.strip()
+    path = token_file(Settings(data_dir=tmp_path / "data"))
+    assert path.read_text().strip() == token_hash(token)
+    assert cli("admin-token")[0] == 0  # saying where the token comes from changes nothing: not audited
+    rows = _log(cli.url)
+    assert rows == [("admin_token.reset", "admin-token", {"token_file": str(path)}, cli_actor())]
+    assert token not in str(rows) and token_hash(token) not in str(rows)  # neither the secret nor its hash
