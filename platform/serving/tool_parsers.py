@@ -221,27 +221,32 @@ class HermesParser(ToolParser):
 class Llama3JsonParser(ToolParser):
     """Llama 3's JSON tool calls: the whole output is `{"name": ..., "parameters": {...}}`
     (several separated by `;`). Output that starts otherwise is content, streamed as it
-    comes; output that starts with `{` is held and parsed at the end."""
+    comes; output that starts with `{` is held and parsed at the end.
+
+    Linear in the output: each delta is looked at once, and held text is kept as a list
+    of pieces joined once, not rescanned or copied on every delta."""
 
     def __init__(self, parallel: bool = True) -> None:
         super().__init__(parallel)
-        self.buf = ""
+        self.held: list[str] = []  # the output while it is not known to be content
         self.mode: str | None = None  # "content" | "json", decided by the first non-space character
 
     def feed(self, delta: str) -> list[Event]:
         if self.mode == "content":
             return [Content(delta)] if delta else []
-        self.buf += delta
-        head = self.buf.lstrip()
-        if self.mode is None and head:
-            self.mode = "json" if head.startswith("{") else "content"
-            if self.mode == "content":
-                text, self.buf = self.buf, ""
-                return [Content(text)]
+        self.held.append(delta)
+        if self.mode is None:
+            # Everything held before this delta is whitespace: only the delta can decide.
+            head = delta.lstrip()
+            if head:
+                self.mode = "json" if head.startswith("{") else "content"
+                if self.mode == "content":
+                    text, self.held = "".join(self.held), []
+                    return [Content(text)]
         return []
 
     def finish(self) -> list[Event]:
-        text, self.buf = self.buf, ""
+        text, self.held = "".join(self.held), []
         if self.mode != "json":
             return [Content(text)] if text else []
         calls = _json_calls(text)
