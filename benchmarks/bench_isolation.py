@@ -9,6 +9,8 @@ turn, for `--seconds` each:
   junk keys     a client floods well-formed unknown keys from B's own address
   slow bodies   200 sockets with no key trickling a declared body a byte a second
   json_schema   A sends a huge response_format json_schema (about 3 MiB)
+  costly schemas  A sends schemas within every cap that take seconds each to compile
+                (900 bounded strings, each schema new), four at a time
   logit_bias    A sends n=64 with a logit_bias table over the whole vocabulary
   tools         A sends a 3.5 MiB tools list
   (A's big bodies soon get 429 from its request body budget, `--max-body-rate`)
@@ -263,6 +265,28 @@ def json_schema(t: Target, stop, got: Counter) -> None:
     _repeat(t, body, stop, got)
 
 
+def costly_schemas(t: Target, stop, got: Counter, senders: int = 4) -> None:
+    """Schemas within every cap that take seconds each to compile (900 bounded strings):
+    each distinct, so no cache answers, from `senders` at once (A's whole compile share)."""
+
+    def send(n: int) -> None:
+        with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.4")) as client:
+            while not stop.is_set():
+                n += senders
+                schema = {"type": "object", "properties": {f"f{n}_{i}": {"type": "string", "maxLength": 200}
+                                                           for i in range(900)}}
+                body = json.dumps({"model": t.model, "max_tokens": 8, "messages": [{"role": "user", "content": "json"}],
+                                   "response_format": {"type": "json_schema",
+                                                       "json_schema": {"name": "costly", "schema": schema}}}).encode()
+                _post(client, t, body, got)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(senders)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
 def logit_bias(t: Target, stop, got: Counter) -> None:
     bias = {str(i): (i % 200) / 100 - 1 for i in range(t.vocab)}
     body = json.dumps({"model": t.model, "max_tokens": 16, "n": 64, "logit_bias": bias,
@@ -334,7 +358,7 @@ def read_streams(t: Target, stop, got: Counter) -> None:
 
 
 ATTACKS: dict[str, Callable] = {"junk keys": junk_keys, "slow bodies": slow_bodies, "json_schema": json_schema,
-                                "logit_bias": logit_bias, "tools": tools, "slow reader": slow_reader,
+                                "costly schemas": costly_schemas, "logit_bias": logit_bias, "tools": tools, "slow reader": slow_reader,
                                 "read streams": read_streams}
 
 

@@ -86,7 +86,7 @@ class LLMEngine:
         # Used by the async layer before a request is queued; the engine thread never compiles.
         self.grammar_pool = CompilePool(self.grammars.compile, threads=sc.compile_threads,
                                         deadline=sc.compile_deadline, max_per_tenant=sc.max_compiles_per_tenant,
-                                        cache_size=sc.cache_size)
+                                        cache_size=sc.cache_size, nice=sc.compile_nice)
         # Emit token-less outputs for prefill chunks (metering bills an abort mid-prefill).
         self.report_prefill = False
 

@@ -31,7 +31,7 @@ from loraplex.engine.errors import (
     UnknownAdapterError,
 )
 from loraplex.engine.errors import TenantShareExceededError
-from loraplex.engine.structured.compile_pool import GrammarQueueFullError, GrammarTimeoutError
+from loraplex.engine.structured.compile_pool import GrammarQueueFullError, GrammarShareBusyError, GrammarTimeoutError
 from loraplex.platform.observability.request_id import current_request_id
 
 
@@ -189,6 +189,7 @@ ERRORS: dict[type[BaseException], Callable[[BaseException], ApiError]] = {
     StreamStalledError: _simple(408, "invalid_request_error", "stream_stalled"),
     GrammarTimeoutError: _simple(400, "invalid_request_error", GrammarTimeoutError.code),
     GrammarQueueFullError: _simple(429, "rate_limit_error", "grammar_compile_queue_full", headers={"Retry-After": "1"}),
+    GrammarShareBusyError: _simple(429, "rate_limit_error", "grammar_compile_share_busy", headers={"Retry-After": "1"}),
     MeteringUnavailableError: _simple(503, "server_error", "metering_unavailable", headers={"Retry-After": "5"}),
     RegistryUnavailableError: _simple(503, "server_error", "adapter_registry_unavailable",
                                       headers={"Retry-After": "5"}),

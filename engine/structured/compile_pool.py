@@ -13,14 +13,21 @@ A request's grammar is compiled before the request is queued (the async layer aw
   started (every worker busy) as overload (`GrammarPoolBusyError`, 503). The compile
   itself cannot be interrupted: it finishes into the cache and keeps its tenant's slot
   until then, so the cost stays with its sender.
+  One that waited behind its own tenant's running compile is that tenant's share
+  (`GrammarShareBusyError`, 429).
 - Cached: compiled grammars (and compiles in flight) by the spec's SHA-256; a request
   whose spec is cached or compiling waits on that one, queuing nothing.
+- Low priority: the workers run at `nice` (19 by default), so a compile takes only the
+  CPU that serving leaves. A schema within every cap may still take seconds of a core:
+  at normal priority, one tenant's compiles slowed another's streaming ~1.8x on 2 cores
+  with the engine on both (`benchmarks/bench_isolation.py`, costly schemas).
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import logging
+import os
 import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
@@ -45,6 +52,14 @@ class GrammarPoolBusyError(EngineOverloadedError):
     """No compile worker was free for the request before its deadline (503, retry)."""
 
 
+class GrammarShareBusyError(TenantShareExceededError):
+    """The request's compile never started: its tenant's own earlier compile held the
+    tenant's one worker until the deadline (429, retry after it)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
 class GrammarQueueFullError(TenantShareExceededError):
     """The tenant already has its share of compiles queued or running (429)."""
 
@@ -67,10 +82,15 @@ def spec_hash(spec: StructuredOutput) -> str:
 
 class CompilePool:
     def __init__(self, compile_fn: Callable[[StructuredOutput], Any], *, threads: int = 2,
-                 deadline: float = 10.0, max_per_tenant: int = 4, cache_size: int = 256) -> None:
+                 deadline: float = 10.0, max_per_tenant: int = 4, cache_size: int = 256, nice: int = 19) -> None:
+        """`nice`: the workers' scheduling priority (Linux nice, per thread: 0 normal, 19
+        lowest); never raised above the process's own."""
         if threads < 1 or max_per_tenant < 1 or cache_size < 1 or not deadline > 0:
             raise ValueError("threads, max_per_tenant and cache_size must be >= 1, deadline > 0")
+        if not 0 <= nice <= 19:
+            raise ValueError(f"nice must be in [0, 19], got {nice}")
         self._compile_fn = compile_fn
+        self.nice = nice
         self.deadline = deadline
         self.max_per_tenant = max_per_tenant
         self._cache_size = cache_size
@@ -119,7 +139,7 @@ class CompilePool:
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), self.deadline)
         except asyncio.TimeoutError:
-            raise self._late(fut) from None
+            raise self._late(fut, tenant) from None
 
     def compile_now(self, spec: StructuredOutput, tenant: str = "") -> Any:
         """`compile` for a caller without an event loop (a blocking wait on this thread)."""
@@ -127,12 +147,18 @@ class CompilePool:
         try:
             return fut.result(self.deadline)
         except TimeoutError:
-            raise self._late(fut) from None
+            raise self._late(fut, tenant) from None
 
-    def _late(self, fut: Future) -> Exception:
+    def _late(self, fut: Future, tenant: str) -> Exception:
         if fut.running() or fut.done():
             return GrammarTimeoutError(f"the schema's grammar did not compile within the {self.deadline:g} s "
                                        "deadline (compile_deadline); simplify the schema")
+        with self._cond:
+            own = tenant in self._running
+        if own:
+            return GrammarShareBusyError(f"tenant {tenant!r}'s earlier schema compile was still running after "
+                                         f"{self.deadline:g} s, and a tenant compiles one schema at a time; "
+                                         "retry after it finishes")
         return GrammarPoolBusyError(f"no grammar compile worker was free within {self.deadline:g} s; retry")
 
     # -- workers ------------------------------------------------------------------
@@ -148,6 +174,7 @@ class CompilePool:
                 self._cond.wait()
 
     def _work(self) -> None:
+        _lower_priority(self.nice)
         while (job := self._next()) is not None:
             if job.future.set_running_or_notify_cancel():
                 try:
@@ -177,3 +204,12 @@ class CompilePool:
                     job.future.cancel()
             self._queues.clear()
             self._cond.notify_all()
+
+
+def _lower_priority(nice: int) -> None:
+    """This thread's nice value to `nice` (Linux keeps one per thread), where allowed."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+    except (AttributeError, OSError):  # no per-thread priority here: compiles run at the process's
+        log.debug("grammar compile workers keep the process's priority", exc_info=True)

@@ -34,6 +34,8 @@ class StructuredConfig:
     compile_deadline: float = 10.0
     # Compiles one tenant may have queued or running; more are refused (429).
     max_compiles_per_tenant: int = 4
+    # The compile workers' nice value (19: lowest): a compile uses only the CPU serving leaves.
+    compile_nice: int = 19
     # False: compact JSON, so a model cannot spend its whole budget on whitespace.
     any_whitespace: bool = False
 

@@ -3,6 +3,7 @@ a per-tenant cap, the deadline, and real xgrammar compiles through it."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -12,6 +13,7 @@ from loraplex.engine.structured.compile_pool import (
     CompilePool,
     GrammarPoolBusyError,
     GrammarQueueFullError,
+    GrammarShareBusyError,
     GrammarTimeoutError,
 )
 from loraplex.engine.structured.grammar import GrammarCompiler
@@ -144,3 +146,43 @@ def test_a_failed_compile_is_not_cached(compiler):
         assert pool.submit(bad, "a") is not first
     finally:
         pool.close()
+
+
+def test_a_request_behind_its_own_tenants_compile_is_that_tenants_share_not_overload(compiler):
+    rec = Recorder(compiler)
+    gate, other = rec.hold("a0"), rec.hold("b0")
+    pool = CompilePool(rec, threads=2, deadline=0.05)
+    try:
+        pool.submit(_spec("a0"), "a")
+        rec.started["a0"].wait()
+        # The other worker is free, but a tenant compiles one schema at a time: a's own 429.
+        with pytest.raises(GrammarShareBusyError, match="one schema at a time"):
+            asyncio.run(pool.compile(_spec("a1"), "a"))
+        pool.submit(_spec("b0"), "b")
+        rec.started["b0"].wait()
+        # Both workers busy, c has nothing running: the server's load (503).
+        with pytest.raises(GrammarPoolBusyError):
+            asyncio.run(pool.compile(_spec("c0"), "c"))
+    finally:
+        gate.set()
+        other.set()
+        pool.close()
+
+
+def test_compiles_run_at_the_lowest_priority():
+    """A schema within every cap can take seconds of a core to compile: at nice 19 that
+    is only the CPU the engine and the event loop leave."""
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def priority(spec):
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    pool = CompilePool(priority, threads=2)
+    try:
+        assert pool.submit(_spec("x"), "a").result(timeout=60) == 19
+        assert pool.submit(_spec("y"), "b").result(timeout=60) == 19
+    finally:
+        pool.close()
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # the caller's thread is untouched
+    with pytest.raises(ValueError, match="nice"):
+        CompilePool(priority, nice=20)
