@@ -39,7 +39,7 @@ PARSE_THREADS = 2
 # Bodies from this size are screened in the child: orjson parses ~100 MiB/s of dense
 # JSON here, so a body this size holds the lock ~2-5 ms, the pipe to the child ~0.1 ms.
 SCREEN_BYTES = 256 * 1024
-SCREEN_NICE = 10
+SCREEN_NICE = 19
 # What the screen refuses with: the domain errors the API maps to 4xx.
 SCREENED_ERRORS = (PlatformError, InvalidRequestError)
 
