@@ -30,6 +30,7 @@ from loraplex.engine.errors import (
     UnknownAdapterError,
 )
 from loraplex.engine.errors import TenantShareExceededError
+from loraplex.engine.structured.compile_pool import GrammarQueueFullError, GrammarShareBusyError
 
 from loraplex.platform.errors import AuthenticationError, RateLimitedError, ShuttingDownError, api_error
 
@@ -51,12 +52,14 @@ class WorkerLostError(WorkerError):
 WIRE_ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (
     InvalidRequestError, PromptTooLongError, UnknownAdapterError, EngineOverloadedError, EngineDeadError,
     ModelLoadError, ShuttingDownError, AuthenticationError, AdapterNotFoundError, AdapterValidationError,
-    AdapterCorruptedError, BlobStoreError, WorkerError, TenantShareExceededError, RateLimitedError,
-    StreamStalledError)}
+    AdapterCorruptedError, BlobStoreError, WorkerError, TenantShareExceededError, GrammarQueueFullError,
+    GrammarShareBusyError, RateLimitedError, StreamStalledError)}
 
+# A tenant's own flood (TenantShareExceededError and the grammar pool's shares) is its 429
+# behind a gateway too, as in process; a worker's throttle of a wrong internal token is not.
 _CLIENT_FACING: tuple[type[Exception], ...] = (
     InvalidRequestError, UnknownAdapterError, AdapterNotFoundError, AdapterValidationError,
-    EngineOverloadedError, EngineDeadError, ShuttingDownError)
+    EngineOverloadedError, EngineDeadError, ShuttingDownError, TenantShareExceededError)
 
 # Refusals another worker may well accept: retried there (once) before any output.
 RETRYABLE: tuple[type[Exception], ...] = (EngineOverloadedError, EngineDeadError, ShuttingDownError)

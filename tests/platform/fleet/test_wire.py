@@ -14,7 +14,7 @@ from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.structured.spec import StructuredOutput
 from loraplex.platform.errors import ShuttingDownError
 from loraplex.platform.routing import prefix_key
-from loraplex.platform.fleet.errors import WorkerError, decode_error, error_status
+from loraplex.platform.fleet.errors import WorkerError, decode_error, error_from_body, error_status
 from loraplex.platform.fleet.wire import (
     GenerateRequest,
     adapter_from_json,
@@ -142,6 +142,23 @@ def test_a_tenant_over_its_share_crosses_as_a_429_with_its_message():
     assert isinstance(back, TenantShareExceededError) and "its share of the queue is 3" in str(back)
     err = api_error(back)  # what the gateway answers its client
     assert (err.status, err.code) == (429, "tenant_queue_share_exceeded")
+
+
+def test_a_tenants_own_flood_reaches_its_client_as_429_through_the_gateway():
+    """What the gateway answers (error_from_body): the tenant's 429 with its code, not a
+    worker failure's 503."""
+    from loraplex.engine.errors import TenantShareExceededError
+    from loraplex.engine.structured.compile_pool import GrammarQueueFullError, GrammarShareBusyError
+    from loraplex.platform.errors import api_error
+
+    for exc, code in ((TenantShareExceededError("7", 3, 3), "tenant_queue_share_exceeded"),
+                      (GrammarQueueFullError("tenant 'a' already has 4 schema compiles"), "grammar_compile_queue_full"),
+                      (GrammarShareBusyError("tenant 'a' compiles one schema at a time"), "grammar_compile_share_busy")):
+        status, body = error_status(exc)
+        back = error_from_body(body, status)
+        assert type(back) is type(exc) and str(exc) in str(back)
+        err = api_error(back)
+        assert (err.status, err.code) == (429, code)
 
 
 def test_prefill_progress_and_engine_times_survive_the_wire_and_coalescing():
