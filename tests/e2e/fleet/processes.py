@@ -118,6 +118,8 @@ def serve(model_dir: Path, logs: Path, name: str, *extra: str) -> Proc:
     port = free_port()
     argv = ["serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
             "--dtype", "float32", "--no-demo", "--data-dir", str(logs / f"{name}-data"), *extra]
+    if "--metrics-port" not in extra:
+        argv += ["--metrics-port", "0"]  # as for gateways: another server on this machine may hold the default
     return Proc(name, argv, port, logs / f"{name}.log")
 
 
