@@ -35,22 +35,27 @@ def _serve(settings: Settings, app) -> tuple[uvicorn.Server, threading.Thread, s
     return server, thread, sock
 
 
-def _stop_reading_then_read(base_settings, tmp_path, limits, **engine_knobs) -> list[dict]:
-    """A raw-socket client streams a completion, reads its head, then nothing until the
-    engine has paused the request (it must not run to its end unread); then it reads the
-    rest. Returns the stream's events."""
+def _stop_reading_then_read(base_settings, tmp_path, limits, max_model_len: int = MAX_MODEL_LEN,
+                            **engine_knobs) -> list[dict]:
+    """A raw-socket client streams a completion of `max_model_len - 16` tokens, reads its
+    head, then nothing until the engine has paused the request (it must not run to its
+    end unread); then it reads the rest. Returns the stream's events."""
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
     migrate(url)
     db = Database(url)
     create_tenant(db, "acme", "interactive")
     key = create_key(db, "acme")
-    settings = dataclasses.replace(base_settings, database_url=url, limits=limits, data_dir=tmp_path / "data")
+    model = dataclasses.replace(base_settings.engine.model, max_model_len=max_model_len)
+    cache = dataclasses.replace(base_settings.engine.cache, num_blocks=max(base_settings.engine.cache.num_blocks,
+                                                                           max_model_len // 16 + 8))
+    settings = dataclasses.replace(base_settings, database_url=url, limits=limits, data_dir=tmp_path / "data",
+                                   engine=dataclasses.replace(base_settings.engine, model=model, cache=cache))
     engine = build_engine(settings)
     for name, value in engine_knobs.items():
         setattr(engine, name, value)
     server, thread, sock = _serve(settings, create_app(settings, engine, hooks=RecordingHooks()))
     try:
-        body = json.dumps({"model": settings.model_name, "prompt": "x", "max_tokens": MAX_MODEL_LEN - 16,
+        body = json.dumps({"model": settings.model_name, "prompt": "x", "max_tokens": max_model_len - 16,
                            "stream": True, "ignore_eos": True, "temperature": 0}).encode()
         client = socket.socket()
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -80,7 +85,7 @@ def _stop_reading_then_read(base_settings, tmp_path, limits, **engine_knobs) -> 
         db.dispose()
     events = [json.loads(line[6:]) for line in got.decode().splitlines() if line.startswith("data: {")]
     assert events[-1]["choices"][0]["finish_reason"] == "length"
-    assert sum(1 for e in events if e["choices"][0]["text"]) > MAX_MODEL_LEN // 2
+    assert sum(1 for e in events if e["choices"][0]["text"]) > max_model_len // 2
     return events
 
 
@@ -94,6 +99,10 @@ def test_a_client_that_stops_reading_pauses_its_stream_until_it_reads_again(base
 def test_a_stream_buffers_little_whatever_the_connection_buffers(base_settings, tmp_path):
     """While a response streams its connection's buffers are `--stream-send-buffer`: with
     megabytes for other responses (which would take this whole stream unread), a client
-    that stops reading is still found, its sender blocked, and its request paused."""
+    that stops reading is still found, its sender blocked, and its request paused. The
+    small buffers fill within ~150 tokens; the stream is ~2,000 (~260 KB, well inside
+    4 MiB), so however fast the engine runs, most of it is still to come when the
+    sender has been blocked for `stall_seconds`."""
     limits = dataclasses.replace(base_settings.limits, send_buffer_bytes=4 * 2**20, stream_send_buffer_bytes=4096)
-    _stop_reading_then_read(base_settings, tmp_path, limits, pause_backlog=100_000, stall_seconds=0.2)
+    _stop_reading_then_read(base_settings, tmp_path, limits, max_model_len=2048, pause_backlog=100_000,
+                            stall_seconds=0.2)
