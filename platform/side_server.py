@@ -6,8 +6,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable
+from typing import Any
 
 import uvicorn
+
+
+def side_config(app: Any, host: str, port: int, **kw: Any) -> uvicorn.Config:
+    """A side listener's configuration: only scrapers call it, so a few connections, no
+    lifespan (the main app runs that), the main server's logging; `kw` adds to it (the
+    gateway's guarded protocol)."""
+    return uvicorn.Config(app, host=host, port=port, access_log=False, lifespan="off", limit_concurrency=64,
+                          log_config=None, **kw)
 
 
 class _SideServer(uvicorn.Server):

@@ -52,7 +52,7 @@ from loraplex.engine.threads import use_serial_default_executor
 from loraplex.platform.heap import freeze_startup_heap
 from loraplex.platform.metrics import CONTENT_TYPE
 from loraplex.platform.settings import ServerLimits, Settings
-from loraplex.platform.side_server import serve_beside
+from loraplex.platform.side_server import serve_beside, side_config
 
 # After an early answer, how long and how much of the unread body is still taken in.
 LINGER_SECONDS = 2.0
@@ -318,19 +318,12 @@ def metrics_app(app: Starlette) -> Starlette:
     return Starlette(routes=[Route("/metrics", metrics, methods=["GET"])])
 
 
-def side_listener(app: Starlette, host: str, port: int, limits: ServerLimits, trusted: str = "") -> uvicorn.Config:
-    """A second listener's configuration (`/metrics` of its own): guarded like the main one,
-    a few connections, no lifespan, the main server's logging."""
-    return uvicorn.Config(app, host=host, port=port, http=guarded_protocol(limits, trusted), access_log=False,
-                          lifespan="off", limit_concurrency=64, log_config=None)
-
-
 async def serve(main: uvicorn.Server, app: Starlette, settings: Settings) -> None:
     """Run `main`, plus `/metrics` on its own listener when `settings.metrics_port` is set."""
     freeze_startup_heap()
     use_serial_default_executor()
     side = None
     if settings.metrics_port is not None:
-        side = side_listener(metrics_app(app), settings.metrics_host, settings.metrics_port, settings.limits,
-                             settings.forwarded_allow_ips)
+        side = side_config(metrics_app(app), settings.metrics_host, settings.metrics_port,
+                           http=guarded_protocol(settings.limits, settings.forwarded_allow_ips))
     await serve_beside(main.serve(), side)

@@ -15,7 +15,7 @@ from loraplex.engine.lora import LoRAManager
 
 from loraplex.platform.observability.tracing import Tracing, TracingConfig
 from loraplex.platform.settings import Settings
-from loraplex.platform.side_server import serve_beside
+from loraplex.platform.side_server import serve_beside, side_config
 from loraplex.platform.worker.app import create_metrics_app, create_worker_app
 from loraplex.platform.worker.config import WorkerConfig
 from loraplex.platform.worker.state import WorkerState
@@ -95,9 +95,7 @@ def run_worker(settings: Settings, config: WorkerConfig, *, access_log: bool = F
     # (text or JSON lines, each with the request id).
     uv = uvicorn.Config(app, host=config.host, port=config.port, access_log=access_log, log_level="info",
                         timeout_graceful_shutdown=30, log_config=None)
-    # Only scrapers call the metrics port: a few connections, the main server's logging.
-    metrics = uvicorn.Config(create_metrics_app(state), host=config.metrics_host, port=config.metrics_port,
-                             access_log=False, lifespan="off", limit_concurrency=64, log_config=None) if side else None
+    metrics = side_config(create_metrics_app(state), config.metrics_host, config.metrics_port) if side else None
     server = DrainingServer(uv, state, config.drain_timeout_s, metrics)
     log.info("loraplex worker: internal API at http://%s:%d (model %s)", config.host, config.port,
              settings.engine.model.model)
