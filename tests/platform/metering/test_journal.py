@@ -14,7 +14,8 @@ import pytest
 
 from loraplex.platform.db.database import make_db_engine
 from loraplex.platform.db.usage_tables import QuotaLease, UsageEvent
-from loraplex.platform.metering.journal import Journal, read_records
+from loraplex.platform.metering.frames import read_records
+from loraplex.platform.metering.journal import Journal
 from loraplex.platform.metering.ledger import JournalConfig, Ledger, final_events, record
 from loraplex.platform.metering.writer import Event, EventStore, UsageWriter
 from loraplex.platform.quotas.admission import plan_admission
