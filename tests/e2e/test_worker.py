@@ -44,25 +44,37 @@ class Worker:
     """One `loraplex worker` process; its output goes to a log file (read on failure)."""
 
     def __init__(self, tmp: Path, *args: str, token: str | None = TOKEN, env: dict[str, str] | None = None) -> None:
+        self._tmp, self._args = tmp, args
+        self._env = {**{k: v for k, v in os.environ.items() if k != "LORAPLEX_INTERNAL_TOKEN"}, **(env or {})}
+        if token is not None:
+            self._env["LORAPLEX_INTERNAL_TOKEN"] = token
+        self._start()
+
+    def _start(self) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / f"worker-{self.port}.log"
-        env = {**{k: v for k, v in os.environ.items() if k != "LORAPLEX_INTERNAL_TOKEN"}, **(env or {})}
-        if token is not None:
-            env["LORAPLEX_INTERNAL_TOKEN"] = token
+        self.log = self._tmp / f"worker-{self.port}.log"
         cmd = [sys.executable, "-u", "-c", "from loraplex.platform.cli.main import main; main()", "worker",
-               "--port", str(self.port), "--cache-dir", str(tmp / "blob-cache"), *args]
+               "--port", str(self.port), "--cache-dir", str(self._tmp / "blob-cache"), *self._args]
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self._env)
         self.http = httpx.Client(base_url=self.url, timeout=60)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 180) -> None:
+    def wait_ready(self, timeout: float = 180, new_ports: int = 3) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                # The port was free when picked, but until the worker binds it (after its
+                # model loads) another process may take it, e.g. as a connection's local
+                # port: that is the test's race, not the worker's failure.
+                if new_ports and "address already in use" in self.output():
+                    new_ports -= 1
+                    self.http.close()
+                    self._start()
+                    continue
                 raise AssertionError(f"the worker exited ({self.proc.returncode}):\n{self.output()}")
             try:
                 if self.http.get("/ready").status_code == 200:
