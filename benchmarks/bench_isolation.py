@@ -358,8 +358,8 @@ def read_streams(t: Target, stop, got: Counter) -> None:
 
 
 ATTACKS: dict[str, Callable] = {"junk keys": junk_keys, "slow bodies": slow_bodies, "json_schema": json_schema,
-                                "costly schemas": costly_schemas, "logit_bias": logit_bias, "tools": tools, "slow reader": slow_reader,
-                                "read streams": read_streams}
+                                "costly schemas": costly_schemas, "logit_bias": logit_bias, "tools": tools,
+                                "slow reader": slow_reader, "read streams": read_streams}
 
 
 def _attack_main(name: str, t: Target, stop, out) -> None:

@@ -56,15 +56,9 @@ class GrammarShareBusyError(TenantShareExceededError):
     """The request's compile never started: its tenant's own earlier compile held the
     tenant's one worker until the deadline (429, retry after it)."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-
 
 class GrammarQueueFullError(TenantShareExceededError):
     """The tenant already has its share of compiles queued or running (429)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
 
 
 @dataclass

@@ -8,11 +8,12 @@ import pytest
 
 from loraplex.adapters.errors import AdapterNotFoundError, BlobStoreError
 from loraplex.engine.output import RequestOutput
-from loraplex.engine.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError
+from loraplex.engine.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError, TenantShareExceededError
 from loraplex.engine.mixtures import mixture_ref
 from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.structured.spec import StructuredOutput
-from loraplex.platform.errors import ShuttingDownError
+from loraplex.engine.structured.compile_pool import GrammarQueueFullError, GrammarShareBusyError
+from loraplex.platform.errors import ShuttingDownError, api_error
 from loraplex.platform.routing import prefix_key
 from loraplex.platform.fleet.errors import WorkerError, decode_error, error_from_body, error_status
 from loraplex.platform.fleet.wire import (
@@ -147,10 +148,6 @@ def test_a_tenant_over_its_share_crosses_as_a_429_with_its_message():
 def test_a_tenants_own_flood_reaches_its_client_as_429_through_the_gateway():
     """What the gateway answers (error_from_body): the tenant's 429 with its code, not a
     worker failure's 503."""
-    from loraplex.engine.errors import TenantShareExceededError
-    from loraplex.engine.structured.compile_pool import GrammarQueueFullError, GrammarShareBusyError
-    from loraplex.platform.errors import api_error
-
     for exc, code in ((TenantShareExceededError("7", 3, 3), "tenant_queue_share_exceeded"),
                       (GrammarQueueFullError("tenant 'a' already has 4 schema compiles"), "grammar_compile_queue_full"),
                       (GrammarShareBusyError("tenant 'a' compiles one schema at a time"), "grammar_compile_share_busy")):
