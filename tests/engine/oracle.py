@@ -69,6 +69,24 @@ def run_greedy_with_adapters(engine, prompts: list[list[int]], adapters: list[st
     return [outs[i] for i in ids]
 
 
+def schedule_whatever_the_timing(engine, adapters=()) -> None:
+    """Which requests run together follows when each adapter's background load ends and,
+    past `aging_seconds`, how long the run has taken, so a busy machine may run other
+    steps (and, say, never run out of KV blocks). `adapters` (names) are loaded into the
+    CPU tier first, and the scheduler's clock advances 10 ms a step: the same steps run
+    on any machine."""
+    for name in adapters:
+        engine.lora.prefetch(engine.lora.ref(name)).result(timeout=120)
+    now, step = [0.0], engine.step
+
+    def step_at_fixed_pace():
+        now[0] += 0.01
+        return step()
+
+    engine.scheduler.clock = lambda: now[0]
+    engine.step = step_at_fixed_pace
+
+
 class OracleDrafts(DraftProposer):
     """Drafts read off the reference output (a random model repeats nothing for prompt
     lookup to find), with the drafts at every `wrong_every`-th output position (offset by

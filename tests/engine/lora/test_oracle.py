@@ -15,7 +15,8 @@ from loraplex.engine.errors import UnknownAdapterError
 from loraplex.engine.kernels.cpu.lora_backend import CLoRABackend
 from loraplex.engine.lora import LoRAManager
 from loraplex.engine.request import SamplingParams
-from tests.engine.oracle import OracleDrafts, draft_whatever_the_timing, hf_greedy, run_greedy_with_adapters
+from tests.engine.oracle import (OracleDrafts, draft_whatever_the_timing, hf_greedy, run_greedy_with_adapters,
+                                schedule_whatever_the_timing)
 
 # (name, rank, targets, rslora): ranks 4..64, partial targets, rsLoRA scaling.
 ADAPTERS = [
@@ -69,23 +70,6 @@ def _engine(model_dir, store_root, dirs, *, max_loras=None, max_cpu_loras=16, ke
     return LLMEngine(cfg, LoRAManager(store, cfg.lora), proposer=proposer), store
 
 
-def schedule_whatever_the_timing(engine, dirs) -> None:
-    """Which requests run together (and so whether the pool runs out) follows when each
-    adapter's background load ends and, past `aging_seconds`, how long the run took: on a
-    busy machine a run may never preempt. Every adapter is in the CPU tier before the run,
-    and the scheduler's clock advances 10 ms a step, so the same steps run on any machine."""
-    for name in dirs:
-        engine.lora.prefetch(engine.lora.ref(name)).result(timeout=120)
-    now, step = [0.0], engine.step
-
-    def step_at_fixed_pace():
-        now[0] += 0.01
-        return step()
-
-    engine.scheduler.clock = lambda: now[0]
-    engine.step = step_at_fixed_pace
-
-
 def _run(engine, prompts, assign) -> list[list[int]]:
     return run_greedy_with_adapters(engine, prompts, assign, list(MAX_TOKENS))
 
@@ -111,7 +95,7 @@ def test_mixed_adapters_match_peft(tiny_llama_dir, tmp_path, lora_setup, setup):
     if setup.get("speculative"):
         draft_whatever_the_timing(engine)
     if setup.get("num_blocks") == 30:
-        schedule_whatever_the_timing(engine, dirs)
+        schedule_whatever_the_timing(engine, dirs)  # so that these always preempt
     assert isinstance(engine.lora.backend, CLoRABackend) == (engine.runner.backend.name == "cpu")
     assert _run(engine, prompts, assign) == ref
     if setup.get("num_blocks") == 30:
