@@ -69,7 +69,7 @@ class TorchAttentionMetadata(AttentionMetadata):
     """The torch path's form: decodes computed in groups, prefill chunks one SDPA each."""
 
     # (start_pos, 1, block ids) per decode, for the groups built on first use.
-    decodes: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    decodes: list[tuple[int, int, list[int]]] = field(default_factory=list)
     device: torch.device | str = "cpu"
     _decode_groups: list[DecodeGroup] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
@@ -128,19 +128,27 @@ def group_decodes(num_blocks: list[int]) -> list[list[int]]:
 
 
 def _tables_and_slots(seqs: list[tuple[int, int, list[int]]], block_size: int
-                      ) -> tuple[list[torch.Tensor], torch.Tensor, int]:
+                      ) -> tuple[list[list[int]], torch.Tensor, int]:
     """(block table per sequence, slot mapping, number of decodes: the leading one-token
-    sequences)."""
-    tables, slot_chunks, num_decodes = [], [], 0
+    sequences). Plain lists until one tensor each: a decode step's metadata is built
+    every step for every sequence, and a handful of small torch calls per sequence cost
+    a 64-sequence step ~2 ms."""
+    tables, slots, num_decodes = [], [], 0
     for start, n, blocks in seqs:
-        nb = -(-(start + n) // block_size)
-        b = torch.tensor(blocks[:nb], dtype=torch.long)
-        pos = torch.arange(start, start + n)
-        slot_chunks.append(b[pos // block_size] * block_size + pos % block_size)
+        b = blocks[:-(-(start + n) // block_size)]
+        if n == 1:
+            slots.append(b[start // block_size] * block_size + start % block_size)
+            if num_decodes == len(tables):  # every sequence before it a decode too
+                num_decodes += 1
+        else:
+            slots.extend(b[p // block_size] * block_size + p % block_size for p in range(start, start + n))
         tables.append(b)
-        if n == 1 and num_decodes == len(tables) - 1:
-            num_decodes += 1
-    return tables, torch.cat(slot_chunks), num_decodes
+    return tables, torch.tensor(slots, dtype=torch.long), num_decodes
+
+
+def _padded(tables: list[list[int]], width: int, dtype: torch.dtype) -> torch.Tensor:
+    """[len(tables), width] block ids, each row padded with block 0."""
+    return torch.tensor([[*b] + [0] * (width - len(b)) for b in tables], dtype=dtype).view(len(tables), width)
 
 
 def ragged_tables(seqs: list[tuple[int, int, list[int]]], device: torch.device | str
@@ -149,9 +157,7 @@ def ragged_tables(seqs: list[tuple[int, int, list[int]]], device: torch.device |
     lens = [n for _, n, _ in seqs]
     query_start_loc = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
     seq_lens = torch.tensor([s + n for s, n, _ in seqs], dtype=torch.int32).to(device)
-    tables = torch.zeros(len(seqs), max(len(b) for _, _, b in seqs), dtype=torch.int32)
-    for i, (_, _, b) in enumerate(seqs):
-        tables[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+    tables = _padded([b for _, _, b in seqs], max(len(b) for _, _, b in seqs), torch.int32)
     return query_start_loc, seq_lens, tables.to(device)
 
 
@@ -179,19 +185,18 @@ def build_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int, dtyp
             # Query i sits at position s + i and sees keys 0..s+i.
             allowed = torch.arange(s + n)[None, :] <= (torch.arange(n)[:, None] + s)
             mask = torch.zeros(n, s + n, dtype=dtype).masked_fill_(~allowed, float("-inf")).to(device)
-        meta.prefills.append(PrefillChunk(q_start, n, s, b.to(device), mask))
+        meta.prefills.append(PrefillChunk(q_start, n, s, torch.tensor(b, dtype=torch.long, device=device), mask))
         q_start += n
     return meta
 
 
-def _decode_group(decodes: list[tuple[int, int, torch.Tensor]], idx: list[int], block_size: int,
+def _decode_group(decodes: list[tuple[int, int, list[int]]], idx: list[int], block_size: int,
                   device: torch.device | str) -> DecodeGroup:
     nb = max(len(decodes[i][2]) for i in idx)
-    table = torch.zeros(len(idx), nb, dtype=torch.long)
+    table = _padded([decodes[i][2] for i in idx], nb, torch.long)
     mask = torch.full((len(idx), 1, nb * block_size), float("-inf"))
     for r, i in enumerate(idx):
-        s, n, b = decodes[i]
-        table[r, : len(b)] = b
+        s, n, _ = decodes[i]
         mask[r, 0, : s + n] = 0.0
     padded = any(decodes[i][0] + 1 != nb * block_size for i in idx)
     contiguous = idx == list(range(idx[0], idx[0] + len(idx)))
