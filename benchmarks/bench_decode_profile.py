@@ -7,7 +7,9 @@ other layer ops (norms, RoPE, SiLU, embedding), the LM head, sampling, the runne
 batch building, and the engine's own work around execution (scheduling, the update,
 detokenization, outputs). Prints each as a share of the step, greedy and at
 temperature 1, and the GEMMs' FLOP/s against the peak of the same linear layers
-measured on this machine at a large row count.
+measured on this machine at a large row count. Then the step's floor at those rates:
+the GEMMs at that peak and attention's KV cache read at the rate torch reads one large
+tensor here, which bounds what any kernel work on this machine can still take.
 
     python benchmarks/bench_decode_profile.py
     python benchmarks/bench_decode_profile.py --batch 16 --steps 10
@@ -61,7 +63,14 @@ def instrument(engine: LLMEngine, timers: Timers) -> int:
     model.forward = timers.wrap("model forward", model.forward)
     model.compute_logits = timers.wrap("lm_head", model.compute_logits)
     runner.sampler.sample = timers.wrap("sampling", runner.sampler.sample)
-    runner.execute = timers.wrap("execute", runner.execute)
+    execute = runner.execute
+
+    def counted(out, requests):
+        if timers.on:  # the context every sequence's attention reads this step, new token included
+            timers.total["context tokens"] += sum(s.start_pos + len(s.token_ids) for s in out.seqs)
+        return execute(out, requests)
+
+    runner.execute = timers.wrap("execute", counted)
     engine.step = timers.wrap("step", engine.step)
     return macs
 
@@ -77,6 +86,20 @@ def measure_gemm_peak(engine: LLMEngine, rows: int = 1024, repeat: int = 5) -> f
             for _ in range(repeat):
                 proj(x)
             best = max(best, 2 * rows * proj.in_features * proj.out_features * repeat / (time.perf_counter() - start))
+    return best
+
+
+def measure_read_bandwidth(mib: int = 512, repeat: int = 3) -> float:
+    """Best rate (bytes/s) at which torch sums an fp32 tensor of `mib` MiB (far beyond any
+    cache; torch's bf16 sum converts too slowly to be limited by memory): what reading
+    memory in long runs reaches on this machine now."""
+    x = torch.ones(mib << 18, dtype=torch.float32)
+    x.sum()
+    best = 0.0
+    for _ in range(repeat):
+        start = time.perf_counter()
+        x.sum()
+        best = max(best, x.nbytes / (time.perf_counter() - start))
     return best
 
 
@@ -102,7 +125,8 @@ def decode_profile(engine: LLMEngine, timers: Timers, batch: int, steps: int, **
             "other layer ops": model - t["projections"] - t["attention"],
             "lm_head": t["lm_head"], "sampling": t["sampling"],
             "runner batch building": t["execute"] - model - t["lm_head"] - t["sampling"],
-            "engine (schedule, update, detokenize)": t["step"] - t["execute"], "step": t["step"]}
+            "engine (schedule, update, detokenize)": t["step"] - t["execute"], "step": t["step"],
+            "context tokens": t["context tokens"]}
 
 
 def main() -> None:
@@ -122,11 +146,15 @@ def main() -> None:
     vocab, hidden = engine.arch.vocab_size, engine.arch.hidden_size
     profiles = {}
     peak = measure_gemm_peak(engine)
+    bandwidth = measure_read_bandwidth()
     for name, params in (("greedy", dict(temperature=0)), ("temperature 1", dict(temperature=1.0))):
         profiles[name] = decode_profile(engine, timers, args.batch, args.steps, **params)
         # The peak is the best of measurements around the profiles: a busy machine's
         # rate moves, and a low peak would overstate the efficiency.
         peak = max(peak, measure_gemm_peak(engine))
+        bandwidth = max(bandwidth, measure_read_bandwidth())
+    a = engine.arch
+    kv_per_token = a.num_layers * 2 * a.num_kv_heads * a.head_dim * engine.runner.dtype.itemsize
     print(f"decode steps at batch {args.batch}, {args.dtype}, {args.threads} threads; "
           f"GEMM peak of these layers at 1024 rows: {peak / 1e9:.1f} GFLOP/s")
     for name, p in profiles.items():
@@ -138,6 +166,12 @@ def main() -> None:
         head_rate = 2 * args.batch * hidden * vocab / p["lm_head"]
         print(f"  projections at {proj_rate / 1e9:.1f} GFLOP/s = {proj_rate / peak:.0%} of peak; "
               f"lm_head at {head_rate / 1e9:.1f} GFLOP/s = {head_rate / peak:.0%} of peak")
+        kv = p["context tokens"] * kv_per_token
+        print(f"  attention reads {kv / 1e6:.0f} MB of KV cache at {kv / p['attention'] / 1e9:.1f} GB/s = "
+              f"{kv / p['attention'] / bandwidth:.0%} of the {bandwidth / 1e9:.1f} GB/s a long read reaches here")
+        floor = 2 * args.batch * (macs + hidden * vocab) / peak + kv / bandwidth
+        print(f"  floor at those rates (GEMMs at peak, the KV read at that bandwidth, all else free): "
+              f"{floor * 1e3:.1f} ms = {floor / step:.0%} of the step")
     ratio = profiles["temperature 1"]["sampling"] / profiles["temperature 1"]["step"]
     print(f"sampling's share of a step: greedy {profiles['greedy']['sampling'] / profiles['greedy']['step']:.1%}, "
           f"temperature 1 {ratio:.1%}")
