@@ -73,8 +73,8 @@ def schedule_whatever_the_timing(engine, adapters=()) -> None:
     """Which requests run together follows when each adapter's background load ends and,
     past `aging_seconds`, how long the run has taken, so a busy machine may run other
     steps (and, say, never run out of KV blocks). `adapters` (names) are loaded into the
-    CPU tier first, and the scheduler's clock advances 10 ms a step: the same steps run
-    on any machine."""
+    CPU tier first, so where it holds them all no load races the steps; the scheduler's
+    clock advances 10 ms a step, so aging follows steps, not the machine's speed."""
     for name in adapters:
         engine.lora.prefetch(engine.lora.ref(name)).result(timeout=120)
     now, step = [0.0], engine.step

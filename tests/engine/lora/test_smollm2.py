@@ -91,6 +91,6 @@ def test_preemption_and_chunked_prefill_match_peft(smollm2_dir, tmp_path, setup)
     # Two device slots for four adapters: adapters also rotate through the slots.
     engine = _engine(smollm2_dir, tmp_path / "store", dirs, max_loras=2, max_cpu_loras=2,
                      num_blocks=12, max_num_batched_tokens=48)
-    schedule_whatever_the_timing(engine)  # the two-adapter CPU tier keeps loading in the background
+    schedule_whatever_the_timing(engine)  # aging by steps (a two-adapter CPU tier cannot hold all four)
     assert _run(engine, prompts, assign, max_tokens) == ref
     assert engine.scheduler.num_preemptions > 0, "the small KV pool was meant to force preemption"
