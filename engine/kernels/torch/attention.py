@@ -148,7 +148,7 @@ def _tables_and_slots(seqs: list[tuple[int, int, list[int]]], block_size: int
 
 def _padded(tables: list[list[int]], width: int, dtype: torch.dtype) -> torch.Tensor:
     """[len(tables), width] block ids, each row padded with block 0."""
-    return torch.tensor([[*b] + [0] * (width - len(b)) for b in tables], dtype=dtype).view(len(tables), width)
+    return torch.tensor([[*b] + [0] * (width - len(b)) for b in tables], dtype=dtype)
 
 
 def ragged_tables(seqs: list[tuple[int, int, list[int]]], device: torch.device | str

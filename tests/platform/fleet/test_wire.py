@@ -8,7 +8,8 @@ import pytest
 
 from loraplex.adapters.errors import AdapterNotFoundError, BlobStoreError
 from loraplex.engine.output import RequestOutput
-from loraplex.engine.errors import EngineOverloadedError, InvalidRequestError, PromptTooLongError, TenantShareExceededError
+from loraplex.engine.errors import (EngineOverloadedError, InvalidRequestError, PromptTooLongError,
+                                    TenantShareExceededError)
 from loraplex.engine.mixtures import mixture_ref
 from loraplex.engine.request import AdapterRef, Lane, SamplingParams
 from loraplex.engine.structured.spec import StructuredOutput
