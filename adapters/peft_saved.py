@@ -1,11 +1,14 @@
 """PEFT's saved modules beside LoRA: `modules_to_save` and `trainable_token_indices`.
 
-Both are resolved as peft 0.21 resolves them (`_set_trainable`, `set_additional_trainable_modules`):
+Both are resolved as the PEFT that wrote the adapter resolves them (`_set_trainable`,
+`set_additional_trainable_modules`):
 
-- `modules_to_save`: PEFT saves a full copy of every module whose name *ends with* an
-  entry (a plain string suffix, not a dotted one: "norm" saves every RMSNorm). loraplex
-  serves copies of the embedding, the lm_head and the RMSNorm weights; the copy replaces
-  the base module for that adapter's rows only.
+- `modules_to_save`: PEFT saves a full copy of every module whose name ends with an
+  entry: as a dotted suffix from peft 0.22 ("norm" is `model.norm` alone), as a plain
+  string suffix before ("norm" is every RMSNorm); the config's `peft_version` says which
+  PEFT wrote it, and one without the field predates 0.22. loraplex serves copies of the
+  embedding, the lm_head and the RMSNorm weights; the copy replaces the base module for
+  that adapter's rows only.
 - `trainable_token_indices`: a list (rows of the input embedding) or {module: list}; PEFT's
   `TrainableTokensLayer` replaces those rows of the module's weight. On a base with tied
   embeddings the lm_head shares the embedding's rows, unless the config gives the lm_head
@@ -83,7 +86,7 @@ def parse_saved_spec(raw: dict[str, Any], base: BaseShapes, lora_targets: set[st
     """The config's modules_to_save and trainable_token_indices; refuses what cannot be served.
     `lora_targets`: the HF names of the modules LoRA targets."""
     names = base_module_names(base.num_layers)
-    full = _modules_to_save(raw.get("modules_to_save"), names, lora_targets)
+    full = _modules_to_save(raw.get("modules_to_save"), names, lora_targets, _dotted_suffixes(raw))
     tokens = _trainable_tokens(raw.get("trainable_token_indices"), names, base)
     for module in tokens:
         if module in full:
@@ -113,14 +116,27 @@ def parse_saved_spec(raw: dict[str, Any], base: BaseShapes, lora_targets: set[st
     return SavedSpec(full=full, tokens=tokens, head_shares_embed_rows=shares)
 
 
-def _modules_to_save(value: Any, names: list[str], lora_targets: set[str]) -> tuple[str, ...]:
+def _dotted_suffixes(raw: dict[str, Any]) -> bool:
+    """Whether the PEFT that wrote this config matches modules_to_save entries as dotted
+    suffixes (0.22 on) rather than plain ones."""
+    version = raw.get("peft_version")
+    if version is None or not raw.get("modules_to_save"):
+        return False
+    m = re.match(r"(\d+)\.(\d+)", version) if isinstance(version, str) else None
+    if m is None:
+        raise AdapterValidationError(f"peft_version {version!r} is not a version number; it decides which modules "
+                                     "modules_to_save names")
+    return (int(m.group(1)), int(m.group(2))) >= (0, 22)
+
+
+def _modules_to_save(value: Any, names: list[str], lora_targets: set[str], dotted: bool) -> tuple[str, ...]:
     if not value:
         return ()
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise AdapterValidationError("modules_to_save must be a list of module names")
     found: set[str] = set()
     for entry in value:
-        hits = [n for n in names if n.endswith(entry)]  # PEFT's match: a plain suffix
+        hits = [n for n in names if n == entry or n.endswith(("." if dotted else "") + entry)]
         if not hits:
             raise AdapterValidationError(f"modules_to_save entry {entry!r} matches no module of the base model")
         for hit in hits:

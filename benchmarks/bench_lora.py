@@ -74,7 +74,8 @@ QUICK_SCENARIOS = "3:uniform,5:mixed"
 # The retrained tokens of the trainable-token kind: 16 ids among those the random prompts draw.
 TRAINED_TOKENS = list(range(1000, 16000, 1000)) + [20000]
 KINDS = {"plain": {}, "dora": {"use_dora": True}, "lora_bias": {"lora_bias": True},
-         "tokens": {"trainable_token_indices": TRAINED_TOKENS}, "saved_norm": {"modules_to_save": ["norm"]}}
+         "tokens": {"trainable_token_indices": TRAINED_TOKENS},
+         "saved_norm": {"modules_to_save": ["input_layernorm", "post_attention_layernorm", "norm"]}}
 
 
 def make_adapters(model_dir: Path, root: Path, n: int, ranks: tuple[int, ...], targets: tuple[str, ...],

@@ -24,7 +24,8 @@ KINDS: list[tuple[dict[str, Any], bool, tuple[str, ...]]] = [
     ({"lora_config": {"trainable_token_indices": [3, 7]}}, False, ("trainable_tokens:embed_tokens",)),
     # A tied base: PEFT ties the lm_head to the embedding's rows, so the served head changes too.
     ({"lora_config": {"trainable_token_indices": [3, 7]}}, True, ("trainable_tokens:embed_tokens,lm_head",)),
-    ({"lora_config": {"modules_to_save": ["lm_head", "embed_tokens", "norm"]}}, False,
+    ({"lora_config": {"modules_to_save": ["lm_head", "embed_tokens", "input_layernorm", "post_attention_layernorm",
+                                          "norm"]}}, False,
      (f"modules_to_save:embed_tokens,{ALL_NORMS},lm_head",)),
     ({"lora_config": {"modules_to_save": ["layers.1.input_layernorm"],
                       "trainable_token_indices": {"embed_tokens": [1], "lm_head": [2, 5]}}}, False,

@@ -12,6 +12,7 @@ import torch
 from loraplex.adapters import AdapterStore, BaseShapes, load_peft_adapter, max_adapter_bytes
 from loraplex.adapters.limits import max_header_bytes
 from tests.adapters.test_peft import assert_matches_peft, peft_layers, peft_model, reject
+from tests.adapters.test_peft_saved import NORMS
 
 MAG = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"
 
@@ -130,7 +131,7 @@ def test_full_rank_dora_fits_the_upload_bound(make_adapter: Callable[..., Path],
     """The bound counts one vector per module, a saved embedding and lm_head and every norm:
     a DoRA adapter at the rank cap that saves them all still uploads."""
     lora = make_adapter(rank=8, alpha=16, lora_config={"use_dora": True,
-                                                       "modules_to_save": ["embed_tokens", "lm_head", "norm"]})
+                                                       "modules_to_save": ["embed_tokens", "lm_head", *NORMS]})
     # Rank 8 on every projection with its magnitude, and every saved module: exactly the
     # bound's tensor bytes.
     assert max_adapter_bytes(base, 8) == 8 + max_header_bytes(base) + load_peft_adapter(lora, base).size_bytes

@@ -3,6 +3,7 @@ saved them; what loraplex cannot serve is refused with a message naming why."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ from tests.adapters.test_peft import peft_model, reject
 
 TOKENS = [7, 3, 200]
 DELTA = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
+NORMS = ["input_layernorm", "post_attention_layernorm", "norm"]  # every RMSNorm, whichever PEFT
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def tokens_dir(make_adapter: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="module")
 def saved_dir(make_adapter: Callable[..., Path]) -> Path:
     return make_adapter(rank=4, seed=6, target_modules=["v_proj"], init_scale=0.3,
-                        lora_config={"modules_to_save": ["embed_tokens", "lm_head", "norm"]})
+                        lora_config={"modules_to_save": ["embed_tokens", "lm_head", *NORMS]})
 
 
 def test_trainable_tokens_load_as_peft_saved_them(tokens_dir: Path, base_dir: Path, base: BaseShapes) -> None:
@@ -58,12 +60,47 @@ def test_saved_modules_load_as_peft_saved_them(saved_dir: Path, base_dir: Path, 
     assert torch.equal(saved.embed, copy(model.model.embed_tokens))
     assert torch.equal(saved.head, copy(model.lm_head))
     assert torch.equal(saved.final_norm, copy(model.model.norm))
-    # "norm" is a plain suffix to PEFT: every RMSNorm is saved.
     assert sorted(saved.norms) == [(i, n) for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")]
     for (i, name), w in saved.norms.items():
         assert torch.equal(w, copy(getattr(model.model.layers[i], name)))
     assert adapter.size_bytes == sum(t.nbytes for w in adapter.weights.values() for t in w.tensors()) + sum(
         t.nbytes for t in saved.tensors())
+
+
+def test_norm_saves_what_the_installed_peft_saves(make_adapter: Callable[..., Path], base_dir: Path,
+                                                  base: BaseShapes) -> None:
+    folder = make_adapter(rank=4, seed=8, target_modules=["v_proj"], init_scale=0.3,
+                          lora_config={"modules_to_save": ["norm"]})
+    model = peft_model(base_dir, folder).base_model.model.model
+    wrapped = [(i, n) for i, layer in enumerate(model.layers) for n in ("input_layernorm", "post_attention_layernorm")
+               if hasattr(getattr(layer, n), "modules_to_save")]
+    saved = load_peft_adapter(folder, base).saved
+    assert sorted(saved.norms) == wrapped
+    assert torch.equal(saved.final_norm, model.norm.modules_to_save["default"].weight.detach())
+
+
+@pytest.mark.parametrize("version, every_norm",
+                         [("0.21.2", True), (None, True), ("0.22.0", False), ("1.3.0rc1", False)])
+def test_norm_means_what_the_writing_peft_meant(saved_dir: Path, base: BaseShapes, files: Any, tmp_path: Path,
+                                                version: str | None, every_norm: bool) -> None:
+    """"norm" is a plain suffix to PEFT before 0.22 (every RMSNorm is saved), a dotted one
+    from 0.22 (the final norm alone); `peft_version` says which PEFT wrote the config."""
+    shutil.copytree(saved_dir, folder := tmp_path / "a")
+    config = files.read_config(folder) | {"modules_to_save": ["norm"]}
+    config.pop("peft_version") if version is None else config.update(peft_version=version)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    tensors = {k: v for k, v in files.read_tensors(saved_dir).items() if "embed_tokens" not in k and "lm_head" not in k}
+    files.write_tensors(folder, tensors)
+    if every_norm:
+        assert len(load_peft_adapter(folder, base).saved.norms) == 2 * base.num_layers
+    else:
+        reject(folder, base, "unexpected tensor base_model.model.model.layers.0.input_layernorm.weight")
+        files.write_tensors(folder, {k: v for k, v in tensors.items() if "layernorm" not in k})
+        saved = load_peft_adapter(folder, base).saved
+        assert not saved.norms and saved.final_norm is not None
+    config["peft_version"] = "main"
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    reject(folder, base, "peft_version 'main' is not a version number")
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -168,7 +168,8 @@ def kind_adapters(tmp_path_factory, tiny_llama_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("kind_uploads")
     kinds = (("dora", {"use_dora": True}), ("bias", {"lora_bias": True}),
              # KIND_PROMPT's tokens 1523, 312 and 15 are retrained; every RMSNorm is saved
-             ("saved", {"trainable_token_indices": [15, 1523, 312], "modules_to_save": ["norm"]}))
+             ("saved", {"trainable_token_indices": [15, 1523, 312],
+                        "modules_to_save": ["input_layernorm", "post_attention_layernorm", "norm"]}))
     return {kind: make_random_peft_adapter(tiny_llama_dir, root / kind, rank=8, seed=31 + i, init_scale=0.3,
                                            lora_config=extra)
             for i, (kind, extra) in enumerate(kinds)}

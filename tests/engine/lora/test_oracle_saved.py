@@ -22,7 +22,7 @@ TOKENS = [5, 100, 2000, 31337]
 SAVED = [
     ("tokens", ("q_proj", "v_proj"), {"trainable_token_indices": TOKENS}),
     ("head", ("o_proj",), {"modules_to_save": ["lm_head"]}),
-    ("norms", None, {"modules_to_save": ["norm"]}),  # every RMSNorm: PEFT matches a plain suffix
+    ("norms", None, {"modules_to_save": ["input_layernorm", "post_attention_layernorm", "norm"]}),
     ("embed", ("down_proj",), {"modules_to_save": ["embed_tokens", "input_layernorm"]}),
     ("plain", None, {}),
 ]

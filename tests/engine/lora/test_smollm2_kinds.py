@@ -30,7 +30,7 @@ def _adapters(model_dir, root, tokens: list[int]) -> dict:
         "bias": (8, None, {"lora_bias": True}),
         # The base ties lm_head to the embedding: PEFT ties the retrained rows to the head too.
         "tokens": (4, ("q_proj", "v_proj"), {"trainable_token_indices": tokens}),
-        "norms": (4, ("o_proj",), {"modules_to_save": ["norm"]}),  # every RMSNorm
+        "norms": (4, ("o_proj",), {"modules_to_save": ["input_layernorm", "post_attention_layernorm", "norm"]}),
         "m1": (8, None, {}),
         "m2": (4, ("q_proj", "v_proj", "down_proj"), {}),
     }
