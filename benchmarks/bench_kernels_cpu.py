@@ -7,8 +7,9 @@ and the C kernel on the packed weight, over enough
 distinct weights that they stream from memory as in a real step. Prints each
 GFLOP/s and the C kernel's ratio to each.
 
-On CPUs with AVX512-BF16 it also times the vdpbf16ps kernel (dpbf16.c, what the
-engine runs there) against oneDNN's pre-packed bf16 weights (engine/kernels/torch/linear.py);
+On CPUs with AVX-512 it also times dpbf16.c (what the engine runs there: vdpbf16ps with
+AVX512-BF16, two FMAs on widened halves without) against oneDNN's pre-packed bf16
+weights (engine/kernels/torch/linear.py) and the widened fp32 weights;
 on CPUs with AMX also the tile kernel (amx.c, what the engine runs there from
 amx.FROM_ROWS rows) on the same packed weights, as a ratio to both.
 
@@ -69,9 +70,11 @@ def main() -> None:
             if dp is not None:
                 t_dp = _time(lambda i: cpu_dpbf16.dpbf16_linear(x, dp[i], n), len(ws), args.reps)
                 t_dnn = _time(lambda i: onednn[i](x), len(ws), args.reps)
-                print(f"{'':>8} {'':>11} {'':>10}  AVX512-BF16 C {flop / t_dp / 1e9:6.1f} GFLOP/s "
+                label = "AVX512-BF16 C" if cpu_dpbf16.native() else "AVX-512F C"
+                print(f"{'':>8} {'':>11} {'':>10}  {label} {flop / t_dp / 1e9:6.1f} GFLOP/s "
                       f"({n * k * 2 / t_dp / 1e9:5.1f} GB/s of weights) | "
-                      f"oneDNN packed bf16 {flop / t_dnn / 1e9:6.1f} ({t_dnn / t_dp:5.2f}x)", flush=True)
+                      f"oneDNN packed bf16 {flop / t_dnn / 1e9:6.1f} ({t_dnn / t_dp:5.2f}x) | "
+                      f"fp32 widened ({t_f32 / t_dp:5.2f}x) | C above ({t_c / t_dp:5.2f}x)", flush=True)
                 if cpu_amx.supported() and k % cpu_amx.K_STEP == 0:
                     t_amx = _time(lambda i: cpu_amx.amx_linear(x, dp[i], n), len(ws), args.reps)
                     print(f"{'':>8} {'':>11} {'':>10}  AMX C {flop / t_amx / 1e9:6.1f} GFLOP/s "

@@ -34,7 +34,7 @@ def supported() -> bool:
     """The kernel builds here, this CPU has AMX and Linux lets this process use it, and
     dpbf16.c (the rows below FROM_ROWS) runs here too."""
     lib = load_library()
-    return lib is not None and lib.amx_available() == 1 and dpbf16.supported()
+    return lib is not None and lib.amx_available() == 1 and dpbf16.native()
 
 
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -53,8 +53,9 @@ class CpuBackend(TorchBackend):
 
 def c_linear() -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module] | None:
     """The C bf16 linear for this CPU: AMX tiles (amx.py) where it has them, else
-    vdpbf16ps (dpbf16.py) with AVX512-BF16, else the widening GEMM (gemm.py); None where
-    no kernel builds (no C compiler)."""
+    dpbf16.py with AVX-512 (vdpbf16ps, or two FMAs on widened halves without
+    AVX512-BF16), else the 8-lane widening GEMM (gemm.py); None where no kernel builds
+    (no C compiler)."""
     if amx.supported():
         return amx.AmxLinear
     if dpbf16.supported():

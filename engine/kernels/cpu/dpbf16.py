@@ -1,4 +1,5 @@
-"""bf16 linear layers in C (dpbf16.c) for CPUs with AVX512-BF16.
+"""bf16 linear layers in C (dpbf16.c) for CPUs with AVX-512: vdpbf16ps where the CPU has
+AVX512-BF16, two FMAs on the widened halves of each k pair where it has AVX-512F alone.
 
 `Dpbf16Linear` replaces `nn.Linear` there on the "cpu" backend (engine/models/llama.py
 `pack_weights`); its reference is `F.linear` on the same bf16 tensors, which the tests
@@ -28,10 +29,21 @@ def load_library() -> ctypes.CDLL | None:
 
 
 @functools.cache
-def supported() -> bool:
-    """The kernel builds here and this CPU has AVX512-BF16 (else it is compiled empty)."""
+def path() -> int:
+    """1: vdpbf16ps (AVX512-BF16); 2: its AVX-512F spelling; 0: neither (compiled empty)
+    or no C compiler."""
     lib = load_library()
-    return lib is not None and lib.dpbf16_available() == 1
+    return 0 if lib is None else lib.dpbf16_available()
+
+
+def supported() -> bool:
+    """The kernel builds here and this CPU has AVX-512 (one path or the other)."""
+    return path() != 0
+
+
+def native() -> bool:
+    """This CPU has vdpbf16ps itself (what amx.c's rows below its tiles need)."""
+    return path() == 1
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
@@ -46,7 +58,7 @@ def dpbf16_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
     """x [M, K] @ W[n, K]^T (+ bias) in bf16 with fp32 accumulation and one rounding;
     `packed` is pack_weight(W)."""
     lib = load_library()
-    assert lib is not None and supported(), "no AVX512-BF16 kernel here: use F.linear"
+    assert lib is not None and lib.dpbf16_available(), "no AVX-512 kernel here: use F.linear"
     assert x.dtype == packed.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1, (x.dtype, x.shape)
     M, K = x.shape
     assert packed.shape == (-(-n // PANEL), -(-K // 2), PANEL, 2) and packed.is_contiguous(), (packed.shape, n, K)

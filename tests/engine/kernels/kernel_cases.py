@@ -86,6 +86,8 @@ def use_build(monkeypatch, module, source: str, signatures: dict, march: str) ->
         pytest.skip("x86-64 targets")
     if march == "x86-64-v3" and not {"avx2", "fma", "bmi2"} <= _cpu_flags():
         pytest.skip("this CPU has no AVX2")
+    if march == "skylake-avx512" and not {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX-512")
     lib = cpu_build.load(source, signatures, march=march)
     assert lib is not None
     monkeypatch.setattr(module, "load_library", lambda: lib)

@@ -57,7 +57,7 @@ def test_the_choice_is_among_the_kernels_that_fit():
 
 @needs_c
 def test_the_c_linear_is_the_most_capable_kernel_this_cpu_runs():
-    # AMX tiles over vdpbf16ps over the widening GEMM: each the faster where it runs.
+    # AMX tiles over dpbf16.c (AVX-512) over the 8-lane widening GEMM: each the faster where it runs.
     want = amx.AmxLinear if amx.supported() else dpbf16.Dpbf16Linear if dpbf16.supported() else gemm.Bf16Linear
     assert c_linear() is want
     if amx.supported():  # this machine: the tiles serve the backend's linears

@@ -1,6 +1,8 @@
 """The C bf16 GEMMs against their reference, F.linear in fp32 on the same bf16 values:
-gemm.c (AVX2 and generic: widened bf16, FMA), dpbf16.c (AVX512-BF16) and amx.c (AMX
-tiles, from amx.FROM_ROWS rows of a K that is a multiple of 32; dpbf16.c below).
+gemm.c (AVX2 and generic: widened bf16, FMA), dpbf16.c (vdpbf16ps with AVX512-BF16, and
+its AVX-512F spelling, built for a target without AVX512-BF16 so that every AVX-512
+machine tests it) and amx.c (AMX tiles, from amx.FROM_ROWS rows of a K that is a
+multiple of 32; dpbf16.c below).
 
 Both accumulate in fp32 and round once to bf16; only the order of the sums differs, so
 results agree to a bf16 rounding step.
@@ -12,23 +14,29 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine.kernels.cpu import amx as cpu_amx, dpbf16 as cpu_dpbf16, gemm as cpu_gemm
+from tests.engine.kernels.kernel_cases import use_build
 
 BF16_STEP = dict(rtol=2 ** -7, atol=1e-2)
 KERNELS = {
     "cpu_gemm": (cpu_gemm.pack_weight, cpu_gemm.cpu_gemm_bf16, cpu_gemm.Bf16Linear),
     "cpu_dpbf16": (cpu_dpbf16.pack_weight, cpu_dpbf16.dpbf16_linear, cpu_dpbf16.Dpbf16Linear),
+    "cpu_dpbf16_avx512f": (cpu_dpbf16.pack_weight, cpu_dpbf16.dpbf16_linear, cpu_dpbf16.Dpbf16Linear),
     "cpu_amx": (cpu_dpbf16.pack_weight, cpu_amx.tiled_linear, cpu_amx.AmxLinear),
 }
 needs_amx = pytest.mark.skipif(not cpu_amx.supported(), reason="this CPU has no AMX (or no C compiler)")
 
 
 @pytest.fixture(params=list(KERNELS))
-def kernel(request):
+def kernel(request, monkeypatch):
     """(pack, linear, module) of each kernel this machine can run."""
     if request.param == "cpu_gemm" and cpu_gemm.load_library() is None:
         pytest.skip("no C compiler to build the CPU kernels")
     if request.param == "cpu_dpbf16" and not cpu_dpbf16.supported():
-        pytest.skip("this CPU has no AVX512-BF16 (or no C compiler)")
+        pytest.skip("this CPU has no AVX-512 (or no C compiler)")
+    if request.param == "cpu_dpbf16_avx512f":
+        use_build(monkeypatch, cpu_dpbf16, "dpbf16.c", {"gemm_dpbf16": cpu_dpbf16._ARGTYPES, "dpbf16_available": []},
+                  "skylake-avx512")
+        assert cpu_dpbf16.load_library().dpbf16_available() == 2  # the widening path, whatever this CPU has
     if request.param == "cpu_amx" and not cpu_amx.supported():
         pytest.skip("this CPU has no AMX (or no C compiler)")
     return KERNELS[request.param]
