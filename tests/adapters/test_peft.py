@@ -98,9 +98,8 @@ def test_rank_pattern_and_alpha_pattern_scaling(
     # Overlapping patterns: the first in *file* order wins, as in PEFT. Before 0.22 PEFT
     # wrote the config with sorted keys ("down_proj", alpha 12, first: it reloaded this
     # adapter with 12 although training used 3); from 0.22 it keeps the patterns' order.
-    first = next(iter(files.read_config(lora)["alpha_pattern"]))
-    assert (w[(1, "down_proj")].rank, w[(1, "down_proj")].scale) == (6, {"down_proj": 12, "layers.1.mlp.down_proj": 3}[
-        first] / 6)
+    alpha = {"down_proj": 12, "layers.1.mlp.down_proj": 3}[next(iter(files.read_config(lora)["alpha_pattern"]))]
+    assert (w[(1, "down_proj")].rank, w[(1, "down_proj")].scale) == (6, alpha / 6)
     assert (w[(1, "k_proj")].rank, w[(1, "k_proj")].scale) == (4, 8 / 4)
     assert adapter.rank == 6
     model = peft_model(base_dir, lora)
