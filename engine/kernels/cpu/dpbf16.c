@@ -25,9 +25,9 @@
  * left by 16 is w[k] in fp32 and a mask of the high half is w[k+1]; two FMAs against
  * x[k] and x[k+1], widened to fp32 once per call, take the place of one vdpbf16ps. Both
  * products are exact in fp32, as vdpbf16ps's are; the sums round in another order. On 2
- * cores of an Ice Lake Xeon it ran SmolLM2's 64-row projections at 1.1-1.6x oneDNN's
+ * cores of an Ice Lake Xeon it ran SmolLM2's 64-row projections at 1.3-1.9x oneDNN's
  * fp32 matmul on weights widened at load (the fastest other kernel there; it streams
- * twice the bytes) and level with it from 256 rows, at ~150-230 GFLOP/s.
+ * twice the bytes) and level with it from 256 rows (0.96-1.09x), at ~170-245 GFLOP/s.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -48,8 +48,10 @@
 #endif
 
 #if PATH == 2
-/* Weighing register pressure per loop keeps the 24 accumulators of dots() in registers
- * (without it GCC 12 kept the weights' raw pairs and some accumulators on the stack). */
+/* Weighing register pressure per loop keeps all but one of dots()'s 24 accumulators
+ * and its 6 weight halves in registers (without it GCC 12 spilled several). With it,
+ * one pass over both halves of a k pair ran 1.08-1.18x two passes (the even k, then
+ * the odd) on an Ice Lake Xeon's 2 cores. */
 #pragma GCC optimize("ira-loop-pressure")
 #endif
 
@@ -98,21 +100,17 @@ static inline __attribute__((always_inline)) void dots(__m512 acc[MR][NR], const
     for (int kk = 0; kk < K2; kk++) {
         for (int l = kk * ahead_step; l < (kk + 1) * ahead_step && l < ahead_lines; l++)
             _mm_prefetch(ahead + (int64_t)l * 64, _MM_HINT_T1);
-        /* The even k, then the odd: MR*NR accumulators, NR weights and a broadcast fit
-         * the 32 registers; both halves at once spilled accumulators. */
         const uint16_t *wk = wp + (int64_t)kk * 32;
-        __m512 half[NR];
-        for (int j = 0; j < np; j++)
-            half[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(wk + j * pstride), 16));
-        for (int i = 0; i < rows; i++) {
-            const __m512 a = _mm512_set1_ps(x[(int64_t)i * xs + 2 * kk]);
-            for (int j = 0; j < np; j++) acc[i][j] = _mm512_fmadd_ps(a, half[j], acc[i][j]);
+        __m512 ev[NR], od[NR];
+        for (int j = 0; j < np; j++) {
+            const __m512i w = _mm512_loadu_si512(wk + j * pstride);
+            ev[j] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+            od[j] = _mm512_castsi512_ps(_mm512_and_si512(w, high));
         }
-        for (int j = 0; j < np; j++)
-            half[j] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(wk + j * pstride), high));
         for (int i = 0; i < rows; i++) {
-            const __m512 a = _mm512_set1_ps(x[(int64_t)i * xs + 2 * kk + 1]);
-            for (int j = 0; j < np; j++) acc[i][j] = _mm512_fmadd_ps(a, half[j], acc[i][j]);
+            const __m512 a0 = _mm512_set1_ps(x[(int64_t)i * xs + 2 * kk]);
+            const __m512 a1 = _mm512_set1_ps(x[(int64_t)i * xs + 2 * kk + 1]);
+            for (int j = 0; j < np; j++) acc[i][j] = _mm512_fmadd_ps(a1, od[j], _mm512_fmadd_ps(a0, ev[j], acc[i][j]));
         }
     }
 }
