@@ -58,7 +58,7 @@ def dpbf16_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
     """x [M, K] @ W[n, K]^T (+ bias) in bf16 with fp32 accumulation and one rounding;
     `packed` is pack_weight(W)."""
     lib = load_library()
-    assert lib is not None and lib.dpbf16_available(), "no AVX-512 kernel here: use F.linear"
+    assert lib is not None and supported(), "no AVX-512 kernel here: use F.linear"
     assert x.dtype == packed.dtype == torch.bfloat16 and x.dim() == 2 and x.stride(1) == 1, (x.dtype, x.shape)
     M, K = x.shape
     assert packed.shape == (-(-n // PANEL), -(-K // 2), PANEL, 2) and packed.is_contiguous(), (packed.shape, n, K)

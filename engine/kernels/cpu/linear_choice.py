@@ -10,11 +10,11 @@ ran 5-10x dpbf16.c from 16 rows up, and amx.c runs 1.0-1.3x oneDNN there; on a X
 with AVX-512 but no bf16 instructions oneDNN's bf16 matmul is emulated (~60 GFLOP/s)
 while its fp32 matmul on the widened weight ran 1.5-2.3x gemm.c's 8 lanes from 32 rows
 up, and dpbf16.c's 16-lane spelling for such CPUs runs 1.3-1.9x that fp32 matmul at 64
-rows and level with it from 256. Everywhere the C kernel still streamed 1-8 rows fastest. So the choice is measured, once
-per process and thread count: every kernel on a mid-size projection at a few row counts,
-the fastest oneDNN kernel at the most rows against the C kernel; a layer whose batch
-crosses the measured row count switches to it (holding both kernels' copies of its
-weight).
+rows and level with it from 256. Everywhere the C kernel still streamed 1-8 rows
+fastest. So the choice is measured, once per process and thread count: every kernel on
+a mid-size projection at a few row counts, the fastest oneDNN kernel at the most rows
+against the C kernel; a layer whose batch crosses the measured row count switches to it
+(holding both kernels' copies of its weight).
 """
 from __future__ import annotations
 
