@@ -1,9 +1,11 @@
-"""Paged attention on the CPU: the C kernels (engine/kernels/cpu/prefill.c, decode.c)
-against the torch path (engine/kernels/torch/attention.py: gathered blocks, SDPA / batched matmuls).
+"""Paged attention on the CPU: the C kernels (engine/kernels/cpu/prefill.c, decode.c, and
+prefill_amx.c for bf16 prefill chunks on CPUs with AMX) against the torch path
+(engine/kernels/torch/attention.py: gathered blocks, SDPA / batched matmuls).
 
 One run, same threads, same cache (SmolLM2's 9 query heads over 3 KV heads of 64,
 blocks scattered through the cache as in a running engine). Per batch shape: time per
-layer for each, GFLOP/s of attention arithmetic, and the C kernels' speed-up.
+layer for each, GFLOP/s of attention arithmetic, and the C kernels' speed-up; on CPUs
+with AMX the prefill shapes also time prefill.c itself against the tile kernel.
 
     python benchmarks/bench_attention_cpu.py            # 2 threads
     python benchmarks/bench_attention_cpu.py --threads 1
@@ -18,7 +20,7 @@ import torch
 
 from loraplex.engine.kernels.torch.attention import paged_attention
 from loraplex.engine.kernels.cpu.metadata import build_cpu_metadata
-from loraplex.engine.kernels.cpu import decode as cpu_decode, prefill as cpu_prefill
+from loraplex.engine.kernels.cpu import decode as cpu_decode, prefill as cpu_prefill, prefill_amx
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -71,6 +73,12 @@ def main() -> None:
         t_t = _time(lambda: paged_attention(q, kc, vc, meta, HEAD_DIM ** -0.5), args.reps)
         print(f"{label:<44} C {t_c * 1e3:7.3f} ms ({flop / t_c / 1e9:5.1f} GFLOP/s) | torch {t_t * 1e3:7.3f} ms "
               f"({flop / t_t / 1e9:5.1f} GFLOP/s) | C {t_t / t_c:5.2f}x", flush=True)
+        if meta.num_decodes == 0 and prefill_amx.supports(q, kc):
+            out = torch.empty_like(q)
+            t_p = _time(lambda: cpu_prefill.cpu_prefill_attention(q, kc, vc, meta, HEAD_DIM ** -0.5, out), args.reps)
+            t_a = _time(lambda: prefill_amx.amx_prefill_attention(q, kc, vc, meta, HEAD_DIM ** -0.5, out), args.reps)
+            print(f"{'':<44} AMX {t_a * 1e3:7.3f} ms ({flop / t_a / 1e9:5.1f} GFLOP/s) | prefill.c {t_p * 1e3:7.3f} ms "
+                  f"({flop / t_p / 1e9:5.1f} GFLOP/s) | AMX {t_p / t_a:5.2f}x prefill.c", flush=True)
 
 
 if __name__ == "__main__":

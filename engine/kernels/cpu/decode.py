@@ -10,7 +10,7 @@ import ctypes
 import torch
 
 from ..torch.attention import prefill_attention
-from . import build, prefill
+from . import build, prefill, prefill_amx
 from .metadata import CpuAttentionMetadata
 
 _ARGTYPES = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
@@ -47,7 +47,8 @@ def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
     """engine.attention.paged_attention's contract: decodes through the C kernel, prefill
     chunks through the C prefill kernel (kernels/cpu/prefill.c; the "cpu" backend is only
-    chosen where both build), or SDPA for shapes it does not take. q may be a view of the
+    chosen where both build; bf16 chunks on AMX tiles where the CPU has them,
+    prefill_amx.c), or SDPA for shapes it does not take. q may be a view of the
     fused qkv rows."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     D = meta.num_decodes
@@ -56,7 +57,9 @@ def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         cpu_decode_attention(q[:D], k_cache, v_cache, out[:D], meta.block_tables, meta.seq_lens,
                              meta.block_size, scale)
     if meta.prefills:
-        if prefill.supports(q, k_cache):
+        if prefill_amx.supports(q, k_cache):
+            prefill_amx.amx_prefill_attention(q, k_cache, v_cache, meta, scale, out)
+        elif prefill.supports(q, k_cache):
             prefill.cpu_prefill_attention(q, k_cache, v_cache, meta, scale, out)
         else:
             prefill_attention(q, k_cache, v_cache, meta, scale, out)

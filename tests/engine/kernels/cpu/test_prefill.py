@@ -5,10 +5,17 @@ import pytest
 import torch
 
 from loraplex.engine.kernels.torch.attention import prefill_attention, reference_attention
-from loraplex.engine.kernels.cpu import decode as cpu_decode, prefill as cpu_prefill
+from loraplex.engine.kernels.cpu import decode as cpu_decode, prefill as cpu_prefill, prefill_amx
 from tests.engine.kernels.kernel_cases import MARCHES, paged_batch, same_on_one_and_four_threads, use_build
 
 pytestmark = pytest.mark.skipif(cpu_prefill.load_library() is None, reason="no C compiler to build the CPU kernel")
+
+
+@pytest.fixture(autouse=True)
+def without_amx(monkeypatch):
+    """prefill.c itself, also on CPUs where bf16 chunks would take prefill_amx.c's tiles
+    (tested in test_prefill_amx.py)."""
+    monkeypatch.setattr(prefill_amx, "supports", lambda q, k_cache: False)
 
 
 @pytest.fixture(params=MARCHES)
