@@ -29,6 +29,7 @@
 
 #include "amx_tiles.h"
 #include "bf16.h"
+#include "exp512.h"
 
 #define MAX_QG 64 /* query vectors per item: four A tiles */
 #define MAX_D 256
@@ -59,22 +60,6 @@ static inline void transpose16(__m512i r[16]) {
         r[8 + e] = _mm512_shuffle_i32x4(x1, y1, _MM_SHUFFLE(2, 0, 2, 0));
         r[12 + e] = _mm512_shuffle_i32x4(x1, y1, _MM_SHUFFLE(3, 1, 3, 1));
     }
-}
-
-/* e^x for x <= 0 (to fp32 accuracy, far below bf16's rounding of it): 2^(x log2 e) as
- * 2^round times a degree-6 polynomial of the fraction in [-1/2, 1/2]. */
-static inline __m512 exp_neg(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-100.f)), _mm512_set1_ps(1.44269504f));
-    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, k);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, k);
 }
 
 /* p[t] = bf16(e^((s[t] - max) * scale)) for t < n; returns the sum of the rounded p. */

@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from loraplex.engine.kernels.torch.attention import write_kv
+from loraplex.engine.kernels.cpu import fused
 from loraplex.engine.kernels.cpu.fused import CLayerOps, cpu_write_kv, load_library
 from loraplex.engine.models.llama import TorchLayerOps
+from tests.engine.kernels.kernel_cases import use_build
 
 pytestmark = pytest.mark.skipif(load_library() is None, reason="no C compiler to build the CPU kernels")
 
@@ -16,6 +18,14 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.fixture(params=["native", "skylake-avx512", "x86-64-v3"])
+def code_path(request, monkeypatch) -> str:
+    """The kernels built for this CPU, and where it runs them its AVX-512 build without
+    bf16 instructions (narrowing by hand) and its AVX2 build (the compiler's loops)."""
+    use_build(monkeypatch, fused, "fused.c", fused._SIGNATURES, request.param)
+    return request.param
+
+
 def _randn(*shape, dtype, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
@@ -23,9 +33,10 @@ def _randn(*shape, dtype, seed=0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 300])
 @pytest.mark.parametrize("with_delta", [False, True])
-def test_add_rms_norm(dtype, rows, with_delta):
-    x, w = _randn(rows, 96, dtype=dtype), _randn(96, dtype=dtype, seed=1)
-    delta = _randn(rows, 96, dtype=dtype, seed=2) if with_delta else None
+@pytest.mark.parametrize("hidden", [96, 100])  # whole vectors of 16, and a scalar tail
+def test_add_rms_norm(dtype, rows, with_delta, hidden, code_path):
+    x, w = _randn(rows, hidden, dtype=dtype), _randn(hidden, dtype=dtype, seed=1)
+    delta = _randn(rows, hidden, dtype=dtype, seed=2) if with_delta else None
     want_x, want = TorchLayerOps.add_rms_norm(x.clone(), delta, w, 1e-5)
     x_c = x.clone()
     got_x, got = CLayerOps(dtype).add_rms_norm(x_c, delta, w, 1e-5)
@@ -35,8 +46,9 @@ def test_add_rms_norm(dtype, rows, with_delta):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 2, 128)])
-def test_rope_in_place(dtype, heads, kv_heads, head_dim):
+# 64 and 128: whole vectors of 16 per half; 16 and 40: the scalar loop.
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 2, 128), (2, 1, 40)])
+def test_rope_in_place(dtype, heads, kv_heads, head_dim, code_path):
     T = 70
     qkv = _randn(T, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
     pos = torch.arange(T, dtype=torch.float32)[:, None] * torch.rand(head_dim // 2)[None, :]
@@ -56,10 +68,11 @@ def test_rope_in_place(dtype, heads, kv_heads, head_dim):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scale", [4.0, 1000.0])
-def test_silu_mul(dtype, scale):
+@pytest.mark.parametrize("width", [80, 85])  # whole vectors of 16, and a scalar tail
+def test_silu_mul(dtype, scale, width, code_path):
     # Large gate values once made exp(-x) overflow, which the kernel's fast math turned
     # into NaN (an untrained adapter's activations reach such values).
-    gu = _randn(130, 2 * 80, dtype=dtype) * scale
+    gu = _randn(130, 2 * width, dtype=dtype) * scale
     got = CLayerOps(dtype).silu_mul(gu)
     assert not got.isnan().any()
     torch.testing.assert_close(got, TorchLayerOps.silu_mul(gu), **TOL[dtype])
