@@ -93,6 +93,19 @@ def use_build(monkeypatch, module, source: str, signatures: dict, march: str) ->
     monkeypatch.setattr(module, "load_library", lambda: lib)
 
 
+def assert_as_accurate_as_sdpa(prefill) -> None:
+    """prefill(q, k_cache, v_cache, meta, scale, out), a bf16 prefill kernel, errs no more
+    against the fp32 oracle than the torch path's SDPA on two long chunks."""
+    from loraplex.engine.kernels.torch.attention import prefill_attention, reference_attention
+
+    q, kc, vc, meta, seqs = paged_batch([(0, 250), (300, 40)], 16, 9, 3, 64, torch.bfloat16, seed=2)
+    oracle = reference_attention(q.float(), kc.float(), vc.float(), seqs, 16, 0.125)
+    out_kernel, out_torch = torch.empty_like(q), torch.empty_like(q)
+    prefill(q, kc, vc, meta, 0.125, out_kernel)
+    prefill_attention(q, kc, vc, meta, 0.125, out_torch)
+    assert (out_kernel.float() - oracle).abs().max() <= (out_torch.float() - oracle).abs().max()
+
+
 def same_on_one_and_four_threads(fn) -> None:
     """fn() gives bit-identical results on 1 and 4 threads: work items, however they are
     shared out, each compute their own rows."""

@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.kernels.torch.attention import prefill_attention, reference_attention
+from loraplex.engine.kernels.torch.attention import reference_attention
 from loraplex.engine.kernels.cpu import decode as cpu_decode, prefill as cpu_prefill, prefill_amx
-from tests.engine.kernels.kernel_cases import MARCHES, paged_batch, same_on_one_and_four_threads, use_build
+from tests.engine.kernels.kernel_cases import (MARCHES, assert_as_accurate_as_sdpa, paged_batch,
+                                              same_on_one_and_four_threads, use_build)
 
 pytestmark = pytest.mark.skipif(cpu_prefill.load_library() is None, reason="no C compiler to build the CPU kernel")
 
@@ -83,12 +84,7 @@ def test_work_split_over_threads_gives_the_same_rows():
 
 def test_as_accurate_as_sdpa_in_bf16():
     # fp32 scores, softmax and accumulation, one rounding at the end.
-    q, kc, vc, meta, seqs = paged_batch([(0, 250), (300, 40)], 16, 9, 3, 64, torch.bfloat16, seed=2)
-    oracle = reference_attention(q.float(), kc.float(), vc.float(), seqs, 16, 0.125)
-    out_c, out_torch = torch.empty_like(q), torch.empty_like(q)
-    cpu_prefill.cpu_prefill_attention(q, kc, vc, meta, 0.125, out_c)
-    prefill_attention(q, kc, vc, meta, 0.125, out_torch)
-    assert (out_c.float() - oracle).abs().max() <= (out_torch.float() - oracle).abs().max()
+    assert_as_accurate_as_sdpa(cpu_prefill.cpu_prefill_attention)
 
 
 def test_launcher_rejects_bad_inputs():

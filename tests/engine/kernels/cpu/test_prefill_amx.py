@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from loraplex.engine.kernels.cpu import decode as cpu_decode, prefill as cpu_prefill, prefill_amx
-from loraplex.engine.kernels.torch.attention import prefill_attention, reference_attention
-from tests.engine.kernels.kernel_cases import paged_batch, same_on_one_and_four_threads
+from loraplex.engine.kernels.torch.attention import reference_attention
+from tests.engine.kernels.kernel_cases import assert_as_accurate_as_sdpa, paged_batch, same_on_one_and_four_threads
 
 pytestmark = pytest.mark.skipif(not prefill_amx.supported(), reason="this CPU has no AMX (or no C compiler)")
 
@@ -74,12 +74,7 @@ def test_work_split_over_threads_gives_the_same_rows():
 
 def test_as_accurate_as_sdpa_in_bf16():
     # fp32 scores and softmax; the weights rounded to bf16 for P V as SDPA's bf16 matmul does.
-    q, kc, vc, meta, seqs = paged_batch([(0, 250), (300, 40)], 16, 9, 3, 64, torch.bfloat16, seed=2)
-    oracle = reference_attention(q.float(), kc.float(), vc.float(), seqs, 16, 0.125)
-    out_amx, out_torch = torch.empty_like(q), torch.empty_like(q)
-    prefill_amx.amx_prefill_attention(q, kc, vc, meta, 0.125, out_amx)
-    prefill_attention(q, kc, vc, meta, 0.125, out_torch)
-    assert (out_amx.float() - oracle).abs().max() <= (out_torch.float() - oracle).abs().max()
+    assert_as_accurate_as_sdpa(prefill_amx.amx_prefill_attention)
 
 
 def test_launcher_rejects_bad_inputs():
