@@ -117,7 +117,7 @@ static void pack_values(const uint16_t *vh, const int32_t *table, int bs, int D,
         }
 }
 
-/* Scores of query tile qt (A, tile 5) against the key tile in kb (B, tile 4), into C tile T. */
+/* Scores of query tile T (A, tile 5) against the key tile in kb (B, tile 4), into C tile T. */
 #define SCORE_TILE(T)                                                                                \
     if ((T) < tiles && t0 < limit[T]) {                                                              \
         _tile_loadd(5, b->qa + (int64_t)(T) * 16 * D + c, D * 2);                                    \
@@ -125,7 +125,7 @@ static void pack_values(const uint16_t *vh, const int32_t *table, int bs, int D,
     }
 #define STORE_SCORES(T) \
     if ((T) < tiles && t0 < limit[T]) _tile_stored(T, b->sc + (int64_t)(T) * 16 * ld + t0, ld * 4);
-/* P V of query tile qt over the 32 keys at t0 (A, tile 4), dims chunk dc0 + T (B, tile 5). */
+/* P V of query tile qt over the 32 keys at t0 (A, tile 4), dims dc0 + 16 T on (B, tile 5), into C tile T. */
 #define PV_TILE(T)                                                                                   \
     if (dc0 + (T) * 16 < D) {                                                                        \
         _tile_loadd(5, b->vb + ((int64_t)(t0 / 32) * (D / 16) + dc0 / 16 + (T)) * 512, 64);           \
