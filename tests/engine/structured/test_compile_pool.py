@@ -119,7 +119,9 @@ def test_one_tenant_over_its_cap_is_refused_and_others_are_not(compiler):
 def test_deadline_refuses_a_compile_still_running_and_one_never_started(compiler):
     rec = Recorder(compiler)
     gate = rec.hold("a0")
-    pool = CompilePool(rec, threads=1, deadline=0.05)
+    # Long enough for the nice-19 worker to be scheduled and start a0 on a loaded machine
+    # (at 0.05 s it sometimes had not, and a0 was refused as busy instead of timing out).
+    pool = CompilePool(rec, threads=1, deadline=1.0)
     try:
         with pytest.raises(GrammarTimeoutError, match="compile_deadline"):
             asyncio.run(pool.compile(_spec("a0"), "a"))
