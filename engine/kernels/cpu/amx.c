@@ -61,17 +61,10 @@ static void store_rows(const float *acc, int rows, int cols, const uint16_t *bia
     for (int h = 0; h < cols; h += 16) {
         const int n = cols - h < 16 ? cols - h : 16;
         const __mmask16 m = (__mmask16)((1u << n) - 1);
-        const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + h)), 16)) : _mm512_setzero_ps();
-        for (int i = 0; i < rows; i++) {
-            const __m512i u = _mm512_castps_si512(_mm512_add_ps(_mm512_loadu_ps(acc + i * 32 + h), b));
-            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-            const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                          _mm512_set1_epi32(0x7f800000));
-            r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-            _mm256_mask_storeu_epi16(y + (int64_t)i * ys + h, m, _mm512_cvtepi32_epi16(r));
-        }
+        const __m512 b = bias ? bf16_widen16(_mm256_maskz_loadu_epi16(m, bias + h)) : _mm512_setzero_ps();
+        for (int i = 0; i < rows; i++)
+            _mm256_mask_storeu_epi16(y + (int64_t)i * ys + h, m,
+                                     bf16_narrow16(_mm512_add_ps(_mm512_loadu_ps(acc + i * 32 + h), b)));
     }
 }
 

@@ -43,6 +43,25 @@ static inline v8f bf16_widen8(const uint16_t *p) {
 #endif
 }
 
+#ifdef __AVX512F__
+/* Sixteen bf16 widened to fp32. */
+static inline __m512 bf16_widen16(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Sixteen fp32 narrowed to bf16 exactly as bf16_store (to nearest even, NaN kept,
+ * denormals kept, which vcvtneps2bf16 flushes to zero). */
+static inline __m256i bf16_narrow16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
 static inline float f32_load(float v) { return v; }
 static inline float f32_store(float f) { return f; }
 static inline float f32_round(float f) { return f; }

@@ -19,19 +19,13 @@
 #include "exp512.h"
 
 #ifdef __AVX512F__
-/* Sixteen fp32 rounded to bf16 as bf16_store rounds them (to nearest even, NaN kept;
- * vcvtneps2bf16 where the CPU has it, which also flushes denormals to zero). */
+/* Sixteen fp32 to bf16: vcvtneps2bf16 where the CPU has it (to nearest even as
+ * bf16_store, but denormals flushed to zero), else bf16_narrow16. */
 static inline __m256i narrow16(__m512 v) {
 #ifdef __AVX512BF16__
     return (__m256i)_mm512_cvtneps_pbh(v);
 #else
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
+    return bf16_narrow16(v);
 #endif
 }
 
@@ -42,9 +36,6 @@ static inline __m512 recip_mul(__m512 a, __m512 b) {
     return _mm512_mul_ps(a, r1);
 }
 
-static inline __m512 widen16(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 #endif
 
 /* x[r] += delta[r] (when delta is given: the residual add), then
@@ -128,11 +119,11 @@ int add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight
         float ss = 0.f;
         int i = 0;
         for (; i + 16 <= hidden; i += 16) {
-            __m512 v = widen16(_mm256_loadu_si256((const __m256i *)(xr + i)));
+            __m512 v = bf16_widen16(_mm256_loadu_si256((const __m256i *)(xr + i)));
             if (dr) {
-                const __m256i h = narrow16(_mm512_add_ps(v, widen16(_mm256_loadu_si256((const __m256i *)(dr + i)))));
+                const __m256i h = narrow16(_mm512_add_ps(v, bf16_widen16(_mm256_loadu_si256((const __m256i *)(dr + i)))));
                 _mm256_storeu_si256((__m256i *)(xr + i), h);
-                v = widen16(h);
+                v = bf16_widen16(h);
             }
             acc = _mm512_fmadd_ps(v, v, acc);
         }
@@ -144,8 +135,8 @@ int add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight
         const float inv = 1.f / sqrtf((ss + _mm512_reduce_add_ps(acc)) / (float)hidden + eps);
         const __m512 inv_v = _mm512_set1_ps(inv);
         for (i = 0; i + 16 <= hidden; i += 16) {
-            const __m512 n = widen16(narrow16(_mm512_mul_ps(widen16(_mm256_loadu_si256((const __m256i *)(xr + i))), inv_v)));
-            const __m512 w = widen16(_mm256_loadu_si256((const __m256i *)(weight + i)));
+            const __m512 n = bf16_widen16(narrow16(_mm512_mul_ps(bf16_widen16(_mm256_loadu_si256((const __m256i *)(xr + i))), inv_v)));
+            const __m512 w = bf16_widen16(_mm256_loadu_si256((const __m256i *)(weight + i)));
             _mm256_storeu_si256((__m256i *)(orow + i), narrow16(_mm512_mul_ps(w, n)));
         }
         for (; i < hidden; i++) orow[i] = bf16_store(bf16_load(weight[i]) * bf16_round(bf16_load(xr[i]) * inv));
@@ -153,7 +144,7 @@ int add_rms_norm_bf16(uint16_t *x, const uint16_t *delta, const uint16_t *weight
     return 0;
 }
 
-static inline __m512 round16(__m512 v) { return widen16(narrow16(v)); }
+static inline __m512 round16(__m512 v) { return bf16_widen16(narrow16(v)); }
 
 /* rope in bf16 for head sizes of whole vectors per half, 16 lanes at a time (the same
  * roundings: after each product and after the sum, as torch); others take the macro's. */
@@ -167,12 +158,12 @@ int rope_bf16(uint16_t *qkv, int64_t row_stride, const uint16_t *cos, const uint
         for (int h = 0; h < heads; h++) {
             uint16_t *x = qkv + (int64_t)t * row_stride + (int64_t)h * head_dim;
             for (int i = 0; i < half; i += 16) {
-                const __m512 a = widen16(_mm256_loadu_si256((const __m256i *)(x + i)));
-                const __m512 b = widen16(_mm256_loadu_si256((const __m256i *)(x + half + i)));
-                const __m512 c_lo = widen16(_mm256_loadu_si256((const __m256i *)(c + i)));
-                const __m512 c_hi = widen16(_mm256_loadu_si256((const __m256i *)(c + half + i)));
-                const __m512 s_lo = widen16(_mm256_loadu_si256((const __m256i *)(s + i)));
-                const __m512 s_hi = widen16(_mm256_loadu_si256((const __m256i *)(s + half + i)));
+                const __m512 a = bf16_widen16(_mm256_loadu_si256((const __m256i *)(x + i)));
+                const __m512 b = bf16_widen16(_mm256_loadu_si256((const __m256i *)(x + half + i)));
+                const __m512 c_lo = bf16_widen16(_mm256_loadu_si256((const __m256i *)(c + i)));
+                const __m512 c_hi = bf16_widen16(_mm256_loadu_si256((const __m256i *)(c + half + i)));
+                const __m512 s_lo = bf16_widen16(_mm256_loadu_si256((const __m256i *)(s + i)));
+                const __m512 s_hi = bf16_widen16(_mm256_loadu_si256((const __m256i *)(s + half + i)));
                 const __m512 lo = _mm512_sub_ps(round16(_mm512_mul_ps(a, c_lo)), round16(_mm512_mul_ps(b, s_lo)));
                 const __m512 hi = _mm512_add_ps(round16(_mm512_mul_ps(b, c_hi)), round16(_mm512_mul_ps(a, s_hi)));
                 _mm256_storeu_si256((__m256i *)(x + i), narrow16(lo));
@@ -193,12 +184,12 @@ int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int inter, int begin, 
         uint16_t *o = out + (int64_t)r * inter;
         int i = 0;
         for (; i + 16 <= inter; i += 16) {
-            const __m512 x = widen16(_mm256_loadu_si256((const __m256i *)(g + i)));
+            const __m512 x = bf16_widen16(_mm256_loadu_si256((const __m256i *)(g + i)));
             const __m512 e = exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
             const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), e,
                                                     _mm512_set1_ps(1.f));
-            const __m512 silu = widen16(narrow16(_mm512_mul_ps(x, recip_mul(num, _mm512_add_ps(e, _mm512_set1_ps(1.f))))));
-            const __m512 up = widen16(_mm256_loadu_si256((const __m256i *)(u + i)));
+            const __m512 silu = bf16_widen16(narrow16(_mm512_mul_ps(x, recip_mul(num, _mm512_add_ps(e, _mm512_set1_ps(1.f))))));
+            const __m512 up = bf16_widen16(_mm256_loadu_si256((const __m256i *)(u + i)));
             _mm256_storeu_si256((__m256i *)(o + i), narrow16(_mm512_mul_ps(silu, up)));
         }
         for (; i < inter; i++) {

@@ -67,7 +67,7 @@ static inline vf vload_f32(const float *p) {
 
 static inline vf vload_bf16(const uint16_t *p) {
 #ifdef __AVX512F__
-    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return (vf)bf16_widen16(_mm256_loadu_si256((const __m256i *)p));
 #else
     return bf16_widen8(p);
 #endif

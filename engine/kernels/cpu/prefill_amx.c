@@ -76,7 +76,7 @@ static inline float softmax_row(const float *s, int n, float scale, uint16_t *p)
         const __m512 e = exp_neg(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), mx), sc));
         const __m256i h = (__m256i)_mm512_cvtneps_pbh(e);  /* to nearest even, as bf16_store */
         _mm256_mask_storeu_epi16(p + t, m, h);
-        z = _mm512_add_ps(z, _mm512_maskz_mov_ps(m, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))));
+        z = _mm512_add_ps(z, _mm512_maskz_mov_ps(m, bf16_widen16(h)));
     }
     return _mm512_reduce_add_ps(z);
 }
@@ -158,14 +158,15 @@ static void item_amx(const uint16_t *q, int64_t q_stride, const uint16_t *k_cach
         STORE_SCORES(0) STORE_SCORES(1) STORE_SCORES(2) STORE_SCORES(3)
     }
     float inv[MAX_QG];
+    const int ctx32 = (ctx + 31) / 32 * 32;  /* keys P V reads: the context in steps of 32 */
     for (int i = 0; i < tiles * 16; i++) {  /* softmax over the row's own keys, rounded for P V */
         uint16_t *p = b->pb + (int64_t)i * ldp;
-        if (i >= nq) { memset(p, 0, sizeof(uint16_t) * (size_t)ldp); continue; }
+        if (i >= nq) { memset(p, 0, sizeof(uint16_t) * (size_t)ctx32); continue; }
         const int n = p0 + i / G + 1;
         inv[i] = 1.f / softmax_row(b->sc + (int64_t)i * ld, n, scale, p);
-        memset(p + n, 0, sizeof(uint16_t) * (size_t)(ldp - n));
+        memset(p + n, 0, sizeof(uint16_t) * (size_t)(ctx32 - n));
     }
-    pack_values(vh, table, bs, D, ctx, (ctx + 31) / 32 * 32, b->vb);
+    pack_values(vh, table, bs, D, ctx, ctx32, b->vb);
     for (int qt = 0; qt < tiles; qt++) {  /* out = P V, 16 query vectors by 64 dims at a time */
         for (int dc0 = 0; dc0 < D; dc0 += 64) {
             _tile_zero(0);

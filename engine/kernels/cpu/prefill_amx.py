@@ -15,7 +15,6 @@ from . import amx, build, prefill
 from .metadata import CpuAttentionMetadata
 
 K_STEP = 32  # head dims per tile step
-MAX_HEAD_DIM = 256
 
 
 def load_library():
@@ -29,10 +28,10 @@ def supported() -> bool:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether this kernel takes these shapes here (else prefill.c does)."""
-    heads, kv_heads, head_dim = q.shape[1], k_cache.shape[0], q.shape[2]
-    return (q.dtype == torch.bfloat16 and head_dim % K_STEP == 0 and head_dim <= MAX_HEAD_DIM
-            and heads % kv_heads == 0 and heads // kv_heads <= prefill.MAX_QG and supported())
+    """Whether this kernel takes these shapes here (else prefill.c does): prefill.c's
+    shapes in bf16, head dims in whole tile steps."""
+    return (q.dtype == torch.bfloat16 and q.shape[2] % K_STEP == 0 and q.shape[1] % k_cache.shape[0] == 0
+            and prefill.supports(q, k_cache) and supported())
 
 
 def amx_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: CpuAttentionMetadata,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from loraplex.engine.kernels.cpu.metadata import build_cpu_metadata
+from loraplex.engine.kernels.torch.attention import prefill_attention, reference_attention
 
 
 def paged_batch(lens: list[tuple[int, int]], block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -96,8 +97,6 @@ def use_build(monkeypatch, module, source: str, signatures: dict, march: str) ->
 def assert_as_accurate_as_sdpa(prefill) -> None:
     """prefill(q, k_cache, v_cache, meta, scale, out), a bf16 prefill kernel, errs no more
     against the fp32 oracle than the torch path's SDPA on two long chunks."""
-    from loraplex.engine.kernels.torch.attention import prefill_attention, reference_attention
-
     q, kc, vc, meta, seqs = paged_batch([(0, 250), (300, 40)], 16, 9, 3, 64, torch.bfloat16, seed=2)
     oracle = reference_attention(q.float(), kc.float(), vc.float(), seqs, 16, 0.125)
     out_kernel, out_torch = torch.empty_like(q), torch.empty_like(q)
