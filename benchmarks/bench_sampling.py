@@ -8,7 +8,9 @@ runs one after the other differ by more than sampling costs). Prints each mode's
 tok/s in its own time and its ratio to greedy, then the sampler alone on [64, vocab]
 logits: each kind of row against greedy (argmax) at the same shape, min-p, top-k and
 top-p rows both through torch (masks, sorts) and through the "cpu" backend's thresholds
-(kernels/cpu/nucleus.c), which the engine's sampler uses on that backend.
+(kernels/cpu/nucleus.c), and greedy and temperature-only rows both through torch on fp32
+logits and through the "cpu" backend's plain draw on the LM head's bf16 logits
+(kernels/cpu/draw.c); the engine's sampler uses both kernels on that backend.
 
     python benchmarks/bench_sampling.py                      # engine, then sampler alone
     python benchmarks/bench_sampling.py --skip-engine        # sampler alone (seconds)
@@ -29,8 +31,8 @@ from workload import random_lengths  # noqa: E402
 from loraplex.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from loraplex.engine.engine import LLMEngine  # noqa: E402
 from loraplex.engine.request import SamplingParams  # noqa: E402
-from loraplex.engine.kernels.cpu import nucleus  # noqa: E402
-from loraplex.engine.sampler import Sampler, SampleRow  # noqa: E402
+from loraplex.engine.kernels.cpu import draw, nucleus  # noqa: E402
+from loraplex.engine.sampler import Sampler, SampleRow, is_plain  # noqa: E402
 
 
 MODES = {"greedy": dict(temperature=0), "temperature 1": dict(temperature=1.0),
@@ -67,8 +69,10 @@ def run_engine(args: argparse.Namespace) -> dict[str, float]:
     return best
 
 
-def time_sampler(logits: torch.Tensor, rows: list[SampleRow], repeat: int, threshold: bool = False) -> float:
-    sampler = Sampler(seed=0, nucleus=nucleus.nucleus_threshold if threshold else None)
+def time_sampler(logits: torch.Tensor, rows: list[SampleRow], repeat: int, threshold: bool = False,
+                 plain: bool = False) -> float:
+    sampler = Sampler(seed=0, nucleus=nucleus.nucleus_threshold if threshold else None,
+                      plain_draw=draw.plain_draw if plain else None)
     sampler.sample(logits, rows)
     start = time.perf_counter()
     for _ in range(repeat):
@@ -87,15 +91,19 @@ def run_sampler(args: argparse.Namespace) -> None:
         "min_p 0.05": dict(min_p=0.05),
         "logit_bias 300 entries": dict(temperature=0, logit_bias={t * args.vocab // 300: 1.0 for t in range(300)}),
     }
-    print(f"sampler alone: [{args.batch}, {args.vocab}] float32 logits, {args.threads} threads")
+    # bf16, as a bf16 model's LM head makes them: the torch ways include widening them.
+    logits = logits.bfloat16()
+    print(f"sampler alone: [{args.batch}, {args.vocab}] bfloat16 logits, {args.threads} threads")
     base = None
     for name, kw in rows.items():
         batch = [SampleRow(SamplingParams(**kw), i) for i in range(args.batch)]
-        ways = [(name, False)]
+        ways = [(name, False, False)]
         if {"top_p", "top_k", "min_p"} & kw.keys() and nucleus.load_library() is not None:
-            ways = [(f"{name} (torch)", False), (f"{name} (threshold)", True)]
-        for label, threshold in ways:
-            sec = time_sampler(logits, batch, args.repeat, threshold)
+            ways = [(f"{name} (torch)", False, False), (f"{name} (threshold)", True, False)]
+        if is_plain(batch[0], args.vocab) and draw.load_library() is not None:
+            ways = [(f"{name} (torch)", False, False), (f"{name} (plain draw)", False, True)]
+        for label, threshold, plain in ways:
+            sec = time_sampler(logits, batch, args.repeat, threshold, plain)
             base = base or sec
             print(f"  {label:<39} {sec * 1e3:8.2f} ms per step   {sec / base:6.2f}x greedy", flush=True)
 

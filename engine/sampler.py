@@ -236,12 +236,29 @@ def _draw_top_k_top_p(scaled: torch.Tensor, params: list[SamplingParams], u: tor
     return tokens
 
 
+# plain_draw(logits [rows, vocab] raw, temperature [rows] fp32 (0: greedy), u [rows] float64,
+# keys [rows] int64) -> tokens [rows] int64: greedy_tokens, and `draw` on softmax(logits / T)
+# by (u, key) (kernels/cpu/draw.py).
+PlainDraw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def is_plain(row: SampleRow, vocab: int) -> bool:
+    """A row drawn from its raw logits by temperature alone: no processor, no filter, no
+    logprobs."""
+    p = row.params
+    return (row.grammar is None and not p.logit_bias and not p.has_penalties and p.logprobs is None
+            and not p.min_p > 0 and not 0 < p.top_k < vocab and not p.top_p < 1)
+
+
 class Sampler:
-    def __init__(self, seed: int = 0, nucleus: Nucleus | None = None) -> None:
+    def __init__(self, seed: int = 0, nucleus: Nucleus | None = None, plain_draw: PlainDraw | None = None) -> None:
         """`nucleus`: the kernel backend's min-p / top-k / top-p thresholds
-        (`KernelBackend.nucleus`), or None to filter rows by torch masks and sorts."""
+        (`KernelBackend.nucleus`), or None to filter rows by torch masks and sorts.
+        `plain_draw`: the backend's draw for rows that `is_plain` (`KernelBackend.plain_draw`),
+        or None to draw them by torch too."""
         self.generator = torch.Generator().manual_seed(seed)
         self.nucleus = nucleus
+        self.plain_draw = plain_draw
         # logit_bias as (token ids, values) tensors, per SamplingParams of the last step's
         # rows: a request pays for building them once, not every step.
         self._bias: dict[int, tuple[SamplingParams, torch.Tensor, torch.Tensor]] = {}
@@ -259,29 +276,53 @@ class Sampler:
         return u, keys
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[Logprobs | None]]:
-        """logits: [N, vocab] float32, one row per request to sample. Logprobs are of the
-        raw logits (vLLM's default); the token is drawn from the processed ones."""
-        raw = logits
-        # The processed logits can overwrite the raw ones unless a row wants their logprobs.
-        logits = self.process(logits, rows, copy=any(r.params.logprobs is not None for r in rows))
-        drawn = [i for i, r in enumerate(rows) if _is_drawn(r.params)]
-        if not drawn:
-            tokens = greedy_tokens(logits)
+        """logits: [N, vocab] raw logits (float32, or the model's dtype: widened here for the
+        rows that are not plain), one row per request to sample. Logprobs are of the raw
+        logits (vLLM's default); the token is drawn from the processed ones."""
+        vocab = logits.shape[-1]
+        plain = [i for i, r in enumerate(rows) if is_plain(r, vocab)] if self.plain_draw is not None else []
+        if len(plain) == len(rows):
+            self._bias = {}  # (process's cache of the last step's biased rows: none here)
+            return self._draw_plain(logits, rows).tolist(), [None] * len(rows)
+        if not plain:
+            tokens = self._sample(logits.float(), rows)
         else:
-            noise = self._noise([rows[i] for i in drawn])
-            params = [rows[i].params for i in drawn]
-            if len(drawn) == len(rows):
-                tokens = _draw(logits, params, *noise, self.nucleus)
-            else:
-                tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-                greedy = [i for i, r in enumerate(rows) if not _is_drawn(r.params)]
-                tokens[greedy] = greedy_tokens(logits[greedy])
-                tokens[drawn] = _draw(logits[drawn], params, *noise, self.nucleus)
+            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            rest = sorted(set(range(len(rows))) - set(plain))
+            tokens[plain] = self._draw_plain(logits[plain], [rows[i] for i in plain])
+            tokens[rest] = self._sample(logits[rest].float(), [rows[i] for i in rest])
         out_tokens = tokens.tolist()
         for row, token in zip(rows, out_tokens):
             if row.grammar is not None:
                 row.grammar.accept(token)
-        return out_tokens, self._logprobs(raw, rows, out_tokens)
+        return out_tokens, self._logprobs(logits, rows, out_tokens)
+
+    def _draw_plain(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        temperature = torch.zeros(len(rows), dtype=torch.float32)
+        u = torch.zeros(len(rows), dtype=torch.float64)
+        keys = torch.zeros(len(rows), dtype=torch.int64)
+        drawn = [j for j, r in enumerate(rows) if _is_drawn(r.params)]
+        if drawn:
+            u[drawn], keys[drawn] = self._noise([rows[j] for j in drawn])
+            temperature[drawn] = torch.tensor([rows[j].params.temperature for j in drawn], dtype=torch.float32)
+        return self.plain_draw(logits if logits.stride(-1) == 1 else logits.contiguous(), temperature, u, keys)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Tokens for fp32 logits by torch (and the backend's nucleus thresholds)."""
+        # The processed logits can overwrite the raw ones unless a row wants their logprobs.
+        logits = self.process(logits, rows, copy=any(r.params.logprobs is not None for r in rows))
+        drawn = [i for i, r in enumerate(rows) if _is_drawn(r.params)]
+        if not drawn:
+            return greedy_tokens(logits)
+        noise = self._noise([rows[i] for i in drawn])
+        params = [rows[i].params for i in drawn]
+        if len(drawn) == len(rows):
+            return _draw(logits, params, *noise, self.nucleus)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(rows) if not _is_drawn(r.params)]
+        tokens[greedy] = greedy_tokens(logits[greedy])
+        tokens[drawn] = _draw(logits[drawn], params, *noise, self.nucleus)
+        return tokens
 
     def process(self, logits: torch.Tensor, rows: list[SampleRow], copy: bool = True) -> torch.Tensor:
         """Grammar masks, logit_bias and penalties (vLLM's order), on the rows that carry

@@ -53,6 +53,9 @@ class KernelBackend(ABC):
     - `nucleus`: None (the sampler sorts), or the sampler's min-p / top-k / top-p
       thresholds without a sort for logits on this device (engine/sampler.py `Nucleus`;
       kernels/cpu/nucleus.py `nucleus_threshold` is the contract).
+    - `plain_draw`: None (the sampler widens the logits and draws by torch), or the
+      sampler's draw for greedy and temperature-only rows from the raw logits on this
+      device (engine/sampler.py `PlainDraw`; kernels/cpu/draw.py `plain_draw`).
     Results equal the torch backend's within the dtype's rounding.
     """
 
@@ -61,6 +64,7 @@ class KernelBackend(ABC):
     write_kv: ClassVar[Callable[..., None]]
     paged_attention: ClassVar[Callable[..., torch.Tensor]]
     nucleus: ClassVar[Callable[..., torch.Tensor] | None] = None
+    plain_draw: ClassVar[Callable[..., torch.Tensor] | None] = None
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype

@@ -62,7 +62,7 @@ def select_backend(kernels: str, device: torch.device | str, dtype: torch.dtype 
 
 
 def _cpu_backend(forced: bool, device: torch.device, dtype: torch.dtype) -> str:
-    from .cpu import decode, fused, lora, nucleus, prefill
+    from .cpu import decode, draw, fused, lora, nucleus, prefill
 
     if device.type != "cpu":
         raise RuntimeError(f"kernels='cpu' runs on a CPU device, not {device.type!r}")
@@ -70,7 +70,7 @@ def _cpu_backend(forced: bool, device: torch.device, dtype: torch.dtype) -> str:
         if forced:
             raise RuntimeError(f"kernels='cpu' takes bfloat16 or float32, not {dtype}")
         return "torch"
-    if all(lib.load_library() is not None for lib in (decode, fused, lora, nucleus, prefill)):
+    if all(lib.load_library() is not None for lib in (decode, draw, fused, lora, nucleus, prefill)):
         return "cpu"
     if forced:
         raise RuntimeError("kernels='cpu' but the C kernels could not be built (see the log)")

@@ -135,13 +135,16 @@ class LlamaModel(nn.Module):
             x, delta = layer(x, delta, cos, sin, kv, meta, lora, saved)
         return x + delta if delta is not None else x
 
-    def compute_logits(self, hidden: torch.Tensor, heads: HeadRows | None = None) -> torch.Tensor:
-        """fp32 logits of `hidden`'s rows; `heads`: those rows of adapters with their own
-        final norm or lm_head (rows), which compute theirs with them."""
+    def compute_logits(self, hidden: torch.Tensor, heads: HeadRows | None = None, widen: bool = True
+                       ) -> torch.Tensor:
+        """fp32 logits of `hidden`'s rows (widen=False: as the LM head made them, in the
+        model's dtype); `heads`: those rows of adapters with their own final norm or
+        lm_head (rows), which compute theirs with them."""
         h = rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
         if heads is not None:
             return heads.logits(hidden, h, self._head, partial(rms_norm, eps=self.arch.rms_norm_eps))
-        return self._head(h).float()
+        logits = self._head(h)
+        return logits.float() if widen else logits
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         if self.packed_head is not None:

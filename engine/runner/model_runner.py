@@ -79,7 +79,7 @@ class ModelRunner:
             self.model.pack_weights(make_linear)
         self.model.set_attention_ops(self.backend.write_kv, self.backend.paged_attention)
         self.model.set_layer_ops(self.backend.layer_ops())
-        self.sampler = Sampler(config.seed, self.backend.nucleus)
+        self.sampler = Sampler(config.seed, self.backend.nucleus, self.backend.plain_draw)
         self.lora = lora_manager
         if lora_manager is not None:  # adapter rows before sizing the KV cache and capturing
             lora_manager.bind(arch, self.dtype, self.device, self.backend.lora_backend,
@@ -253,7 +253,8 @@ class ModelRunner:
                     slots.append(s.adapter_slot)
         if not rows:
             return result
-        logits = self.model.compute_logits(hidden[rows], self._heads(slots))
+        # Unwidened: the sampler widens only the rows it does not draw from them as they are.
+        logits = self.model.compute_logits(hidden[rows], self._heads(slots), widen=False)
         tokens, logprobs = self.sampler.sample(logits, sample_rows)
         for rid, tok, lp in zip(owners, tokens, logprobs):
             result.tokens.setdefault(rid, []).append(tok)

@@ -6,8 +6,15 @@ import math
 import pytest
 import torch
 
+from loraplex.engine.kernels.cpu import draw as cpu_draw
 from loraplex.engine.request import SamplingParams
 from loraplex.engine.sampler import Sampler, SampleRow, greedy_tokens
+
+# How greedy and temperature-only rows are drawn: by torch (every backend), or by the
+# "cpu" backend's kernel from the raw logits.
+PLAIN_DRAWS = [pytest.param(None, id="torch"),
+               pytest.param(cpu_draw.plain_draw, id="cpu_draw",
+                            marks=pytest.mark.skipif(cpu_draw.load_library() is None, reason="no C compiler"))]
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -43,27 +50,29 @@ def _logits(n_rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n_rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def _draw(logits_row: torch.Tensor, n: int, **kw) -> list[int]:
+def _draw(logits_row: torch.Tensor, n: int, plain_draw=None, **kw) -> list[int]:
     """n samples of one distribution, each with its own seed (one batch of n rows)."""
     rows = [_row(0, seed=s, **kw) for s in range(n)]
-    tokens, _ = Sampler().sample(logits_row.expand(n, -1).contiguous(), rows)
+    tokens, _ = Sampler(plain_draw=plain_draw).sample(logits_row.expand(n, -1).contiguous(), rows)
     return tokens
 
 
 # -- greedy --------------------------------------------------------------------------
 @pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=1.0, top_k=1),
                                     dict(temperature=0.0, seed=3, top_p=0.5), dict(temperature=1e-40)])
-def test_greedy_is_argmax(params):
+@pytest.mark.parametrize("plain_draw", PLAIN_DRAWS)
+def test_greedy_is_argmax(params, plain_draw):
     logits = _logits(8, 100)
-    tokens, logprobs = Sampler().sample(logits, [_row(i, **params) for i in range(8)])
+    tokens, logprobs = Sampler(plain_draw=plain_draw).sample(logits, [_row(i, **params) for i in range(8)])
     assert tokens == logits.argmax(-1).tolist()
     assert logprobs == [None] * 8
 
 
-def test_greedy_rows_beside_sampled_rows_stay_argmax():
+@pytest.mark.parametrize("plain_draw", PLAIN_DRAWS)
+def test_greedy_rows_beside_sampled_rows_stay_argmax(plain_draw):
     logits = _logits(6, 50)
     rows = [_row(0, temperature=0) if i % 2 == 0 else _row(0, temperature=2.0, seed=i) for i in range(6)]
-    tokens, _ = Sampler().sample(logits, rows)
+    tokens, _ = Sampler(plain_draw=plain_draw).sample(logits, rows)
     assert tokens[::2] == logits[::2].argmax(-1).tolist()
 
 
@@ -131,14 +140,15 @@ def _chi2(counts: list[int], probs: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.6])
 @pytest.mark.parametrize("seeded", [True, False])
-def test_sampled_distribution_matches_softmax(temperature, seeded):
+@pytest.mark.parametrize("plain_draw", PLAIN_DRAWS)
+def test_sampled_distribution_matches_softmax(temperature, seeded, plain_draw):
     logits = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -1.5])
     n = 6000
     if seeded:
-        tokens = _draw(logits, n, temperature=temperature)
+        tokens = _draw(logits, n, plain_draw, temperature=temperature)
     else:
         rows = [_row(0, temperature=temperature) for _ in range(n)]
-        tokens, _ = Sampler(seed=123).sample(logits.expand(n, -1).contiguous(), rows)
+        tokens, _ = Sampler(seed=123, plain_draw=plain_draw).sample(logits.expand(n, -1).contiguous(), rows)
     counts = [tokens.count(i) for i in range(6)]
     expected = torch.softmax(logits / temperature, -1)
     # 5 degrees of freedom: chi2 > 25 has p ~ 1e-4. Fixed seeds make it deterministic.
@@ -148,21 +158,23 @@ def test_sampled_distribution_matches_softmax(temperature, seeded):
     assert _chi2(counts, wrong) > 60
 
 
-def test_unseeded_rows_use_the_sampler_generator():
+@pytest.mark.parametrize("plain_draw", PLAIN_DRAWS)
+def test_unseeded_rows_use_the_sampler_generator(plain_draw):
     logits = torch.zeros(4, 1000)
     rows = [_row(0) for _ in range(4)]
-    a, _ = Sampler(seed=1).sample(logits, rows)
-    b, _ = Sampler(seed=1).sample(logits, rows)
+    a, _ = Sampler(seed=1, plain_draw=plain_draw).sample(logits, rows)
+    b, _ = Sampler(seed=1, plain_draw=plain_draw).sample(logits, rows)
     assert a == b, "the engine seed makes unseeded sampling reproducible per engine"
     assert len(set(a)) > 1, "rows of one batch draw independent noise"
 
 
 # -- per-request seeds -------------------------------------------------------------------------
-def test_seeded_token_independent_of_batch_composition_and_order():
+@pytest.mark.parametrize("plain_draw", PLAIN_DRAWS)
+def test_seeded_token_independent_of_batch_composition_and_order(plain_draw):
     vocab = 1000
     flat = torch.zeros(vocab)  # uniform: the token is decided by the noise alone
     target = _row(3, seed=7, temperature=1.0)
-    alone, _ = Sampler(seed=0).sample(flat[None], [target])
+    alone, _ = Sampler(seed=0, plain_draw=plain_draw).sample(flat[None], [target])
 
     others = [_row(0), _row(5, seed=9), _row(3, seed=8, top_k=10), _row(0, temperature=0)]
     other_logits = _logits(len(others), vocab, seed=11)
@@ -173,28 +185,30 @@ def test_seeded_token_independent_of_batch_composition_and_order():
             rows.insert(pos, target)
             logit_rows.insert(pos, flat)
             # A different engine seed and a used generator must not matter either.
-            sampler = Sampler(seed=pos + 100)
+            sampler = Sampler(seed=pos + 100, plain_draw=plain_draw)
             sampler.sample(_logits(2, vocab), [_row(0), _row(0)])
             tokens, _ = sampler.sample(torch.stack(logit_rows), rows)
             assert tokens[pos] == alone[0], (order, pos)
 
 
-def test_seeds_and_output_indices_change_the_draw():
+@pytest.mark.parametrize("plain_draw", PLAIN_DRAWS)
+def test_seeds_and_output_indices_change_the_draw(plain_draw):
     flat = torch.zeros(1, 1000)
-    by_seed = {s: Sampler().sample(flat, [_row(0, seed=s)])[0][0] for s in range(20)}
+    by_seed = {s: Sampler(plain_draw=plain_draw).sample(flat, [_row(0, seed=s)])[0][0] for s in range(20)}
     assert len(set(by_seed.values())) >= 15, by_seed
-    by_index = {i: Sampler().sample(flat, [_row(i, seed=7)])[0][0] for i in range(20)}
+    by_index = {i: Sampler(plain_draw=plain_draw).sample(flat, [_row(i, seed=7)])[0][0] for i in range(20)}
     assert len(set(by_index.values())) >= 15, by_index
     # Same (seed, index) twice in one batch: the same token.
-    tokens, _ = Sampler().sample(flat.expand(2, -1), [_row(4, seed=7), _row(4, seed=7)])
+    tokens, _ = Sampler(plain_draw=plain_draw).sample(flat.expand(2, -1), [_row(4, seed=7), _row(4, seed=7)])
     assert tokens[0] == tokens[1] == by_index[4]
 
 
-def test_negative_and_huge_seeds_work():
+@pytest.mark.parametrize("plain_draw", PLAIN_DRAWS)
+def test_negative_and_huge_seeds_work(plain_draw):
     flat = torch.zeros(1, 1000)
     for seed in (-1, -(2 ** 70), 2 ** 64 + 5, 0):
-        a, _ = Sampler().sample(flat, [_row(0, seed=seed)])
-        b, _ = Sampler().sample(flat, [_row(0, seed=seed)])
+        a, _ = Sampler(plain_draw=plain_draw).sample(flat, [_row(0, seed=seed)])
+        b, _ = Sampler(plain_draw=plain_draw).sample(flat, [_row(0, seed=seed)])
         assert a == b
 
 
@@ -283,7 +297,8 @@ def test_penalties_and_logit_bias_match_the_reference_formula():
     assert tokens == torch.stack(want).argmax(-1).tolist()
 
 
-def test_rows_without_processors_are_bit_identical_in_a_mixed_batch():
+@pytest.mark.parametrize("plain_draw", PLAIN_DRAWS)
+def test_rows_without_processors_are_bit_identical_in_a_mixed_batch(plain_draw):
     vocab = 64
     logits = _logits(6, vocab, seed=9)
     plain = [_row(0, temperature=0), _row(2, seed=5, temperature=0.9), _row(1, seed=6, top_k=8)]
@@ -292,12 +307,12 @@ def test_rows_without_processors_are_bit_identical_in_a_mixed_batch():
              SampleRow(SamplingParams(seed=1, logit_bias={0: 100}), 0),
              SampleRow(SamplingParams(temperature=0.5, seed=2, frequency_penalty=1.2, min_p=0.2), 2, [7], [7, 7])]
     rows = [plain[0], fancy[0], plain[1], fancy[1], plain[2], fancy[2]]
-    processed = Sampler().process(logits, rows)
+    processed = Sampler(plain_draw=plain_draw).process(logits, rows)
     for i in (0, 2, 4):
         assert torch.equal(processed[i], logits[i])
     assert not torch.equal(processed[1], logits[1])
-    mixed, _ = Sampler().sample(logits, rows)
-    alone, _ = Sampler().sample(logits[[0, 2, 4]], plain)
+    mixed, _ = Sampler(plain_draw=plain_draw).sample(logits, rows)
+    alone, _ = Sampler(plain_draw=plain_draw).sample(logits[[0, 2, 4]], plain)
     assert mixed[0::2] == alone
     assert mixed[3] == 0  # a +100 bias wins any draw from these logits
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from loraplex.engine.kernels.cpu import draw as cpu_draw
 from loraplex.engine.kernels.cpu import nucleus as cpu_nucleus
 from loraplex.engine.request import SamplingParams
 from loraplex.engine.sampler import Sampler, SampleRow, draw
-from tests.engine.test_sampler import _chi2, reference_probs, reference_process
+from tests.engine.test_sampler import PLAIN_DRAWS, _chi2, reference_probs, reference_process
 
 _LOGITS = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -1.5, 1.4, 0.7, -0.2, 0.9])
 # Upper 1e-4 tail of chi-square by degrees of freedom (the support size minus one).
@@ -76,7 +77,8 @@ _KINDS = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperat
 
 @pytest.mark.parametrize("kind", range(len(_KINDS)))
 @pytest.mark.parametrize("nucleus", NUCLEI)
-def test_seeded_request_draws_the_same_alone_and_in_any_mixed_batch(kind, nucleus):
+@pytest.mark.parametrize("plain_draw", PLAIN_DRAWS)
+def test_seeded_request_draws_the_same_alone_and_in_any_mixed_batch(kind, nucleus, plain_draw):
     vocab = 500
     gen = torch.Generator().manual_seed(kind)
     target_logits = torch.randn(vocab, generator=gen) * 2
@@ -86,14 +88,14 @@ def test_seeded_request_draws_the_same_alone_and_in_any_mixed_batch(kind, nucleu
     rng = random.Random(kind)
     for index in (0, 1, 7, 300):
         target = SampleRow(SamplingParams(seed=42, **_KINDS[kind]), index, [5, 6], [7, 7])
-        alone, _ = Sampler(seed=1, nucleus=nucleus).sample(target_logits[None].clone(), [target])
+        alone, _ = Sampler(seed=1, nucleus=nucleus, plain_draw=plain_draw).sample(target_logits[None].clone(), [target])
         for trial in range(4):
             chosen = rng.sample(range(len(others)), rng.randint(1, len(others)))
             pos = rng.randint(0, len(chosen))
             rows = [others[j] for j in chosen]
             rows.insert(pos, target)
             logits = torch.cat([other_logits[chosen[:pos]], target_logits[None], other_logits[chosen[pos:]]])
-            tokens, _ = Sampler(seed=trial + 10, nucleus=nucleus).sample(logits, rows)
+            tokens, _ = Sampler(seed=trial + 10, nucleus=nucleus, plain_draw=plain_draw).sample(logits, rows)
             assert tokens[pos] == alone[0], (index, chosen, pos)
 
 
@@ -179,3 +181,26 @@ def test_logit_bias_of_many_rows_is_applied_in_a_constant_number_of_tensor_calls
     one, many = step_calls(1), step_calls(64)
     assert many.get("index_put_") == 1, many
     assert many == one, (one, many)
+
+
+@pytest.mark.skipif(cpu_draw.load_library() is None, reason="no C compiler")
+def test_plain_rows_are_drawn_from_the_raw_logits_as_torch_draws_them_widened():
+    vocab = 49152
+    logits = (torch.randn(8, vocab, generator=torch.Generator().manual_seed(3)) * 3).bfloat16()
+    plain = [SampleRow(SamplingParams(temperature=0), 0), SampleRow(SamplingParams(seed=1), 4),
+             SampleRow(SamplingParams(seed=2, temperature=0.6), 9), SampleRow(SamplingParams(seed=3, top_k=vocab), 1)]
+    other = [SampleRow(SamplingParams(seed=4, top_p=0.9), 2), SampleRow(SamplingParams(seed=5, logprobs=2), 3),
+             SampleRow(SamplingParams(seed=6, logit_bias={7: 5.0}), 0),
+             SampleRow(SamplingParams(temperature=0, repetition_penalty=1.3), 0, [1, 2], [3])]
+    calls = []
+
+    def counted(x, *args):
+        calls.append((x.dtype, x.shape[0]))
+        return cpu_draw.plain_draw(x, *args)
+
+    for rows in (plain, [other[0], plain[0], other[1], plain[1], other[2], plain[2], other[3], plain[3]]):
+        batch = logits[:len(rows)]
+        calls.clear()
+        got = Sampler(seed=9, plain_draw=counted).sample(batch, rows)
+        assert got == Sampler(seed=9).sample(batch.float(), rows)
+        assert calls == [(torch.bfloat16, len(plain))], "the plain rows, unwidened, in one call"

@@ -16,6 +16,7 @@ from .decode import cpu_paged_attention
 from .fused import CLayerOps, cpu_write_kv
 from .lora_backend import CLoRABackend
 from .metadata import CpuAttentionMetadata, build_cpu_metadata
+from .draw import plain_draw
 from .nucleus import nucleus_threshold
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ class CpuBackend(TorchBackend):
     write_kv = staticmethod(cpu_write_kv)
     paged_attention = staticmethod(cpu_paged_attention)
     nucleus = staticmethod(nucleus_threshold)
+    plain_draw = staticmethod(plain_draw)
 
     def build_metadata(self, seqs: list[tuple[int, int, list[int]]], block_size: int) -> CpuAttentionMetadata:
         return build_cpu_metadata(seqs, block_size, self.dtype, self.device)
