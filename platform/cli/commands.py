@@ -1,7 +1,6 @@
 """What each `loraplex` CLI command does (argument parsing lives in cli/main.py)."""
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import logging
 import os
@@ -306,7 +305,7 @@ def serve(settings: Settings, access_log: bool = False) -> int:
     config = uvicorn_config(app, settings, access_log=access_log, timeout_graceful_shutdown=30, log_level="info",
                             log_config=None)
     try:
-        asyncio.run(listener.serve(uvicorn.Server(config), app, settings))
+        listener.run(listener.serve(uvicorn.Server(config), app, settings))
     finally:
         engine.shutdown()
     return 0

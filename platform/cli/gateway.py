@@ -3,7 +3,6 @@ engine workers; it loads no model (the workers describe it)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import tempfile
@@ -88,7 +87,7 @@ def gateway(args: argparse.Namespace) -> int:
     server = uvicorn.Server(listener.uvicorn_config(app, settings, access_log=args.access_log,
                                                    timeout_graceful_shutdown=30, log_level="info", log_config=None))
     try:
-        asyncio.run(listener.serve(server, app, settings))
+        listener.run(listener.serve(server, app, settings))
     finally:
         with contextlib.suppress(OSError):
             for f in model_dir.iterdir():

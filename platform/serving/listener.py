@@ -36,7 +36,8 @@ import contextlib
 import ipaddress
 import socket
 from collections import Counter
-from typing import Any, ClassVar
+from collections.abc import Coroutine
+from typing import Any, ClassVar, TypeVar
 
 import orjson
 
@@ -54,6 +55,7 @@ from loraplex.platform.metrics import CONTENT_TYPE
 from loraplex.platform.settings import ServerLimits, Settings
 from loraplex.platform.side_server import serve_beside, side_config
 
+T = TypeVar("T")
 # After an early answer, how long and how much of the unread body is still taken in.
 LINGER_SECONDS = 2.0
 LINGER_BYTES = 256 * 1024
@@ -316,6 +318,21 @@ def metrics_app(app: Starlette) -> Starlette:
         return Response(gw.metrics.render() if gw is not None else b"", media_type=CONTENT_TYPE)
 
     return Starlette(routes=[Route("/metrics", metrics, methods=["GET"])])
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run `main` (a `serve`) to completion on uvloop where it is installed, as
+    `uvicorn.Server.run` does for the worker role, else on asyncio's own loop, whose
+    transports write each streamed chunk in Python: serving vLLM's benchmark (64 streams
+    at once, 2 cores) the server's threads beside the engine's took 0.88 s of CPU over a
+    14 s run on asyncio's loop and 0.6 s on uvloop, time the engine's OpenMP threads lose
+    where no core is idle."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
 
 
 async def serve(main: uvicorn.Server, app: Starlette, settings: Settings) -> None:

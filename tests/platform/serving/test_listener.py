@@ -3,10 +3,12 @@ per-address connection cap), and the limits' validation. The protocol itself is
 exercised over real sockets in tests/e2e/isolation/ and tests/e2e/resources/."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
+from loraplex.platform.serving import listener
 from loraplex.platform.serving.listener import TrustedPeers, over_cap_response
 from loraplex.platform.settings import ServerLimits
 
@@ -102,3 +104,13 @@ def test_a_streaming_response_has_the_small_send_buffers_and_the_connection_gets
         sock.close()
     assert during[1] == 8 * 1024 and before[1] == after[1] == 128 * 1024
     assert during[0] < 32 * 1024 <= before[0] == after[0]  # Linux reports twice what was set
+
+
+def test_serve_and_the_gateway_run_on_uvloop_where_it_is_installed():
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> type:
+        await asyncio.sleep(0)
+        return type(asyncio.get_running_loop())
+
+    assert listener.run(main()) is uvloop.Loop
