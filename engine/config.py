@@ -138,5 +138,6 @@ class EngineConfig:
     # compiler can build it (else the torch path); "triton", "cpu" or "torch" force one.
     kernels: str = "auto"
     seed: int = 0
-    # CUDA: replay decode steps from CUDA graphs (engine/runner/cuda_graphs.py) unless this is set.
+    # Replay decode steps unless this is set: from CUDA graphs on CUDA (engine/runner/cuda_graphs.py),
+    # as recorded C kernel calls on a CPU's "cpu" kernels (engine/runner/cpu_graphs.py).
     enforce_eager: bool = False

@@ -130,10 +130,18 @@ class LlamaModel(nn.Module):
         if saved is not None:
             saved.embed(input_ids, x)
         cos, sin = self.rope(positions, x.dtype)
+        x, delta = self.run_layers(x, cos, sin, meta, kv_caches, lora, saved)
+        return x + delta if delta is not None else x
+
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], lora: LoRAHook | None = None,
+                   saved: SavedBatch | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(residual stream, last layer's MLP output) after every layer, from the token
+        embeddings `x` (updated in place by the first layer's norm) and the RoPE tables."""
         delta = None
         for layer, kv in zip(self.layers, kv_caches):
             x, delta = layer(x, delta, cos, sin, kv, meta, lora, saved)
-        return x + delta if delta is not None else x
+        return x, delta
 
     def compute_logits(self, hidden: torch.Tensor, heads: HeadRows | None = None, widen: bool = True
                        ) -> torch.Tensor:

@@ -20,6 +20,7 @@ from ..sampler import Logprobs, Sampler, SampleRow, top_logprobs
 from ..sched.step_plan import ScheduledSeq, SchedulerOutput
 from .cpu_tuning import keep_freed_memory_in_heap
 from .host_memory import host_memory_available, lazy_zeros, spare_for_weights
+from .cpu_graphs import CpuDecodeGraphs
 from .cuda_graphs import CUDAGraphRunner, DecodeInputs, GraphPolicy, LlamaDecodeForward
 from .memory_budget import (DeviceMemory, MemoryPlanConfig, ModelShape, default_adapter_rows, device_memory,
                             kv_bytes_per_block, plan_fixed_kv, plan_on_device)
@@ -92,6 +93,9 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s; %s kernels", self.num_blocks, self.block_size,
                  self.num_blocks * self.block_bytes / 2**20, self.device, self.backend.name)
         self.graphs = self._capture_graphs()
+        self.cpu_graphs = CpuDecodeGraphs(self.model, self.kv_caches, self.block_size,
+                                          -(-self.max_model_len // self.block_size)) \
+            if self.backend.name == "cpu" and not config.enforce_eager else None
 
     def _linear_memory(self) -> tuple[int, int | None]:
         """(bytes of the weights the linear layers are made from, host memory they may take
@@ -190,8 +194,13 @@ class ModelRunner:
         return graphs
 
     def _replay(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
-        """The step's hidden states from a CUDA graph, or None when it runs eagerly (a
-        prefill chunk in it, wider than the widest graph, no graphs)."""
+        """The step's hidden states from a CUDA graph or a CPU one, or None when it runs
+        eagerly (a prefill chunk in it, wider than the widest graph, no graphs; on a CPU
+        also adapter rows)."""
+        if self.cpu_graphs is not None:
+            if any(len(s.token_ids) != 1 or s.adapter_slot >= 0 for s in seqs):
+                return None
+            return self.cpu_graphs.run(seqs)
         if self.graphs is None or self._saved_modules_in([s.adapter_slot for s in seqs]):
             return None  # the graphs hold the base embedding, norms and head
         if self.graphs.policy.width_for_step([len(s.token_ids) for s in seqs]) is None:

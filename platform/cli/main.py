@@ -142,7 +142,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=parse_size, default=None,
                    help="KV pool size, e.g. 1GiB (default: 1GiB on a CPU; on a GPU what "
                         "--gpu-memory-utilization leaves)")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument("--enforce-eager", action="store_true", help="no replayed decode steps (CUDA graphs; on a CPU, recorded kernel calls)")
     g.add_argument("--speculative-config", type=speculative_config_arg, default=SpeculativeConfig(), metavar="JSON",
                    help='speculative decoding, as vLLM\'s flag: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)')

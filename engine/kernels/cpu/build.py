@@ -13,6 +13,7 @@ of Python threads competed with torch's spinning OpenMP workers on a 2-core mach
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -22,7 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from loraplex.adapters.files import file_lock
@@ -101,8 +102,25 @@ def load(source_name: str, signatures: dict[str, list], march: str = "native") -
         return lib
 
 
+_recording = threading.local()
+
+
+@contextlib.contextmanager
+def recording(calls: list[tuple]) -> Iterator[None]:
+    """Within the block, each `run` on this thread is also appended to `calls` as
+    (fn, args, items), to be made again with `run` (runner/cpu_graphs.py)."""
+    _recording.calls = calls
+    try:
+        yield
+    finally:
+        _recording.calls = None
+
+
 def run(fn: Callable[..., int], args: tuple, items: int) -> None:
     """Call fn(*args, 0, items): the kernel shares its items out itself (OpenMP)."""
+    calls = getattr(_recording, "calls", None)
+    if calls is not None:
+        calls.append((fn, args, items))
     rc = fn(*args, 0, items)
     if rc:
         raise ValueError(f"{getattr(fn, '__name__', 'C kernel')} refused its arguments (code {rc})")
