@@ -18,9 +18,9 @@ from ..models.llama import LlamaModel
 from ..request import Request
 from ..sampler import Logprobs, Sampler, SampleRow, top_logprobs
 from ..sched.step_plan import ScheduledSeq, SchedulerOutput
+from .cpu_graphs import CpuDecodeGraphs
 from .cpu_tuning import keep_freed_memory_in_heap
 from .host_memory import host_memory_available, lazy_zeros, spare_for_weights
-from .cpu_graphs import CpuDecodeGraphs
 from .cuda_graphs import CUDAGraphRunner, DecodeInputs, GraphPolicy, LlamaDecodeForward
 from .memory_budget import (DeviceMemory, MemoryPlanConfig, ModelShape, default_adapter_rows, device_memory,
                             kv_bytes_per_block, plan_fixed_kv, plan_on_device)
