@@ -10,6 +10,9 @@ temperature 1, and the GEMMs' FLOP/s against the peak of the same linear layers
 measured on this machine at a large row count. Then the step's floor at those rates:
 the GEMMs at that peak and attention's KV cache read at the rate torch reads one large
 tensor here, which bounds what any kernel work on this machine can still take.
+The parts are timed on eager steps (a replayed decode step, runner/cpu_graphs.py, makes
+its kernel calls without the modules the timers wrap); then the same steps replayed,
+timed whole.
 
     python benchmarks/bench_decode_profile.py
     python benchmarks/bench_decode_profile.py --batch 16 --steps 10
@@ -104,19 +107,30 @@ def measure_read_bandwidth(mib: int = 512, repeat: int = 3) -> float:
 
 
 def decode_profile(engine: LLMEngine, timers: Timers, batch: int, steps: int, **params) -> dict[str, float]:
-    """Seconds per decode step by part, with `batch` requests all decoding."""
+    """Seconds per decode step by part, with `batch` requests all decoding; and per
+    replayed step ("replayed step") where the engine replays them."""
     rng = random.Random(0)
     for _ in range(batch):
         engine.add_request([rng.randrange(100, 40000) for _ in range(rng.randint(128, 384))],
-                           SamplingParams(max_tokens=steps + 64, ignore_eos=True, **params))
+                           SamplingParams(max_tokens=2 * steps + 64, ignore_eos=True, **params))
     sched = engine.scheduler
     while len(sched.running) < batch or any(r.num_output_tokens == 0 for r in sched.running):
         engine.step()  # prefills (and the first decodes of the requests that finished theirs)
+    graphs, engine.runner.cpu_graphs = engine.runner.cpu_graphs, None
     timers.total.clear()
     timers.on = True
     for _ in range(steps):
         engine.step()
     timers.on = False
+    engine.runner.cpu_graphs = graphs
+    replayed = float("nan")
+    if graphs is not None:
+        for _ in range(2):  # the width's recording
+            engine.step()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        replayed = (time.perf_counter() - start) / steps
     for rid in list(sched.requests):
         engine.abort_request(rid)
     t = {k: v / steps for k, v in timers.total.items()}
@@ -126,6 +140,7 @@ def decode_profile(engine: LLMEngine, timers: Timers, batch: int, steps: int, **
             "lm_head": t["lm_head"], "sampling": t["sampling"],
             "runner batch building": t["execute"] - model - t["lm_head"] - t["sampling"],
             "engine (schedule, update, detokenize)": t["step"] - t["execute"], "step": t["step"],
+            "replayed step": replayed,
             "context tokens": t["context tokens"]}
 
 
@@ -159,7 +174,8 @@ def main() -> None:
           f"GEMM peak of these layers at 1024 rows: {peak / 1e9:.1f} GFLOP/s")
     for name, p in profiles.items():
         step = p["step"]
-        print(f"{name}: {step * 1e3:.1f} ms per step ({args.batch / step:.0f} tok/s at this batch)")
+        print(f"{name}: {step * 1e3:.1f} ms per eager step ({args.batch / step:.0f} tok/s at this batch); "
+              f"replayed {p['replayed step'] * 1e3:.1f} ms (its next {args.steps} steps, contexts longer)")
         for part in PARTS:
             print(f"  {part:<38} {p[part] * 1e3:7.2f} ms  {p[part] / step:6.1%}")
         proj_rate = 2 * args.batch * macs / p["projections"]
