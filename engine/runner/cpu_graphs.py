@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from ..kernels.cpu import build
 from ..kernels.cpu.metadata import CpuAttentionMetadata
 from ..sched.step_plan import ScheduledSeq
+from .cuda_graphs import DecodeInputs
 
 MAX_WIDTHS = 4
 # What the layers may do in torch while recording: allocate, take views, read a tensor's
@@ -83,6 +84,7 @@ class _Graph:
     """One width's recorded calls, the buffers they read, and what they leave the result in."""
 
     calls: list[tuple]
+    batch: DecodeInputs  # the step's tokens, positions and attention metadata, staged in place
     x: torch.Tensor  # [W, hidden]: the step's token embeddings (the first layer's residual, in place)
     cos: torch.Tensor
     sin: torch.Tensor
@@ -123,13 +125,13 @@ class CpuDecodeGraphs:
 
     def _record(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
         width, m = len(seqs), self.model
-        meta = CpuAttentionMetadata(slot_mapping=torch.empty(width, dtype=torch.long), block_size=self.block_size,
-                                    num_decodes=width, seq_lens=torch.empty(width, dtype=torch.int32),
-                                    block_tables=torch.zeros(width, self.max_blocks, dtype=torch.int32))
-        ids, positions = self._inputs(meta, seqs)
-        x = m.embed_tokens(ids)
-        cos, sin = m.rope(positions, x.dtype)
-        graph = _Graph([], x, cos, sin, meta, (x, x))
+        batch = DecodeInputs.allocate(width, self.max_blocks, "cpu")
+        batch.stage(_decode_inputs(seqs, self.block_size), width)
+        meta = CpuAttentionMetadata(slot_mapping=batch.slot_mapping, block_size=self.block_size, num_decodes=width,
+                                    seq_lens=batch.context_lens, block_tables=batch.block_tables)
+        x = m.embed_tokens(batch.input_ids)
+        cos, sin = m.rope(batch.positions, x.dtype)
+        graph = _Graph([], batch, x, cos, sin, meta, (x, x))
         recorder = _Recorder()
         with build.recording(graph.calls), recorder:
             graph.out = m.run_layers(x, cos, sin, meta, self.kv_caches)
@@ -143,22 +145,17 @@ class CpuDecodeGraphs:
             self.graphs.popitem(last=False)
         return hidden
 
-    def _inputs(self, meta: CpuAttentionMetadata, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's token ids and positions; its KV slots, context lengths and block
-        tables written into `meta`'s buffers (columns past a table keep older block ids,
-        which the kernel never reads: it reads within each context length)."""
-        bs = self.block_size
-        positions = [s.start_pos for s in seqs]
-        meta.slot_mapping.copy_(torch.tensor([s.block_ids[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]))
-        meta.seq_lens.copy_(torch.tensor([p + 1 for p in positions], dtype=torch.int32))
-        tables = [s.block_ids[:p // bs + 1] for s, p in zip(seqs, positions)]
-        n = max(map(len, tables))
-        meta.block_tables[:, :n] = torch.tensor([t + [0] * (n - len(t)) for t in tables], dtype=torch.int32)
-        return torch.tensor([s.token_ids[0] for s in seqs]), torch.tensor(positions)
-
     def _stage(self, graph: _Graph, seqs: list[ScheduledSeq]) -> None:
-        ids, positions = self._inputs(graph.meta, seqs)
-        torch.index_select(self.model.embed_tokens.weight, 0, ids, out=graph.x)
-        cos, sin = self.model.rope(positions, graph.x.dtype)
+        """The step's tokens, positions, KV slots, context lengths and block tables into the
+        buffers the calls read (block-table columns past a table keep older block ids, which
+        the kernel never reads: it reads within each context length)."""
+        batch = graph.batch
+        batch.stage(_decode_inputs(seqs, self.block_size), batch.width)
+        torch.index_select(self.model.embed_tokens.weight, 0, batch.input_ids, out=graph.x)
+        cos, sin = self.model.rope(batch.positions, graph.x.dtype)
         graph.cos.copy_(cos)
         graph.sin.copy_(sin)
+
+
+def _decode_inputs(seqs: list[ScheduledSeq], block_size: int) -> DecodeInputs:
+    return DecodeInputs.from_rows([(s.token_ids[0], s.start_pos, s.block_ids, -1) for s in seqs], block_size)
